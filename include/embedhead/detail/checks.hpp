@@ -1,0 +1,78 @@
+// embedhead internal: argument checks that build the library's error messages.
+// No API promise; the exception types are public in errors.hpp.
+#ifndef EMBEDHEAD_DETAIL_CHECKS_HPP
+#define EMBEDHEAD_DETAIL_CHECKS_HPP
+
+#include "../errors.hpp"
+#include "../types.hpp"
+
+#include <cmath>
+#include <sstream>
+#include <string>
+
+namespace embedhead {
+namespace detail {
+
+[[noreturn]] inline void throw_shape(const char* where, const char* what, Index rows, Index cols,
+                                     Index expected_rows, Index expected_cols) {
+  std::ostringstream message;
+  message << where << ": " << what << " has shape [" << rows << ", " << cols << "], expected ["
+          << expected_rows << ", " << expected_cols << "]";
+  throw shape_error(message.str());
+}
+
+// Throws shape_error unless m is [rows, cols].
+template <typename Matrix>
+void check_shape(const char* where, const char* what, const Matrix& m, Index rows, Index cols) {
+  if (m.rows() != rows || m.cols() != cols) throw_shape(where, what, m.rows(), m.cols(), rows, cols);
+}
+
+// Throws value_error unless value >= 1 (table sizes V, d, T_max).
+inline void check_size(const char* where, const char* what, Index value) {
+  if (value < 1) {
+    std::ostringstream message;
+    message << where << ": " << what << " = " << value << " outside [1, inf)";
+    throw value_error(message.str());
+  }
+}
+
+// Throws value_error unless value is finite and > 0 (init standard deviations).
+inline void check_positive(const char* where, const char* what, double value) {
+  if (!(value > 0.0) || !std::isfinite(value)) {
+    std::ostringstream message;
+    message << where << ": " << what << " = " << value << " outside (0, inf)";
+    throw value_error(message.str());
+  }
+}
+
+// Throws value_error unless 0 <= p <= 1 (NaN fails too).
+inline void check_probability(const char* where, const char* what, double p) {
+  if (!(p >= 0.0 && p <= 1.0)) {
+    std::ostringstream message;
+    message << where << ": " << what << " = " << p << " outside [0, 1]";
+    throw value_error(message.str());
+  }
+}
+
+// Throws index_error unless every id in the [B, T] matrix lies in [0, V). The message gives the
+// first bad id in row-major order with its (b, t) position, e.g.
+//   TokenEmbedding::forward: id 50257 at (b=1, t=3) outside [0, 50257)
+template <typename Id>
+void check_ids(const char* where, const ConstIdRef<Id>& ids, Index V, const char* what = "id") {
+  for (Index b = 0; b < ids.rows(); ++b) {
+    for (Index t = 0; t < ids.cols(); ++t) {
+      const Id id = ids(b, t);
+      if (id < 0 || static_cast<Index>(id) >= V) {
+        std::ostringstream message;
+        message << where << ": " << what << " " << static_cast<long long>(id) << " at (b=" << b
+                << ", t=" << t << ") outside [0, " << V << ")";
+        throw index_error(message.str());
+      }
+    }
+  }
+}
+
+}  // namespace detail
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_DETAIL_CHECKS_HPP

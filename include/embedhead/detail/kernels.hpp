@@ -1,0 +1,44 @@
+// embedhead internal: helpers shared by the backward passes. No API promise.
+#ifndef EMBEDHEAD_DETAIL_KERNELS_HPP
+#define EMBEDHEAD_DETAIL_KERNELS_HPP
+
+#include "../types.hpp"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+namespace embedhead {
+namespace detail {
+
+// Scratch space reused across backward calls so the steady state allocates nothing.
+struct ScatterWorkspace {
+  std::vector<std::pair<Index, Index>> order;  // (id, token position n), sorted
+  std::vector<Index> unique_ids;               // sorted distinct ids of `order`
+  std::vector<Index> slots;                    // gradient slot of each unique id
+};
+
+// ids [B, T] -> ws.order = (id, n) for every token n = b*T + t whose id != skip_id, sorted by id
+// and, within an id, by n; ws.unique_ids = the distinct ids. Sorting by (id, n) fixes the order
+// in which repeats are summed, so the result does not depend on threads or runs.
+template <typename Id>
+void sort_tokens_by_id(const ConstIdRef<Id>& ids, Index skip_id, ScatterWorkspace& ws) {
+  ws.order.clear();
+  ws.order.reserve(static_cast<std::size_t>(ids.size()));
+  const Index T = ids.cols();
+  for (Index b = 0; b < ids.rows(); ++b)
+    for (Index t = 0; t < T; ++t) {
+      const Index id = static_cast<Index>(ids(b, t));
+      if (id != skip_id) ws.order.emplace_back(id, b * T + t);
+    }
+  std::sort(ws.order.begin(), ws.order.end());
+  ws.unique_ids.clear();
+  for (const auto& entry : ws.order)
+    if (ws.unique_ids.empty() || ws.unique_ids.back() != entry.first) ws.unique_ids.push_back(entry.first);
+  ws.slots.resize(ws.unique_ids.size());
+}
+
+}  // namespace detail
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_DETAIL_KERNELS_HPP

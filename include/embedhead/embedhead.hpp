@@ -1,0 +1,18 @@
+// embedhead: the umbrella header. Includes every public header.
+#ifndef EMBEDHEAD_EMBEDHEAD_HPP
+#define EMBEDHEAD_EMBEDHEAD_HPP
+
+#include "version.hpp"
+
+#include "cross_entropy.hpp"
+#include "dropout.hpp"
+#include "errors.hpp"
+#include "init.hpp"
+#include "output_projection.hpp"
+#include "parameter.hpp"
+#include "parameter_count.hpp"
+#include "position_embedding.hpp"
+#include "token_embedding.hpp"
+#include "types.hpp"
+
+#endif  // EMBEDHEAD_EMBEDHEAD_HPP

@@ -1,0 +1,178 @@
+// embedhead: the LM head, an output projection from hidden states to vocabulary logits.
+//
+//   forward   logits = h W^T + b                  h [N, d], W [V, d] (nn.Linear layout), b [V]
+//   backward  dh  = dlogits W                      (written)
+//             dW += dlogits^T h                    (accumulated, dense: every row of W is touched)
+//             db += sum_n dlogits[n]               (accumulated)
+//
+// Untied, the head owns W and an optional bias. Tied (tie_to / the TokenEmbedding constructor),
+// W is the embedding's own Parameter -- the same storage and the same gradient -- and there is no
+// bias, so dE = (sparse rows from the embedding's backward) + (dense dlogits^T h from here).
+#ifndef EMBEDHEAD_OUTPUT_PROJECTION_HPP
+#define EMBEDHEAD_OUTPUT_PROJECTION_HPP
+
+#include "detail/checks.hpp"
+#include "init.hpp"
+#include "parameter.hpp"
+#include "token_embedding.hpp"
+#include "types.hpp"
+
+#include <cstdint>
+#include <memory>
+#include <sstream>
+#include <type_traits>
+#include <vector>
+
+namespace embedhead {
+
+// ---- the arithmetic, as free functions on views ----
+
+// h [N, d], W [V, d], bias [V, 1] or empty (0 rows: no bias) -> logits [N, V] = h W^T + b.
+// \pre logits aliases neither h nor W. \throws shape_error on any shape mismatch (nothing written).
+// Cost: one GEMM, 2 N V d flops.
+template <typename Scalar>
+void output_projection_forward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                               const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits,
+                               const char* where = "output_projection_forward") {
+  const Index N = h.rows(), V = W.rows(), d = W.cols();
+  detail::check_shape(where, "h", h, N, d);
+  if (bias.size() != 0) detail::check_shape(where, "bias", bias, V, 1);
+  detail::check_shape(where, "logits", logits, N, V);
+  logits.noalias() = h * W.transpose();
+  if (bias.size() != 0) logits.rowwise() += bias.col(0).transpose();
+}
+
+// h [N, d], W [V, d], dlogits [N, V] -> dh [N, d] = dlogits W (written); dW [V, d] += dlogits^T h;
+// db [V, 1] += column sums of dlogits (skipped when db is empty).
+// \pre dh aliases nothing else. \throws shape_error on any mismatch (nothing written).
+// Cost: two GEMMs, 4 N V d flops.
+template <typename Scalar>
+void output_projection_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW,
+                                MatrixRef<Scalar> db, const char* where = "output_projection_backward") {
+  const Index N = h.rows(), V = W.rows(), d = W.cols();
+  detail::check_shape(where, "h", h, N, d);
+  detail::check_shape(where, "dlogits", dlogits, N, V);
+  detail::check_shape(where, "dh", dh, N, d);
+  detail::check_shape(where, "dW", dW, V, d);
+  if (db.size() != 0) detail::check_shape(where, "db", db, V, 1);
+  dh.noalias() = dlogits * W;
+  dW.noalias() += dlogits.transpose() * h;
+  if (db.size() != 0) db.col(0) += dlogits.colwise().sum().transpose();
+}
+
+// ---- the layer ----
+
+struct OutputProjectionOptions {
+  bool bias = true;        // an untied head's bias b [V], initialised to zero
+  double init_std = 0.02;  // W ~ N(0, init_std^2)
+  std::uint64_t seed = 2;  // differs from the embedding's default seed
+};
+
+template <typename Scalar>
+class OutputProjection {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+
+ public:
+  // Untied: a new W [V, d] from N(0, init_std^2) with Rng(seed), and a zero bias [V] if asked.
+  // \throws value_error if V or d < 1 or init_std <= 0.
+  OutputProjection(Index V, Index d, const OutputProjectionOptions& options = {})
+      : weight_(make_weight(V, d, options)) {
+    Rng rng(options.seed);
+    init_normal<Scalar>(weight_->value(), options.init_std, rng);
+    if (options.bias) bias_ = std::make_shared<Parameter<Scalar>>(V, 1, "lm_head.bias");
+  }
+
+  // Tied to `embedding`: W is the embedding's Parameter (shared, not copied), no bias.
+  explicit OutputProjection(const TokenEmbedding<Scalar>& embedding) : weight_(embedding.weight_ptr()), tied_(true) {}
+
+  // Makes W the embedding's Parameter and drops the bias; the old W is released.
+  // \throws shape_error if the embedding's [V, d] differs from this head's (head unchanged).
+  void tie_to(const TokenEmbedding<Scalar>& embedding) {
+    if (embedding.vocab_size() != vocab_size() || embedding.dim() != dim()) {
+      std::ostringstream message;
+      message << "OutputProjection::tie_to: embedding is [V=" << embedding.vocab_size() << ", d=" << embedding.dim()
+              << "] but the head is [V=" << vocab_size() << ", d=" << dim() << "]; tying needs equal shapes";
+      throw shape_error(message.str());
+    }
+    weight_ = embedding.weight_ptr();
+    bias_.reset();
+    tied_ = true;
+  }
+
+  Index vocab_size() const { return weight_->rows(); }
+  Index dim() const { return weight_->cols(); }
+  bool is_tied() const { return tied_; }
+  bool has_bias() const { return bias_ != nullptr; }
+
+  Parameter<Scalar>& weight() { return *weight_; }
+  const Parameter<Scalar>& weight() const { return *weight_; }
+  const std::shared_ptr<Parameter<Scalar>>& weight_ptr() const { return weight_; }
+  // The bias [V, 1], or nullptr when there is none (tied, or bias = false).
+  Parameter<Scalar>* bias() { return bias_.get(); }
+  const Parameter<Scalar>* bias() const { return bias_.get(); }
+
+  // Every parameter this layer uses, shared ones included (a tied head lists the embedding's E);
+  // count_parameters() counts each distinct one once.
+  std::vector<std::shared_ptr<Parameter<Scalar>>> parameters() const {
+    std::vector<std::shared_ptr<Parameter<Scalar>>> list{weight_};
+    if (bias_) list.push_back(bias_);
+    return list;
+  }
+
+  // h [N, d] -> logits [N, V] = h W^T + b. See output_projection_forward.
+  void forward(const ConstMatrixRef<Scalar>& h, MatrixRef<Scalar> logits) const {
+    output_projection_forward<Scalar>(h, weight_->value(), bias_view(), logits, "OutputProjection::forward");
+  }
+  RowMatrix<Scalar> forward(const ConstMatrixRef<Scalar>& h) const {
+    detail::check_shape("OutputProjection::forward", "h", h, h.rows(), dim());
+    RowMatrix<Scalar> logits(h.rows(), vocab_size());
+    forward(h, logits);
+    return logits;
+  }
+
+  // h [N, d], dlogits [N, V] -> dh [N, d] = dlogits W (written); weight().grad() += dlogits^T h
+  // (switches it to dense mode); bias grad += column sums of dlogits.
+  // \throws shape_error on any mismatch; gradients and dh unchanged on throw.
+  void backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh) {
+    const char* where = "OutputProjection::backward";
+    // Check before dense_accumulator(), which would switch the gradient to dense mode.
+    detail::check_shape(where, "h", h, h.rows(), dim());
+    detail::check_shape(where, "dlogits", dlogits, h.rows(), vocab_size());
+    detail::check_shape(where, "dh", dh, h.rows(), dim());
+    auto db = bias_ ? bias_->grad().dense_accumulator() : Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, 1);
+    output_projection_backward<Scalar>(h, weight_->value(), dlogits, dh, weight_->grad().dense_accumulator(), db,
+                                       where);
+  }
+  RowMatrix<Scalar> backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& dlogits) {
+    detail::check_shape("OutputProjection::backward", "h", h, h.rows(), dim());
+    RowMatrix<Scalar> dh(h.rows(), dim());
+    backward(h, dlogits, dh);
+    return dh;
+  }
+
+  void zero_grad() {
+    weight_->zero_grad();
+    if (bias_) bias_->zero_grad();
+  }
+
+ private:
+  static std::shared_ptr<Parameter<Scalar>> make_weight(Index V, Index d, const OutputProjectionOptions& options) {
+    detail::check_size("OutputProjection", "V", V);
+    detail::check_size("OutputProjection", "d", d);
+    detail::check_positive("OutputProjection", "init_std", options.init_std);
+    return std::make_shared<Parameter<Scalar>>(V, d, "lm_head.weight");
+  }
+  Eigen::Map<const RowMatrix<Scalar>> bias_view() const {
+    if (bias_) return static_cast<const Parameter<Scalar>&>(*bias_).value();
+    return {nullptr, 0, 1};
+  }
+
+  std::shared_ptr<Parameter<Scalar>> weight_;
+  std::shared_ptr<Parameter<Scalar>> bias_;
+  bool tied_ = false;
+};
+
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_OUTPUT_PROJECTION_HPP

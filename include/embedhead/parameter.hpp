@@ -1,0 +1,223 @@
+// embedhead: a trainable matrix and its row-sparse gradient.
+//
+// Parameter<Scalar> owns a value matrix [rows, cols] and its gradient. Layers hold parameters
+// through std::shared_ptr, so a tied embedding and head share one Parameter (one value, one
+// gradient) and neither can dangle.
+//
+// The gradient (RowGradient) records which rows it touches. It starts sparse: the sorted ids of
+// the touched rows plus a compact [k, cols] block with their values, so an untied 256k x 2048
+// table trains without a second V x d matrix. A dense contribution (the head's dW = dlogits^T h)
+// switches it to dense mode: it then holds a [rows, cols] buffer and marks every row. Clearing
+// (zero_grad) costs O(k * cols) in the sparse mode -- O(1) in fact, since stale block rows are
+// zeroed when reused -- and O(rows * cols) only after a dense contribution, which wrote all rows.
+#ifndef EMBEDHEAD_PARAMETER_HPP
+#define EMBEDHEAD_PARAMETER_HPP
+
+#include "detail/checks.hpp"
+#include "types.hpp"
+
+#include <algorithm>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace embedhead {
+
+template <typename Scalar>
+class RowGradient {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+
+ public:
+  using RowMap = Eigen::Map<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>;
+  using ConstRowMap = Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>;
+
+  RowGradient(Index rows, Index cols) : rows_(rows), cols_(cols) {}
+
+  Index rows() const { return rows_; }
+  Index cols() const { return cols_; }
+
+  // True after a dense contribution: every row is marked and the values live in a full buffer.
+  bool is_dense() const { return dense_mode_; }
+
+  // Sorted ids of the rows that may be non-zero; every other row is exactly zero. In dense mode
+  // this is 0 .. rows-1.
+  const std::vector<Index>& touched_rows() const { return touched_; }
+  Index num_touched() const { return static_cast<Index>(touched_.size()); }
+
+  // i in [0, num_touched()) -> the gradient of row touched_rows()[i], [cols].
+  ConstRowMap touched_row(Index i) const { return ConstRowMap(slot_data(slot_of_touched(i)), cols_); }
+  RowMap touched_row(Index i) { return RowMap(slot_data(slot_of_touched(i)), cols_); }
+
+  // -> out [rows, cols], zeros where untouched. Costs O(rows * cols); for tests and export.
+  // \throws shape_error if out is not [rows, cols] (nothing written).
+  void to_dense(MatrixRef<Scalar> out) const {
+    detail::check_shape("RowGradient::to_dense", "out", out, rows_, cols_);
+    if (dense_mode_) {
+      out = dense_;
+      return;
+    }
+    out.setZero();
+    for (Index i = 0; i < num_touched(); ++i) out.row(touched_[i]) = block_.row(i);
+  }
+  RowMatrix<Scalar> to_dense() const {
+    RowMatrix<Scalar> out(rows_, cols_);
+    to_dense(out);
+    return out;
+  }
+
+  // ---- accumulation, used by the layers' backward passes ----
+
+  // ids [count], sorted and unique, each in [0, rows) -> slots [count]: marks the rows touched
+  // (new rows start at zero) and writes where each one's values live, for slot_row().
+  // Cost O((num_touched() + count) * cols) when new rows must be merged into the sorted block,
+  // O(count) in dense mode. The caller checks the ids.
+  void touch_rows(const Index* ids, Index count, Index* slots) {
+    if (dense_mode_) {
+      std::copy(ids, ids + count, slots);
+      return;
+    }
+    merge_sorted_ids(ids, count);
+    // Both lists sorted: one forward walk finds each id's slot.
+    Index k = 0;
+    for (Index j = 0; j < count; ++j) {
+      while (touched_[k] != ids[j]) ++k;
+      slots[j] = k;
+    }
+  }
+
+  // The gradient row living at `slot` (from touch_rows), [cols].
+  RowMap slot_row(Index slot) { return RowMap(slot_data(slot), cols_); }
+
+  // Switches to dense mode (marking every row) and returns the full [rows, cols] gradient for a
+  // dense contribution to add into, e.g. dW += dlogits^T h. The first call allocates and zeroes
+  // rows * cols values; later ones reuse the buffer.
+  Eigen::Map<RowMatrix<Scalar>> dense_accumulator() {
+    if (!dense_mode_) densify();
+    return Eigen::Map<RowMatrix<Scalar>>(dense_.data(), rows_, cols_);
+  }
+
+  // zero_grad: forgets every touched row. O(1) in sparse mode; O(rows * cols) in dense mode,
+  // where every row was written. Keeps allocated buffers for the next step.
+  void clear() {
+    if (dense_mode_) dense_.setZero();  // keep the invariant: dense_ is all zero outside dense mode
+    dense_mode_ = false;
+    touched_.clear();
+  }
+
+ private:
+  Index slot_of_touched(Index i) const { return dense_mode_ ? touched_[i] : i; }
+  Scalar* slot_data(Index slot) { return dense_mode_ ? dense_.row(slot).data() : block_.row(slot).data(); }
+  const Scalar* slot_data(Index slot) const {
+    return dense_mode_ ? dense_.row(slot).data() : block_.row(slot).data();
+  }
+
+  // Merges sorted unique ids into touched_, moving block rows so they stay aligned with it.
+  void merge_sorted_ids(const Index* ids, Index count) {
+    const Index old_k = num_touched();
+    Index fresh = 0;
+    for (Index i = 0, j = 0; j < count; ++j) {
+      while (i < old_k && touched_[i] < ids[j]) ++i;
+      if (i == old_k || touched_[i] != ids[j]) ++fresh;
+    }
+    if (fresh == 0) return;
+    const Index new_k = old_k + fresh;
+    if (block_.rows() < new_k) {
+      // Grow geometrically; conservativeResize keeps the first rows of a row-major matrix.
+      block_.conservativeResize(std::max(new_k, 2 * block_.rows()), cols_);
+    }
+    touched_.resize(static_cast<std::size_t>(new_k));
+    // Merge from the back so nothing is overwritten before it is moved.
+    Index i = old_k - 1, j = count - 1, w = new_k - 1;
+    while (j >= 0 && w > i) {
+      if (i >= 0 && touched_[i] > ids[j]) {
+        touched_[w] = touched_[i];
+        block_.row(w) = block_.row(i);
+        --i;
+      } else if (i >= 0 && touched_[i] == ids[j]) {
+        touched_[w] = touched_[i];
+        block_.row(w) = block_.row(i);
+        --i;
+        --j;
+      } else {
+        touched_[w] = ids[j];
+        block_.row(w).setZero();
+        --j;
+      }
+      --w;
+    }
+  }
+
+  void densify() {
+    if (dense_.rows() != rows_) dense_.setZero(rows_, cols_);
+    for (Index i = 0; i < num_touched(); ++i) dense_.row(touched_[i]) = block_.row(i);
+    touched_.resize(static_cast<std::size_t>(rows_));
+    std::iota(touched_.begin(), touched_.end(), Index{0});
+    dense_mode_ = true;
+  }
+
+  Index rows_;
+  Index cols_;
+  std::vector<Index> touched_;  // sorted ids of touched rows
+  RowMatrix<Scalar> block_;     // sparse mode: row i holds touched_[i]'s values (capacity may exceed k)
+  RowMatrix<Scalar> dense_;     // [rows, cols] once allocated; all zero whenever !dense_mode_
+  bool dense_mode_ = false;
+};
+
+template <typename Scalar>
+class Parameter {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+
+ public:
+  // A zero-initialised [rows, cols] parameter. \throws value_error if rows or cols < 1.
+  Parameter(Index rows, Index cols, std::string name = {})
+      : value_((check(rows, cols), RowMatrix<Scalar>::Zero(rows, cols))),
+        grad_(rows, cols),
+        name_(std::move(name)) {}
+
+  Index rows() const { return value_.rows(); }
+  Index cols() const { return value_.cols(); }
+  Index size() const { return value_.size(); }
+  const std::string& name() const { return name_; }
+
+  // The values [rows, cols]. A Map so callers can read and write entries but never resize.
+  Eigen::Map<RowMatrix<Scalar>> value() { return {value_.data(), value_.rows(), value_.cols()}; }
+  Eigen::Map<const RowMatrix<Scalar>> value() const {
+    return {value_.data(), value_.rows(), value_.cols()};
+  }
+
+  RowGradient<Scalar>& grad() { return grad_; }
+  const RowGradient<Scalar>& grad() const { return grad_; }
+  void zero_grad() { grad_.clear(); }
+
+ private:
+  static int check(Index rows, Index cols) {
+    detail::check_size("Parameter", "rows", rows);
+    detail::check_size("Parameter", "cols", cols);
+    return 0;
+  }
+
+  RowMatrix<Scalar> value_;
+  RowGradient<Scalar> grad_;
+  std::string name_;
+};
+
+// Total size of the distinct parameters in `params`; a Parameter listed twice (a tied E) counts
+// once.
+template <typename Scalar>
+Index count_parameters(const std::vector<std::shared_ptr<Parameter<Scalar>>>& params) {
+  std::vector<const Parameter<Scalar>*> seen;
+  Index total = 0;
+  for (const auto& p : params) {
+    if (!p || std::find(seen.begin(), seen.end(), p.get()) != seen.end()) continue;
+    seen.push_back(p.get());
+    total += p->size();
+  }
+  return total;
+}
+
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_PARAMETER_HPP

@@ -1,0 +1,175 @@
+// embedhead: the token embedding, a trainable table E [V, d] read by row.
+//
+//   forward   out[b*T + t] = s * E[ids(b, t)]                 (a row gather, d copies per token)
+//   backward  dE[v] += s * sum_{n : ids_n = v} dout[n]        (only rows of tokens present)
+//
+// s is 1, or sqrt(d) rounded to Scalar first when scale_by_sqrt_d is set (Gemma). The gather
+// equals one_hot(ids) * E exactly, at d copies per token instead of V * d multiply-adds; the
+// one-hot matrix is never built. The backward is the transpose, one_hot(ids)^T * dout, again
+// without the one-hot: rows of absent tokens receive nothing, repeats sum.
+#ifndef EMBEDHEAD_TOKEN_EMBEDDING_HPP
+#define EMBEDHEAD_TOKEN_EMBEDDING_HPP
+
+#include "detail/checks.hpp"
+#include "detail/kernels.hpp"
+#include "init.hpp"
+#include "parameter.hpp"
+#include "types.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <type_traits>
+
+namespace embedhead {
+
+// ---- the arithmetic, as free functions on views ----
+
+// E [V, d], ids [B, T] -> out [B*T, d]: out[b*T + t] = scale * E[ids(b, t)].
+// \pre out does not alias E. \throws index_error for an id outside [0, V) (first one in
+// row-major order, with its (b, t)); shape_error if out is not [B*T, d]. Nothing written on throw.
+// Cost: B*T*d copies (multiplies when scale != 1); no allocation.
+template <typename Scalar, typename Id>
+void embedding_forward(const ConstMatrixRef<Scalar>& E, const ConstIdRef<Id>& ids, Scalar scale,
+                       MatrixRef<Scalar> out, const char* where = "embedding_forward") {
+  const Index V = E.rows(), d = E.cols(), T = ids.cols();
+  detail::check_shape(where, "out", out, ids.size(), d);
+  detail::check_ids(where, ids, V);
+  for (Index b = 0; b < ids.rows(); ++b)
+    for (Index t = 0; t < T; ++t) {
+      const Index v = static_cast<Index>(ids(b, t));
+      if (scale == Scalar(1))
+        out.row(b * T + t) = E.row(v);
+      else
+        out.row(b * T + t) = scale * E.row(v);
+    }
+}
+
+// ids [B, T], dout [B*T, d] -> dE (a [V, d] RowGradient) += scale * one_hot(ids)^T * dout.
+// Tokens whose id equals padding_idx (pass -1 for none) contribute nothing. Repeats of an id are
+// summed in increasing token position n, so the result is bit-identical to the sequential loop
+//   for n: dE[ids_n] += scale * dout[n]
+// on every run. \throws index_error / shape_error as embedding_forward; dE unchanged on throw.
+// Cost: O(N log N) to sort the N = B*T ids, O(N * d) to add, O((k_old + k_new) * d) to merge new
+// rows into the gradient's sorted block; never O(V * d) in sparse mode. Reuses `workspace`.
+template <typename Scalar, typename Id>
+void embedding_backward(const ConstIdRef<Id>& ids, const ConstMatrixRef<Scalar>& dout, Scalar scale,
+                        Index padding_idx, RowGradient<Scalar>& dE, detail::ScatterWorkspace& workspace,
+                        const char* where = "embedding_backward") {
+  const Index V = dE.rows(), d = dE.cols();
+  detail::check_shape(where, "dout", dout, ids.size(), d);
+  detail::check_ids(where, ids, V);
+  detail::sort_tokens_by_id(ids, padding_idx, workspace);
+  const Index k = static_cast<Index>(workspace.unique_ids.size());
+  dE.touch_rows(workspace.unique_ids.data(), k, workspace.slots.data());
+  // order is sorted by (id, n), so each unique id's tokens are one run, in increasing n.
+  std::size_t run = 0;
+  for (Index u = 0; u < k; ++u) {
+    auto dE_row = dE.slot_row(workspace.slots[static_cast<std::size_t>(u)]);
+    for (; run < workspace.order.size() && workspace.order[run].first == workspace.unique_ids[static_cast<std::size_t>(u)]; ++run) {
+      const Index n = workspace.order[run].second;
+      if (scale == Scalar(1))
+        dE_row += dout.row(n);
+      else
+        dE_row += scale * dout.row(n);
+    }
+  }
+}
+
+// ---- the layer ----
+
+struct TokenEmbeddingOptions {
+  double init_std = 0.02;            // E ~ N(0, init_std^2), the GPT-2 / Llama initializer_range
+  std::uint64_t seed = 0;            // Rng seed for the init
+  std::optional<Index> padding_idx;  // this row is initialised to zero and never gets gradient
+  bool scale_by_sqrt_d = false;      // multiply outputs by Scalar(sqrt(d)) (Gemma)
+};
+
+template <typename Scalar>
+class TokenEmbedding {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+
+ public:
+  // A new table E [V, d] drawn from N(0, init_std^2) with Rng(seed).
+  // \throws value_error if V or d < 1 or init_std <= 0; index_error if padding_idx is outside
+  // [0, V).
+  TokenEmbedding(Index V, Index d, const TokenEmbeddingOptions& options = {})
+      : options_((validate(V, d, options), options)),
+        weight_(std::make_shared<Parameter<Scalar>>(V, d, "token_embedding.weight")) {
+    Rng rng(options.seed);
+    init_normal<Scalar>(weight_->value(), options.init_std, rng);
+    if (options.padding_idx) weight_->value().row(*options.padding_idx).setZero();
+  }
+
+  // Wraps an existing parameter (e.g. loaded weights) as E [V, d]; options.init_std and seed are
+  // unused. \throws value_error if weight is null; index_error for a bad padding_idx.
+  explicit TokenEmbedding(std::shared_ptr<Parameter<Scalar>> weight, const TokenEmbeddingOptions& options = {})
+      : options_((validate(weight ? weight->rows() : 0, weight ? weight->cols() : 0, options), options)),
+        weight_(std::move(weight)) {}
+
+  Index vocab_size() const { return weight_->rows(); }
+  Index dim() const { return weight_->cols(); }
+  const TokenEmbeddingOptions& options() const { return options_; }
+  // The output multiplier: Scalar(sqrt(d)) rounded to Scalar, or 1.
+  Scalar scale() const {
+    return options_.scale_by_sqrt_d ? static_cast<Scalar>(std::sqrt(static_cast<double>(dim()))) : Scalar(1);
+  }
+
+  Parameter<Scalar>& weight() { return *weight_; }
+  const Parameter<Scalar>& weight() const { return *weight_; }
+  // Shared ownership, for tying an OutputProjection to this table.
+  const std::shared_ptr<Parameter<Scalar>>& weight_ptr() const { return weight_; }
+  Index parameter_count() const { return weight_->size(); }
+
+  // ids [B, T] -> out [B*T, d]. See embedding_forward.
+  void forward(const ConstIdRef<std::int32_t>& ids, MatrixRef<Scalar> out) const { forward_into(ids, out); }
+  void forward(const ConstIdRef<std::int64_t>& ids, MatrixRef<Scalar> out) const { forward_into(ids, out); }
+  RowMatrix<Scalar> forward(const ConstIdRef<std::int32_t>& ids) const { return forward_new(ids); }
+  RowMatrix<Scalar> forward(const ConstIdRef<std::int64_t>& ids) const { return forward_new(ids); }
+
+  // ids [B, T], dout [B*T, d] -> weight().grad() += scale * one_hot(ids)^T * dout, skipping
+  // padding_idx. See embedding_backward. No allocation once the workspace has grown.
+  void backward(const ConstIdRef<std::int32_t>& ids, const ConstMatrixRef<Scalar>& dout) { backward_impl(ids, dout); }
+  void backward(const ConstIdRef<std::int64_t>& ids, const ConstMatrixRef<Scalar>& dout) { backward_impl(ids, dout); }
+
+  void zero_grad() { weight_->zero_grad(); }
+
+ private:
+  static void validate(Index V, Index d, const TokenEmbeddingOptions& options) {
+    detail::check_size("TokenEmbedding", "V", V);
+    detail::check_size("TokenEmbedding", "d", d);
+    detail::check_positive("TokenEmbedding", "init_std", options.init_std);
+    if (options.padding_idx && (*options.padding_idx < 0 || *options.padding_idx >= V)) {
+      std::ostringstream message;
+      message << "TokenEmbedding: padding_idx " << *options.padding_idx << " outside [0, " << V << ")";
+      throw index_error(message.str());
+    }
+  }
+
+  template <typename Id>
+  void forward_into(const ConstIdRef<Id>& ids, MatrixRef<Scalar> out) const {
+    embedding_forward<Scalar, Id>(weight_->value(), ids, scale(), out, "TokenEmbedding::forward");
+  }
+  template <typename Id>
+  RowMatrix<Scalar> forward_new(const ConstIdRef<Id>& ids) const {
+    detail::check_ids("TokenEmbedding::forward", ids, vocab_size());  // before allocating
+    RowMatrix<Scalar> out(ids.size(), dim());
+    forward_into(ids, out);
+    return out;
+  }
+  template <typename Id>
+  void backward_impl(const ConstIdRef<Id>& ids, const ConstMatrixRef<Scalar>& dout) {
+    embedding_backward<Scalar, Id>(ids, dout, scale(), options_.padding_idx.value_or(-1), weight_->grad(),
+                                   workspace_, "TokenEmbedding::backward");
+  }
+
+  TokenEmbeddingOptions options_;
+  std::shared_ptr<Parameter<Scalar>> weight_;
+  detail::ScatterWorkspace workspace_;
+};
+
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_TOKEN_EMBEDDING_HPP
