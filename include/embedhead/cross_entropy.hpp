@@ -78,6 +78,8 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
       continue;
     }
     const auto z = logits.row(n);
+    // Read z_y and m before writing dlogits, so dlogits may be logits itself (in place).
+    const Scalar z_y = z(y);
     const Scalar m = z.maxCoeff();
     Scalar sum_exp;
     if (dlogits) {
@@ -90,7 +92,7 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
     } else {
       sum_exp = (z.array() - m).exp().sum();
     }
-    const double loss_n = static_cast<double>(m) + std::log(static_cast<double>(sum_exp)) - static_cast<double>(z(y));
+    const double loss_n = static_cast<double>(m) + std::log(static_cast<double>(sum_exp)) - static_cast<double>(z_y);
     if (losses) (*losses)(n, 0) = static_cast<Scalar>(loss_n);
     result.sum += loss_n;
   }
@@ -104,7 +106,8 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
 // logits [N, V], targets (N ids, any shape, read row-major) -> loss; dlogits [N, V] written as
 // (softmax - one_hot) * scale. \throws index_error for a target outside [0, V) that is not
 // ignore_index (first one, with its n); shape_error if targets has not N entries or dlogits is
-// not [N, V]. Nothing written on throw. Cost: 3 passes over the logits, no allocation.
+// not [N, V]. Nothing written on throw. dlogits may be logits itself (computed in place, so the
+// [N, V] gradient needs no second buffer). Cost: 3 passes over the logits, no allocation.
 template <typename Scalar>
 CrossEntropyResult cross_entropy_forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int32_t>& targets,
                                                   MatrixRef<Scalar> dlogits, const CrossEntropyOptions& options = {}) {

@@ -37,9 +37,10 @@ inline void check_positions(const char* where, Index x_rows, Index x_cols, Index
   }
   if (x_rows != B * T || x_cols != d) throw_shape(where, "input", x_rows, x_cols, B * T, d);
   if (T > 0 && (start < 0 || start + T > T_max)) {
+    const Index bad = start < 0 ? start : start + T - 1;  // the first position outside the table
     std::ostringstream message;
-    message << where << ": positions [" << start << ", " << start + T << ") (start " << start << ", T " << T
-            << ") outside [0, " << T_max << ")";
+    message << where << ": position " << bad << " (start " << start << ", T " << T << ") outside [0, " << T_max
+            << "); the table has T_max = " << T_max << " rows";
     throw index_error(message.str());
   }
 }

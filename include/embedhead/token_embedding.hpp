@@ -106,7 +106,7 @@ class TokenEmbedding {
   // Wraps an existing parameter (e.g. loaded weights) as E [V, d]; options.init_std and seed are
   // unused. \throws value_error if weight is null; index_error for a bad padding_idx.
   explicit TokenEmbedding(std::shared_ptr<Parameter<Scalar>> weight, const TokenEmbeddingOptions& options = {})
-      : options_((validate(weight ? weight->rows() : 0, weight ? weight->cols() : 0, options), options)),
+      : options_((check_not_null(weight), validate(weight->rows(), weight->cols(), options), options)),
         weight_(std::move(weight)) {}
 
   Index vocab_size() const { return weight_->rows(); }
@@ -137,6 +137,9 @@ class TokenEmbedding {
   void zero_grad() { weight_->zero_grad(); }
 
  private:
+  static void check_not_null(const std::shared_ptr<Parameter<Scalar>>& weight) {
+    if (!weight) throw value_error("TokenEmbedding: weight is a null shared_ptr<Parameter>");
+  }
   static void validate(Index V, Index d, const TokenEmbeddingOptions& options) {
     detail::check_size("TokenEmbedding", "V", V);
     detail::check_size("TokenEmbedding", "d", d);
