@@ -74,6 +74,12 @@ class OutputProjection {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
 
  public:
+  // Move-only, like TokenEmbedding: a copy would silently share the parameters.
+  OutputProjection(const OutputProjection&) = delete;
+  OutputProjection& operator=(const OutputProjection&) = delete;
+  OutputProjection(OutputProjection&&) noexcept = default;
+  OutputProjection& operator=(OutputProjection&&) noexcept = default;
+
   // Untied: a new W [V, d] from N(0, init_std^2) with Rng(seed), and a zero bias [V] if asked.
   // \throws value_error if V or d < 1 or init_std <= 0.
   OutputProjection(Index V, Index d, const OutputProjectionOptions& options = {})

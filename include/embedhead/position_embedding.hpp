@@ -68,6 +68,12 @@ class LearnedPositionEmbedding {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
 
  public:
+  // Move-only, like TokenEmbedding: a copy would silently share the parameters.
+  LearnedPositionEmbedding(const LearnedPositionEmbedding&) = delete;
+  LearnedPositionEmbedding& operator=(const LearnedPositionEmbedding&) = delete;
+  LearnedPositionEmbedding(LearnedPositionEmbedding&&) noexcept = default;
+  LearnedPositionEmbedding& operator=(LearnedPositionEmbedding&&) noexcept = default;
+
   // A new table P [T_max, d] drawn from N(0, init_std^2) with Rng(seed).
   // \throws value_error if T_max or d < 1 or init_std <= 0.
   LearnedPositionEmbedding(Index T_max, Index d, const LearnedPositionOptions& options = {})

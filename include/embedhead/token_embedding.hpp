@@ -56,7 +56,7 @@ void embedding_forward(const ConstMatrixRef<Scalar>& E, const ConstIdRef<Id>& id
 // rows into the gradient's sorted block; never O(V * d) in sparse mode. Reuses `workspace`.
 template <typename Scalar, typename Id>
 void embedding_backward(const ConstIdRef<Id>& ids, const ConstMatrixRef<Scalar>& dout, Scalar scale,
-                        Index padding_idx, RowGradient<Scalar>& dE, detail::ScatterWorkspace& workspace,
+                        Index padding_idx, RowGradient<Scalar>& dE, ScatterWorkspace& workspace,
                         const char* where = "embedding_backward") {
   const Index V = dE.rows(), d = dE.cols();
   detail::check_shape(where, "dout", dout, ids.size(), d);
@@ -95,6 +95,13 @@ class TokenEmbedding {
   // A new table E [V, d] drawn from N(0, init_std^2) with Rng(seed).
   // \throws value_error if V or d < 1 or init_std <= 0; index_error if padding_idx is outside
   // [0, V).
+  // Layers are move-only: a copy would silently share the table and gradient (it holds a
+  // shared_ptr), which is what tying means and nothing else should.
+  TokenEmbedding(const TokenEmbedding&) = delete;
+  TokenEmbedding& operator=(const TokenEmbedding&) = delete;
+  TokenEmbedding(TokenEmbedding&&) noexcept = default;
+  TokenEmbedding& operator=(TokenEmbedding&&) noexcept = default;
+
   TokenEmbedding(Index V, Index d, const TokenEmbeddingOptions& options = {})
       : options_((validate(V, d, options), options)),
         weight_(std::make_shared<Parameter<Scalar>>(V, d, "token_embedding.weight")) {
@@ -170,7 +177,7 @@ class TokenEmbedding {
 
   TokenEmbeddingOptions options_;
   std::shared_ptr<Parameter<Scalar>> weight_;
-  detail::ScatterWorkspace workspace_;
+  ScatterWorkspace workspace_;
 };
 
 }  // namespace embedhead

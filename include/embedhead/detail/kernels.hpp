@@ -9,14 +9,16 @@
 #include <vector>
 
 namespace embedhead {
-namespace detail {
 
-// Scratch space reused across backward calls so the steady state allocates nothing.
+// Scratch space for embedding_backward, reused across calls so the steady state allocates
+// nothing. Its contents are internal; a default-constructed one is always valid.
 struct ScatterWorkspace {
   std::vector<std::pair<Index, Index>> order;  // (id, token position n), sorted
   std::vector<Index> unique_ids;               // sorted distinct ids of `order`
   std::vector<Index> slots;                    // gradient slot of each unique id
 };
+
+namespace detail {
 
 // ids [B, T] -> ws.order = (id, n) for every token n = b*T + t whose id != skip_id, sorted by id
 // and, within an id, by n; ws.unique_ids = the distinct ids. Sorting by (id, n) fixes the order
