@@ -8,8 +8,9 @@
 // the touched rows plus a compact [k, cols] block with their values, so an untied 256k x 2048
 // table trains without a second V x d matrix. A dense contribution (the head's dW = dlogits^T h)
 // switches it to dense mode: it then holds a [rows, cols] buffer and marks every row. Clearing
-// (zero_grad) costs O(k * cols) in the sparse mode -- O(1) in fact, since stale block rows are
-// zeroed when reused -- and O(rows * cols) only after a dense contribution, which wrote all rows.
+// (zero_grad) is O(1) in sparse mode -- stale block rows are zeroed when a later backward reuses
+// them, as part of its O(k * cols) work -- and O(rows * cols) only after a dense contribution,
+// which wrote all rows anyway.
 #ifndef EMBEDHEAD_PARAMETER_HPP
 #define EMBEDHEAD_PARAMETER_HPP
 
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <memory>
 #include <numeric>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -73,8 +75,22 @@ class RowGradient {
   // ids [count], sorted and unique, each in [0, rows) -> slots [count]: marks the rows touched
   // (new rows start at zero) and writes where each one's values live, for slot_row().
   // Cost O((num_touched() + count) * cols) when new rows must be merged into the sorted block,
-  // O(count) in dense mode. The caller checks the ids.
+  // O(count) in dense mode. \throws index_error if an id is outside [0, rows), value_error if
+  // the ids are not strictly increasing (nothing changed).
   void touch_rows(const Index* ids, Index count, Index* slots) {
+    for (Index j = 0; j < count; ++j) {
+      if (ids[j] < 0 || ids[j] >= rows_) {
+        std::ostringstream message;
+        message << "RowGradient::touch_rows: id " << ids[j] << " at index " << j << " outside [0, " << rows_ << ")";
+        throw index_error(message.str());
+      }
+      if (j > 0 && ids[j] <= ids[j - 1]) {
+        std::ostringstream message;
+        message << "RowGradient::touch_rows: ids must be strictly increasing, but id " << ids[j] << " at index " << j
+                << " follows " << ids[j - 1];
+        throw value_error(message.str());
+      }
+    }
     if (dense_mode_) {
       std::copy(ids, ids + count, slots);
       return;

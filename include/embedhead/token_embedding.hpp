@@ -83,7 +83,9 @@ void embedding_backward(const ConstIdRef<Id>& ids, const ConstMatrixRef<Scalar>&
 struct TokenEmbeddingOptions {
   double init_std = 0.02;            // E ~ N(0, init_std^2), the GPT-2 / Llama initializer_range
   std::uint64_t seed = 0;            // Rng seed for the init
-  std::optional<Index> padding_idx;  // this row is initialised to zero and never gets gradient
+  std::optional<Index> padding_idx;  // never gets gradient; zeroed when a new table is drawn
+                                     // (a wrapped Parameter is left as it is, like PyTorch's
+                                     // from_pretrained)
   bool scale_by_sqrt_d = false;      // multiply outputs by Scalar(sqrt(d)) (Gemma)
 };
 
@@ -110,10 +112,11 @@ class TokenEmbedding {
     if (options.padding_idx) weight_->value().row(*options.padding_idx).setZero();
   }
 
-  // Wraps an existing parameter (e.g. loaded weights) as E [V, d]; options.init_std and seed are
-  // unused. \throws value_error if weight is null; index_error for a bad padding_idx.
+  // Wraps an existing parameter (e.g. loaded weights) as E [V, d], values untouched;
+  // options.init_std and seed are unused. \throws value_error if weight is null; index_error
+  // for a bad padding_idx.
   explicit TokenEmbedding(std::shared_ptr<Parameter<Scalar>> weight, const TokenEmbeddingOptions& options = {})
-      : options_((check_not_null(weight), validate(weight->rows(), weight->cols(), options), options)),
+      : options_((check_not_null(weight), validate(weight->rows(), weight->cols(), options, false), options)),
         weight_(std::move(weight)) {}
 
   Index vocab_size() const { return weight_->rows(); }
@@ -147,10 +150,10 @@ class TokenEmbedding {
   static void check_not_null(const std::shared_ptr<Parameter<Scalar>>& weight) {
     if (!weight) throw value_error("TokenEmbedding: weight is a null shared_ptr<Parameter>");
   }
-  static void validate(Index V, Index d, const TokenEmbeddingOptions& options) {
+  static void validate(Index V, Index d, const TokenEmbeddingOptions& options, bool initialises = true) {
     detail::check_size("TokenEmbedding", "V", V);
     detail::check_size("TokenEmbedding", "d", d);
-    detail::check_positive("TokenEmbedding", "init_std", options.init_std);
+    if (initialises) detail::check_positive("TokenEmbedding", "init_std", options.init_std);
     if (options.padding_idx && (*options.padding_idx < 0 || *options.padding_idx >= V)) {
       std::ostringstream message;
       message << "TokenEmbedding: padding_idx " << *options.padding_idx << " outside [0, " << V << ")";

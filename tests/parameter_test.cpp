@@ -1,0 +1,398 @@
+// Tests for include/embedhead/parameter.hpp: RowGradient (the row-sparse gradient with its dense
+// mode), Parameter and count_parameters.
+//
+// The reference for every RowGradient check is a plain dense [rows, cols] matrix that receives the
+// same additions; touched-row lists are checked against a std::set of the ids. Each gradient row
+// receives at most one addition per step below, so library and reference agree exactly (==).
+#include <embedhead/errors.hpp>
+#include <embedhead/parameter.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <memory>
+#include <random>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+using embedhead::Index;
+using embedhead::Parameter;
+using embedhead::RowGradient;
+using embedhead::RowMatrix;
+
+namespace {
+
+// "" if a == b element for element, else where they first differ (keeps failure output short).
+template <typename Scalar>
+std::string first_difference(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
+  std::ostringstream out;
+  if (a.rows() != b.rows() || a.cols() != b.cols()) {
+    out << "shapes [" << a.rows() << ", " << a.cols() << "] vs [" << b.rows() << ", " << b.cols() << "]";
+    return out.str();
+  }
+  for (Index r = 0; r < a.rows(); ++r)
+    for (Index c = 0; c < a.cols(); ++c)
+      if (!(a(r, c) == b(r, c))) {
+        out << "(" << r << ", " << c << "): " << a(r, c) << " vs " << b(r, c);
+        return out.str();
+      }
+  return {};
+}
+
+std::vector<Index> iota_ids(Index n) {
+  std::vector<Index> ids(static_cast<std::size_t>(n));
+  for (Index i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = i;
+  return ids;
+}
+
+// Random sorted unique subset of [0, V) with at most max_count elements (possibly empty).
+std::vector<Index> random_sorted_ids(std::mt19937_64& gen, Index V, Index max_count) {
+  std::uniform_int_distribution<Index> count_dist(0, std::min(V, max_count));
+  const Index count = count_dist(gen);
+  std::vector<Index> all = iota_ids(V);
+  std::shuffle(all.begin(), all.end(), gen);
+  std::vector<Index> ids(all.begin(), all.begin() + count);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+// Touches `ids`, checks that rows new to the gradient read zero, then adds one random row to each
+// id in both the gradient and the dense reference.
+template <typename Scalar>
+void touch_and_add(RowGradient<Scalar>& grad, RowMatrix<Scalar>& reference, const std::vector<Index>& ids,
+                   std::mt19937_64& gen) {
+  const std::vector<Index> before = grad.touched_rows();
+  std::vector<Index> slots(ids.size(), -1);
+  grad.touch_rows(ids.data(), static_cast<Index>(ids.size()), slots.data());
+  std::uniform_real_distribution<double> value(-1.0, 1.0);
+  for (std::size_t j = 0; j < ids.size(); ++j) {
+    auto row = grad.slot_row(slots[j]);
+    REQUIRE(row.size() == grad.cols());
+    const bool is_new = grad.is_dense() ? false : !std::binary_search(before.begin(), before.end(), ids[j]);
+    INFO("id " << ids[j]);
+    // What the slot holds right now must be what the reference holds (zero for a new row).
+    for (Index c = 0; c < grad.cols(); ++c) {
+      REQUIRE(row(c) == reference(ids[j], c));
+      if (is_new) REQUIRE(row(c) == Scalar(0));
+    }
+    for (Index c = 0; c < grad.cols(); ++c) {
+      const auto delta = static_cast<Scalar>(value(gen));
+      row(c) += delta;
+      reference(ids[j], c) += delta;
+    }
+  }
+}
+
+// touched_rows() is `expected`, touched_row(i) is its row, and to_dense() equals the reference.
+template <typename Scalar>
+void check_gradient(const RowGradient<Scalar>& grad, const std::set<Index>& expected,
+                    const RowMatrix<Scalar>& reference) {
+  const std::vector<Index> expected_ids(expected.begin(), expected.end());
+  REQUIRE(grad.touched_rows() == expected_ids);
+  REQUIRE(grad.num_touched() == static_cast<Index>(expected_ids.size()));
+  for (Index i = 0; i < grad.num_touched(); ++i) {
+    const Index id = expected_ids[static_cast<std::size_t>(i)];
+    const RowMatrix<Scalar> row = grad.touched_row(i);
+    const RowMatrix<Scalar> want = reference.row(id);
+    INFO("touched_row(" << i << ") = row " << id);
+    REQUIRE(first_difference(row, want).empty());
+  }
+  REQUIRE(first_difference(grad.to_dense(), reference) == "");
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("RowGradient: touch_rows merges sorted id batches", "[parameter][row_gradient]", float,
+                   double) {
+  using Scalar = TestType;
+
+  SECTION("worked example: ids before, between and after the existing ones, and repeats") {
+    const Index V = 40, d = 3;
+    RowGradient<Scalar> grad(V, d);
+    RowMatrix<Scalar> reference = RowMatrix<Scalar>::Zero(V, d);
+    std::set<Index> expected;
+    std::mt19937_64 gen(1);
+    const std::vector<std::vector<Index>> batches = {
+        {10, 20},            // into an empty gradient
+        {5},                 // before everything
+        {15},                // between
+        {25},                // after everything
+        {0, 12, 20, 30, 39}, // new ids at both ends and between, plus an existing one
+        {10, 20},            // all existing: no new rows
+        {},                  // empty batch
+        {5, 10, 12, 15, 20, 25, 30, 39, 0},  // sorted below
+    };
+    for (auto ids : batches) {
+      std::sort(ids.begin(), ids.end());
+      touch_and_add(grad, reference, ids, gen);
+      expected.insert(ids.begin(), ids.end());
+      check_gradient(grad, expected, reference);
+    }
+    CHECK(grad.touched_rows() == std::vector<Index>{0, 5, 10, 12, 15, 20, 25, 30, 39});
+    CHECK_FALSE(grad.is_dense());
+  }
+
+  SECTION("slots: slot_row(slots[j]) is the row of ids[j]") {
+    RowGradient<Scalar> grad(10, 2);
+    const std::vector<Index> first = {2, 7};
+    std::vector<Index> slots(2);
+    grad.touch_rows(first.data(), 2, slots.data());
+    grad.slot_row(slots[0]).setConstant(Scalar(2));
+    grad.slot_row(slots[1]).setConstant(Scalar(7));
+    const std::vector<Index> second = {1, 2, 5, 7, 9};
+    std::vector<Index> more(5);
+    grad.touch_rows(second.data(), 5, more.data());
+    for (std::size_t j = 0; j < second.size(); ++j) grad.slot_row(more[j]).array() += Scalar(100 * second[j]);
+    const RowMatrix<Scalar> dense = grad.to_dense();
+    RowMatrix<Scalar> expected = RowMatrix<Scalar>::Zero(10, 2);
+    expected.row(1).setConstant(Scalar(100));
+    expected.row(2).setConstant(Scalar(202));
+    expected.row(5).setConstant(Scalar(500));
+    expected.row(7).setConstant(Scalar(707));
+    expected.row(9).setConstant(Scalar(900));
+    CHECK(first_difference(dense, expected) == "");
+  }
+
+  SECTION("naive reference: random batch sequences, with clears reusing stale block rows") {
+    std::mt19937_64 gen(20240601);
+    const Index sizes[][2] = {{1, 1}, {1, 9}, {2, 3}, {7, 8}, {16, 7}, {33, 16}, {50, 17}, {1000, 4}};
+    for (const auto& size : sizes) {
+      const Index V = size[0], d = size[1];
+      INFO("V = " << V << ", d = " << d);
+      RowGradient<Scalar> grad(V, d);
+      CHECK(grad.rows() == V);
+      CHECK(grad.cols() == d);
+      for (int round = 0; round < 4; ++round) {
+        INFO("round " << round);
+        // After the first round the block holds stale non-zero rows from before clear(): new
+        // rows must still start at zero.
+        grad.clear();
+        REQUIRE(grad.num_touched() == 0);
+        REQUIRE(grad.to_dense() == RowMatrix<Scalar>::Zero(V, d));
+        RowMatrix<Scalar> reference = RowMatrix<Scalar>::Zero(V, d);
+        std::set<Index> expected;
+        for (int batch = 0; batch < 12; ++batch) {
+          INFO("batch " << batch);
+          const std::vector<Index> ids = random_sorted_ids(gen, V, batch % 3 == 0 ? 40 : 5);
+          touch_and_add(grad, reference, ids, gen);
+          expected.insert(ids.begin(), ids.end());
+          check_gradient(grad, expected, reference);
+        }
+      }
+    }
+  }
+
+  SECTION("many single-row batches grow the block without losing values") {
+    const Index V = 300, d = 5;
+    RowGradient<Scalar> grad(V, d);
+    RowMatrix<Scalar> reference = RowMatrix<Scalar>::Zero(V, d);
+    std::set<Index> expected;
+    std::mt19937_64 gen(3);
+    // Descending ids: every insertion goes in front, so every existing row moves each time.
+    for (Index id = V - 1; id >= 0; id -= 2) {
+      touch_and_add(grad, reference, std::vector<Index>{id}, gen);
+      expected.insert(id);
+    }
+    check_gradient(grad, expected, reference);
+    // Then all rows at once: the odd ids fill every gap.
+    const std::vector<Index> all = iota_ids(V);
+    touch_and_add(grad, reference, all, gen);
+    expected.insert(all.begin(), all.end());
+    check_gradient(grad, expected, reference);
+  }
+
+  SECTION("to_dense into an out of the wrong shape throws shape_error and writes nothing") {
+    RowGradient<Scalar> grad(4, 3);
+    RowMatrix<Scalar> out = RowMatrix<Scalar>::Constant(3, 4, Scalar(9));
+    REQUIRE_THROWS_AS(grad.to_dense(out), embedhead::shape_error);
+    REQUIRE_THROWS_WITH(grad.to_dense(out), Catch::Contains("RowGradient::to_dense") &&
+                                                Catch::Contains("out has shape [3, 4], expected [4, 3]"));
+    CHECK(out == RowMatrix<Scalar>::Constant(3, 4, Scalar(9)));
+  }
+}
+
+TEMPLATE_TEST_CASE("RowGradient: dense mode", "[parameter][row_gradient]", float, double) {
+  using Scalar = TestType;
+  const Index V = 9, d = 17;
+  std::mt19937_64 gen(99);
+  RowGradient<Scalar> grad(V, d);
+  RowMatrix<Scalar> reference = RowMatrix<Scalar>::Zero(V, d);
+  touch_and_add(grad, reference, {1, 4, 8}, gen);
+  REQUIRE_FALSE(grad.is_dense());
+
+  SECTION("dense_accumulator keeps the sparse rows and marks every row") {
+    auto dense = grad.dense_accumulator();
+    CHECK(grad.is_dense());
+    REQUIRE(dense.rows() == V);
+    REQUIRE(dense.cols() == d);
+    CHECK(first_difference(RowMatrix<Scalar>(dense), reference) == "");
+    CHECK(grad.touched_rows() == iota_ids(V));
+    CHECK(grad.num_touched() == V);
+
+    // A dense contribution, as the head's dW += dlogits^T h would add.
+    RowMatrix<Scalar> contribution(V, d);
+    for (Index i = 0; i < contribution.size(); ++i) contribution.data()[i] = Scalar(0.125) * Scalar(i % 13);
+    dense += contribution;
+    reference += contribution;
+    std::set<Index> all;
+    for (Index v = 0; v < V; ++v) all.insert(v);
+    check_gradient(grad, all, reference);
+
+    SECTION("sparse contributions after densify land in the dense buffer") {
+      touch_and_add(grad, reference, {0, 4, 5}, gen);
+      CHECK(grad.is_dense());
+      check_gradient(grad, all, reference);
+      // The same buffer is handed out again, values kept.
+      auto again = grad.dense_accumulator();
+      CHECK(again.data() == dense.data());
+      CHECK(first_difference(RowMatrix<Scalar>(again), reference) == "");
+    }
+
+    SECTION("clear() returns to sparse mode with all zeros; a later densify starts from zero") {
+      grad.clear();
+      CHECK_FALSE(grad.is_dense());
+      CHECK(grad.num_touched() == 0);
+      CHECK(grad.to_dense() == RowMatrix<Scalar>::Zero(V, d));
+
+      RowMatrix<Scalar> fresh = RowMatrix<Scalar>::Zero(V, d);
+      touch_and_add(grad, fresh, {2, 3}, gen);  // new rows read zero (checked inside)
+      check_gradient(grad, std::set<Index>{2, 3}, fresh);
+
+      auto redense = grad.dense_accumulator();
+      CHECK(grad.is_dense());
+      // Only rows 2 and 3 are non-zero: nothing from before clear() survived in the buffer.
+      CHECK(first_difference(RowMatrix<Scalar>(redense), fresh) == "");
+      grad.clear();
+      CHECK(grad.to_dense() == RowMatrix<Scalar>::Zero(V, d));
+      grad.dense_accumulator();
+      CHECK(grad.to_dense() == RowMatrix<Scalar>::Zero(V, d));
+    }
+  }
+
+  SECTION("densify straight after clear() of a sparse gradient gives zeros") {
+    grad.clear();
+    auto dense = grad.dense_accumulator();
+    CHECK(RowMatrix<Scalar>(dense) == RowMatrix<Scalar>::Zero(V, d));
+  }
+}
+
+TEST_CASE("RowGradient: zero_grad forgets touched rows without ever going dense", "[parameter][row_gradient]") {
+  // V * d = 12.8M entries: a per-step memset of a full gradient would be the cost zero_grad must
+  // avoid. We assert the behaviour (no dense buffer, empty touched set), not timings.
+  const Index V = 200000, d = 64;
+  Parameter<float> table(V, d, "big");
+  auto& grad = table.grad();
+  std::mt19937_64 gen(5);
+  std::uniform_int_distribution<Index> id_dist(0, V - 1);
+  std::uniform_real_distribution<float> value(-1.0f, 1.0f);
+  std::vector<Index> ids, slots;
+  RowMatrix<float> contributions;
+  std::size_t failures = 0;
+  for (int step = 0; step < 1000; ++step) {
+    std::set<Index> batch;
+    while (batch.size() < 4) batch.insert(id_dist(gen));
+    ids.assign(batch.begin(), batch.end());
+    slots.resize(ids.size());
+    grad.touch_rows(ids.data(), static_cast<Index>(ids.size()), slots.data());
+    contributions.resize(static_cast<Index>(ids.size()), d);
+    for (Index i = 0; i < contributions.size(); ++i) contributions.data()[i] = value(gen);
+    for (std::size_t j = 0; j < ids.size(); ++j) {
+      auto row = grad.slot_row(slots[j]);
+      // Last step's rows were cleared: a reused block row must read zero before this add.
+      failures += row.isZero(0) ? 0 : 1;
+      row += contributions.row(static_cast<Index>(j));
+    }
+    // Only this step's rows, holding only this step's values.
+    failures += grad.touched_rows() == ids ? 0 : 1;
+    for (Index i = 0; i < grad.num_touched(); ++i)
+      failures += grad.touched_row(i) == contributions.row(i) ? 0 : 1;
+    failures += grad.is_dense() ? 1 : 0;
+    if (step == 999) {
+      RowMatrix<float> expected = RowMatrix<float>::Zero(V, d);
+      for (std::size_t j = 0; j < ids.size(); ++j) expected.row(ids[j]) = contributions.row(static_cast<Index>(j));
+      CHECK(grad.to_dense() == expected);
+    }
+    table.zero_grad();
+    failures += grad.num_touched() == 0 ? 0 : 1;
+    failures += grad.touched_rows().empty() ? 0 : 1;
+    failures += grad.is_dense() ? 1 : 0;
+  }
+  CHECK(failures == 0);
+  CHECK_FALSE(grad.is_dense());
+  CHECK(grad.to_dense() == RowMatrix<float>::Zero(V, d));
+}
+
+TEMPLATE_TEST_CASE("Parameter: value, shape, name and gradient", "[parameter]", float, double) {
+  using Scalar = TestType;
+
+  SECTION("a zero-initialised [rows, cols] value behind a Map, and an empty gradient of that shape") {
+    Parameter<Scalar> p(3, 5, "head.weight");
+    CHECK(p.rows() == 3);
+    CHECK(p.cols() == 5);
+    CHECK(p.size() == 15);
+    CHECK(p.name() == "head.weight");
+    CHECK(p.value() == RowMatrix<Scalar>::Zero(3, 5));
+    CHECK(p.grad().rows() == 3);
+    CHECK(p.grad().cols() == 5);
+    CHECK(p.grad().num_touched() == 0);
+    CHECK_FALSE(p.grad().is_dense());
+    CHECK(Parameter<Scalar>(1, 1).name().empty());
+
+    // value() is a Map: entries are writable in place but the matrix cannot be resized or
+    // reassigned to another shape through it.
+    static_assert(std::is_same_v<decltype(p.value()), Eigen::Map<RowMatrix<Scalar>>>);
+    const Parameter<Scalar>& cp = p;
+    static_assert(std::is_same_v<decltype(cp.value()), Eigen::Map<const RowMatrix<Scalar>>>);
+    p.value()(1, 2) = Scalar(3.5);
+    p.value().row(2).setConstant(Scalar(-1));
+    CHECK(cp.value()(1, 2) == Scalar(3.5));
+    CHECK(cp.value().row(2) == RowMatrix<Scalar>::Constant(1, 5, Scalar(-1)));
+    CHECK(cp.value().data() == p.value().data());  // the same storage every call
+  }
+
+  SECTION("zero_grad clears the gradient and leaves the value alone") {
+    Parameter<Scalar> p(4, 2);
+    p.value().setConstant(Scalar(2));
+    const std::vector<Index> ids = {0, 3};
+    std::vector<Index> slots(2);
+    p.grad().touch_rows(ids.data(), 2, slots.data());
+    p.grad().slot_row(slots[1]).setConstant(Scalar(1));
+    REQUIRE(p.grad().num_touched() == 2);
+    p.zero_grad();
+    CHECK(p.grad().num_touched() == 0);
+    CHECK(p.grad().to_dense() == RowMatrix<Scalar>::Zero(4, 2));
+    CHECK(p.value() == RowMatrix<Scalar>::Constant(4, 2, Scalar(2)));
+  }
+
+  SECTION("errors: rows or cols < 1 throw value_error naming the value") {
+    REQUIRE_THROWS_AS(Parameter<Scalar>(0, 3), embedhead::value_error);
+    REQUIRE_THROWS_AS(Parameter<Scalar>(0, 3), std::invalid_argument);
+    REQUIRE_THROWS_WITH(Parameter<Scalar>(0, 3),
+                        Catch::Contains("Parameter") && Catch::Contains("rows = 0") && Catch::Contains("[1, inf)"));
+    REQUIRE_THROWS_WITH(Parameter<Scalar>(-2, 3), Catch::Contains("rows = -2") && Catch::Contains("[1, inf)"));
+    REQUIRE_THROWS_WITH(Parameter<Scalar>(3, 0), Catch::Contains("cols = 0") && Catch::Contains("[1, inf)"));
+    REQUIRE_THROWS_WITH(Parameter<Scalar>(3, -7), Catch::Contains("cols = -7") && Catch::Contains("[1, inf)"));
+    REQUIRE_NOTHROW(Parameter<Scalar>(1, 1));
+  }
+}
+
+TEST_CASE("count_parameters: a Parameter listed twice counts once", "[parameter]") {
+  auto E = std::make_shared<Parameter<float>>(50, 32, "E");
+  auto bias = std::make_shared<Parameter<float>>(1, 50, "bias");
+  auto twin = std::make_shared<Parameter<float>>(50, 32, "E copy");  // same shape, own storage
+
+  CHECK(embedhead::count_parameters<float>({}) == 0);
+  CHECK(embedhead::count_parameters<float>({E}) == 1600);
+  // Tied: the embedding and the head list the same E.
+  CHECK(embedhead::count_parameters<float>({E, E}) == 1600);
+  CHECK(embedhead::count_parameters<float>({E, bias, E, E}) == 1650);
+  // An untied copy is a second parameter: 50*32 + 50 + 50*32 (the seeds: tying saves V*d + V).
+  CHECK(embedhead::count_parameters<float>({E, bias, twin}) == 3250);
+  CHECK(embedhead::count_parameters<float>({E, bias, twin}) - embedhead::count_parameters<float>({E, E}) == 1650);
+  // Null entries are skipped.
+  CHECK(embedhead::count_parameters<float>({nullptr, E, nullptr}) == 1600);
+}
