@@ -396,3 +396,39 @@ TEST_CASE("count_parameters: a Parameter listed twice counts once", "[parameter]
   // Null entries are skipped.
   CHECK(embedhead::count_parameters<float>({nullptr, E, nullptr}) == 1600);
 }
+
+TEMPLATE_TEST_CASE("RowGradient: touch_rows rejects bad ids and changes nothing", "[parameter][row_gradient][errors]",
+                   float, double) {
+  using Scalar = TestType;
+  RowGradient<Scalar> g(10, 3);
+  const std::vector<Index> first{2, 5};
+  std::vector<Index> slots(2);
+  g.touch_rows(first.data(), 2, slots.data());
+  g.slot_row(slots[0]).setConstant(Scalar(1));
+  g.slot_row(slots[1]).setConstant(Scalar(2));
+  const RowMatrix<Scalar> before = g.to_dense();
+
+  auto expect_unchanged = [&] {
+    CHECK(g.touched_rows() == first);
+    CHECK(g.to_dense() == before);
+  };
+  std::vector<Index> out(3);
+  const std::vector<Index> too_big{1, 10};
+  REQUIRE_THROWS_AS(g.touch_rows(too_big.data(), 2, out.data()), embedhead::index_error);
+  REQUIRE_THROWS_WITH(g.touch_rows(too_big.data(), 2, out.data()),
+                      Catch::Contains("id 10") && Catch::Contains("index 1") && Catch::Contains("[0, 10)"));
+  expect_unchanged();
+  const std::vector<Index> negative{-1};
+  REQUIRE_THROWS_WITH(g.touch_rows(negative.data(), 1, out.data()),
+                      Catch::Contains("id -1") && Catch::Contains("[0, 10)"));
+  expect_unchanged();
+  const std::vector<Index> unsorted{3, 1, 7};
+  REQUIRE_THROWS_AS(g.touch_rows(unsorted.data(), 3, out.data()), embedhead::value_error);
+  REQUIRE_THROWS_WITH(g.touch_rows(unsorted.data(), 3, out.data()),
+                      Catch::Contains("strictly increasing") && Catch::Contains("id 1 at index 1") &&
+                          Catch::Contains("follows 3"));
+  expect_unchanged();
+  const std::vector<Index> repeated{4, 4};
+  REQUIRE_THROWS_AS(g.touch_rows(repeated.data(), 2, out.data()), embedhead::value_error);
+  expect_unchanged();
+}
