@@ -11,6 +11,7 @@
 #define EMBEDHEAD_CROSS_ENTROPY_HPP
 
 #include "detail/checks.hpp"
+#include "detail/kernels.hpp"
 #include "types.hpp"
 
 #include <cmath>
@@ -47,11 +48,19 @@ void check_targets(const char* where, const ConstIdRef<Id>& targets, Index N, In
     const Index y = static_cast<Index>(targets(n / targets.cols(), n % targets.cols()));
     if (y != ignore_index && (y < 0 || y >= V)) {
       std::ostringstream message;
-      message << where << ": target " << y << " at n=" << n << " outside [0, " << V << ") and not ignore_index ("
-              << ignore_index << ")";
+      message << where << ": target " << y << " at n=" << n << " (b=" << n / targets.cols() << ", t=" << n % targets.cols()
+              << ") outside [0, " << V << ") and not ignore_index (" << ignore_index << ")";
       throw index_error(message.str());
     }
   }
+}
+
+// loss_n = m + log(sum_exp) - z_y, in double; stored in losses[n] when asked.
+template <typename Scalar>
+double row_loss(Scalar m, Scalar sum_exp, Scalar z_y, MatrixRef<Scalar>* losses, Index n) {
+  const double loss_n = static_cast<double>(m) + std::log(static_cast<double>(sum_exp)) - static_cast<double>(z_y);
+  if (losses) (*losses)(n, 0) = static_cast<Scalar>(loss_n);
+  return loss_n;
 }
 
 // The shared pass: writes dlogits when it is non-null, per-token losses when non-null.
@@ -81,20 +90,16 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
     // Read z_y and m before writing dlogits, so dlogits may be logits itself (in place).
     const Scalar z_y = z(y);
     const Scalar m = z.maxCoeff();
-    Scalar sum_exp;
     if (dlogits) {
-      // Keep exp(z - m) in dlogits, then rescale it in place into softmax * scale.
+      // exp(z - m) lands in dlogits, then is rescaled in place into softmax * scale.
       auto dz = dlogits->row(n);
-      dz = (z.array() - m).exp().matrix();
-      sum_exp = dz.sum();
+      const Scalar sum_exp = sum_exp_shifted(z.data(), V, m, dz.data());
       dz *= static_cast<Scalar>(scale / static_cast<double>(sum_exp));
       dz(y) -= static_cast<Scalar>(scale);
+      result.sum += row_loss(m, sum_exp, z_y, losses, n);
     } else {
-      sum_exp = (z.array() - m).exp().sum();
+      result.sum += row_loss(m, sum_exp_shifted<Scalar>(z.data(), V, m, nullptr), z_y, losses, n);
     }
-    const double loss_n = static_cast<double>(m) + std::log(static_cast<double>(sum_exp)) - static_cast<double>(z_y);
-    if (losses) (*losses)(n, 0) = static_cast<Scalar>(loss_n);
-    result.sum += loss_n;
   }
   result.loss = options.reduction == Reduction::mean ? (result.count > 0 ? result.sum / static_cast<double>(result.count) : 0.0)
                                                      : result.sum;

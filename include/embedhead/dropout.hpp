@@ -5,7 +5,8 @@
 //   eval      out = x, dx = dout
 //
 // The mask is stored as the multipliers M = m / (1 - p), so both passes are one elementwise
-// product. p = 1 drops everything and gives zeros (M = 0), never 0 * inf = NaN. Element i of a
+// product. p = 1 gives M = 0, so finite inputs give zeros rather than x * 0 * (1/0) = NaN
+// (an infinite or NaN input still gives NaN where dropped, as in PyTorch). Element i of a
 // forward keeps its value when rng.uniform_at(counter + i) >= p, so a seed fixes every mask.
 #ifndef EMBEDHEAD_DROPOUT_HPP
 #define EMBEDHEAD_DROPOUT_HPP

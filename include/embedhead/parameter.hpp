@@ -92,7 +92,7 @@ class RowGradient {
       }
     }
     if (dense_mode_) {
-      std::copy(ids, ids + count, slots);
+      for (Index j = 0; j < count; ++j) slots[j] = ids[j];  // a row's slot is its id
       return;
     }
     merge_sorted_ids(ids, count);

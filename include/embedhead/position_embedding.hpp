@@ -27,17 +27,18 @@
 namespace embedhead {
 
 namespace detail {
-// Throws unless x is [B*T, d] and positions start .. start+T-1 lie in [0, T_max).
-inline void check_positions(const char* where, Index x_rows, Index x_cols, Index B, Index T, Index start,
-                            Index T_max, Index d) {
+// Throws unless the matrix `what` is [B*T, d] and positions start .. start+T-1 lie in [0, T_max).
+// T = 0 is an empty range and passes whatever start is.
+inline void check_positions(const char* where, const char* what, Index x_rows, Index x_cols, Index B, Index T,
+                            Index start, Index T_max, Index d) {
   if (B < 0 || T < 0) {
     std::ostringstream message;
     message << where << ": B = " << B << ", T = " << T << " must be >= 0";
     throw value_error(message.str());
   }
-  if (x_rows != B * T || x_cols != d) throw_shape(where, "input", x_rows, x_cols, B * T, d);
+  if (x_rows != B * T || x_cols != d) throw_shape(where, what, x_rows, x_cols, B * T, d);
   if (T > 0 && (start < 0 || start + T > T_max)) {
-    const Index bad = start < 0 ? start : start + T - 1;  // the first position outside the table
+    const Index bad = start < 0 ? start : std::max(start, T_max);  // the first position outside the table
     std::ostringstream message;
     message << where << ": position " << bad << " (start " << start << ", T " << T << ") outside [0, " << T_max
             << "); the table has T_max = " << T_max << " rows";
@@ -52,7 +53,7 @@ inline void check_positions(const char* where, Index x_rows, Index x_cols, Index
 template <typename Scalar>
 void add_position_rows(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Scalar>& P, Index B, Index T,
                        Index start, MatrixRef<Scalar> out, const char* where = "add_position_rows") {
-  detail::check_positions(where, x.rows(), x.cols(), B, T, start, P.rows(), P.cols());
+  detail::check_positions(where, "x", x.rows(), x.cols(), B, T, start, P.rows(), P.cols());
   detail::check_shape(where, "out", out, B * T, P.cols());
   for (Index b = 0; b < B; ++b)
     for (Index t = 0; t < T; ++t) out.row(b * T + t) = x.row(b * T + t) + P.row(start + t);
@@ -94,7 +95,7 @@ class LearnedPositionEmbedding {
     add_position_rows<Scalar>(x, weight_->value(), B, T, start, out, "LearnedPositionEmbedding::forward");
   }
   RowMatrix<Scalar> forward(const ConstMatrixRef<Scalar>& x, Index B, Index T, Index start = 0) const {
-    detail::check_positions("LearnedPositionEmbedding::forward", x.rows(), x.cols(), B, T, start,
+    detail::check_positions("LearnedPositionEmbedding::forward", "x", x.rows(), x.cols(), B, T, start,
                             max_positions(), dim());
     RowMatrix<Scalar> out(x.rows(), x.cols());
     forward(x, B, T, out, start);
@@ -106,7 +107,7 @@ class LearnedPositionEmbedding {
   // is bit-identical to the plain loop `for b, t: dP[start+t] += dout[b*T+t]`.
   // \throws as forward; the gradient is unchanged on throw. Cost O(B*T*d); touches T rows.
   void backward(const ConstMatrixRef<Scalar>& dout, Index B, Index T, Index start = 0) {
-    detail::check_positions("LearnedPositionEmbedding::backward", dout.rows(), dout.cols(), B, T, start,
+    detail::check_positions("LearnedPositionEmbedding::backward", "dout", dout.rows(), dout.cols(), B, T, start,
                             max_positions(), dim());
     positions_.resize(static_cast<std::size_t>(T));
     slots_.resize(static_cast<std::size_t>(T));
@@ -162,7 +163,7 @@ class SinusoidalPositionEmbedding {
     add_position_rows<Scalar>(x, table_, B, T, start, out, "SinusoidalPositionEmbedding::forward");
   }
   RowMatrix<Scalar> forward(const ConstMatrixRef<Scalar>& x, Index B, Index T, Index start = 0) const {
-    detail::check_positions("SinusoidalPositionEmbedding::forward", x.rows(), x.cols(), B, T, start,
+    detail::check_positions("SinusoidalPositionEmbedding::forward", "x", x.rows(), x.cols(), B, T, start,
                             max_positions(), dim());
     RowMatrix<Scalar> out(x.rows(), x.cols());
     forward(x, B, T, out, start);

@@ -4,6 +4,8 @@
 
 #include "../types.hpp"
 
+#include <cmath>
+
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -38,6 +40,30 @@ void sort_tokens_by_id(const ConstIdRef<Id>& ids, Index skip_id, ScatterWorkspac
   for (const auto& entry : ws.order)
     if (ws.unique_ids.empty() || ws.unique_ids.back() != entry.first) ws.unique_ids.push_back(entry.first);
   ws.slots.resize(ws.unique_ids.size());
+}
+
+// z [V] -> sum_j exp(z_j - m), also writing exp(z_j - m) to out[j] when out is not null (out may
+// be z). The summation order -- 16 running lanes, a fixed tree over them, then the tail -- depends
+// only on V: not on the row's alignment, nor on whether out is written. So the loss is bit-identical
+// with or without the gradient and wherever the logits live in memory.
+template <typename Scalar>
+Scalar sum_exp_shifted(const Scalar* z, Index V, Scalar m, Scalar* out) {
+  constexpr Index kLanes = 16;
+  using Lanes = Eigen::Array<Scalar, kLanes, 1>;
+  Lanes acc = Lanes::Zero();
+  Index j = 0;
+  for (; j + kLanes <= V; j += kLanes) {
+    const Lanes e = (Eigen::Map<const Lanes>(z + j) - m).exp();
+    if (out) Eigen::Map<Lanes>(out + j) = e;
+    acc += e;
+  }
+  Scalar tail(0);
+  for (; j < V; ++j) {
+    const Scalar e = std::exp(z[j] - m);
+    if (out) out[j] = e;
+    tail += e;
+  }
+  return acc.sum() + tail;
 }
 
 }  // namespace detail

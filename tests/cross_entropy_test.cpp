@@ -1,0 +1,606 @@
+// Tests for include/embedhead/cross_entropy.hpp: softmax cross-entropy on logits, its gradient
+// (softmax - one_hot) * scale, the three reductions, ignore_index, per-token losses, numerical
+// stability and the errors. Expected values come from naive::cross_entropy_sum, a naive softmax
+// written here in double, central finite differences, and the worked example of the seeds.
+#include <embedhead/cross_entropy.hpp>
+
+#include "reference/naive.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+using Catch::Contains;
+using Catch::Matchers::WithinAbs;
+using Catch::Matchers::WithinRel;
+using embedhead::CrossEntropyOptions;
+using embedhead::Index;
+using embedhead::IdMatrix;
+using embedhead::Reduction;
+using embedhead::RowMatrix;
+
+namespace {
+
+template <typename Scalar>
+RowMatrix<Scalar> random_logits(Index N, Index V, std::uint32_t seed, double spread = 3.0) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> dist(-spread, spread);
+  RowMatrix<Scalar> m(N, V);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(dist(gen));
+  return m;
+}
+
+template <typename Id>
+IdMatrix<Id> random_targets(Index B, Index T, Index V, std::uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<long long> dist(0, V - 1);
+  IdMatrix<Id> y(B, T);
+  for (Index i = 0; i < y.size(); ++i) y.data()[i] = static_cast<Id>(dist(gen));
+  return y;
+}
+
+// (softmax(z) - one_hot(y)) * scale per row, zero rows where y == ignore_index; all in double.
+template <typename Scalar, typename TargetsT>
+RowMatrix<double> naive_dlogits(const RowMatrix<Scalar>& logits, const TargetsT& targets, Index ignore_index,
+                                double scale) {
+  RowMatrix<double> g = RowMatrix<double>::Zero(logits.rows(), logits.cols());
+  for (Index n = 0; n < logits.rows(); ++n) {
+    const Index y = static_cast<Index>(targets(n / targets.cols(), n % targets.cols()));
+    if (y == ignore_index) continue;
+    double m = -INFINITY, s = 0;
+    for (Index j = 0; j < logits.cols(); ++j) m = std::max(m, static_cast<double>(logits(n, j)));
+    for (Index j = 0; j < logits.cols(); ++j) s += std::exp(static_cast<double>(logits(n, j)) - m);
+    for (Index j = 0; j < logits.cols(); ++j)
+      g(n, j) = (std::exp(static_cast<double>(logits(n, j)) - m) / s - (j == y ? 1.0 : 0.0)) * scale;
+  }
+  return g;
+}
+
+template <typename Scalar>
+double loss_tolerance() {
+  return std::is_same<Scalar, float>::value ? 2e-5 : 1e-12;
+}
+
+template <typename A, typename B>
+bool same_values(const A& a, const B& b) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  for (Index r = 0; r < a.rows(); ++r)
+    for (Index c = 0; c < a.cols(); ++c)
+      if (!(a(r, c) == b(r, c))) return false;
+  return true;
+}
+
+CrossEntropyOptions with(Reduction reduction, Index ignore_index = -100) {
+  CrossEntropyOptions options;
+  options.reduction = reduction;
+  options.ignore_index = ignore_index;
+  return options;
+}
+
+const char* name_of(Reduction r) { return r == Reduction::mean ? "mean" : r == Reduction::sum ? "sum" : "none"; }
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cross_entropy matches the naive reference for every reduction", "[cross_entropy][naive]", float,
+                   double) {
+  using S = TestType;
+  const double tol = loss_tolerance<S>();
+  for (Index V : {1, 2, 7, 8, 9, 15, 16, 17}) {
+    const Index B = 3, T = 4, N = B * T;
+    const RowMatrix<S> logits = random_logits<S>(N, V, 100 + static_cast<std::uint32_t>(V));
+    IdMatrix<std::int32_t> targets = random_targets<std::int32_t>(B, T, V, 200 + static_cast<std::uint32_t>(V));
+    targets(1, 2) = -100;  // one ignored token (PyTorch's default ignore_index)
+    Index naive_count = 0;
+    const double naive_sum = naive::cross_entropy_sum(logits, targets, -100, naive_count);
+    REQUIRE(naive_count == N - 1);
+
+    for (Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none}) {
+      INFO("V = " << V << ", reduction = " << name_of(reduction));
+      const double expected_loss = reduction == Reduction::mean ? naive_sum / static_cast<double>(naive_count) : naive_sum;
+      const auto r = embedhead::cross_entropy<S>(logits, targets, with(reduction));
+      CHECK(r.count == naive_count);
+      CHECK_THAT(r.sum, WithinRel(naive_sum, tol) || WithinAbs(naive_sum, tol));
+      CHECK_THAT(r.loss, WithinRel(expected_loss, tol) || WithinAbs(expected_loss, tol));
+
+      RowMatrix<S> dlogits(N, V);
+      const auto r2 = embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits, with(reduction));
+      // The loss does not depend on whether the gradient is asked for: both paths sum
+      // exp(z - m) in the same fixed order, so the results are bit-identical.
+      CHECK(r2.loss == r.loss);
+      CHECK(r2.sum == r.sum);
+      CHECK(r2.count == r.count);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("cross_entropy accepts int32 and int64 targets, as [B, T] or as a column", "[cross_entropy][targets]",
+                   float, double) {
+  using S = TestType;
+  const Index B = 2, T = 5, N = B * T, V = 9;
+  const RowMatrix<S> logits = random_logits<S>(N, V, 7);
+  const IdMatrix<std::int32_t> targets32 = random_targets<std::int32_t>(B, T, V, 8);
+  const IdMatrix<std::int64_t> targets64 = targets32.template cast<std::int64_t>();
+  // The same ids as an [N, 1] column, a column-major [B, T] matrix and an Eigen vector.
+  const IdMatrix<std::int32_t> column = Eigen::Map<const IdMatrix<std::int32_t>>(targets32.data(), N, 1);
+  const Eigen::Matrix<std::int32_t, Eigen::Dynamic, Eigen::Dynamic> col_major = targets32;
+  const Eigen::Matrix<std::int64_t, Eigen::Dynamic, 1> vector64 = column.template cast<std::int64_t>();
+
+  Index naive_count = 0;
+  const double naive_sum = naive::cross_entropy_sum(logits, targets32, -100, naive_count);
+  const double tol = loss_tolerance<S>();
+
+  RowMatrix<S> reference_dlogits(N, V);
+  const auto reference = embedhead::cross_entropy_forward_backward<S>(logits, targets32, reference_dlogits);
+  CHECK(reference.count == N);
+  CHECK_THAT(reference.loss, WithinRel(naive_sum / static_cast<double>(N), tol));
+
+  auto same_as_reference = [&](const embedhead::CrossEntropyResult& r, const RowMatrix<S>& dlogits) {
+    CHECK(r.loss == reference.loss);
+    CHECK(r.count == reference.count);
+    CHECK(same_values(dlogits, reference_dlogits));
+  };
+  RowMatrix<S> dlogits(N, V);
+  same_as_reference(embedhead::cross_entropy_forward_backward<S>(logits, targets64, dlogits), dlogits);
+  dlogits.setZero();
+  same_as_reference(embedhead::cross_entropy_forward_backward<S>(logits, column, dlogits), dlogits);
+  dlogits.setZero();
+  same_as_reference(embedhead::cross_entropy_forward_backward<S>(logits, col_major, dlogits), dlogits);
+  dlogits.setZero();
+  same_as_reference(embedhead::cross_entropy_forward_backward<S>(logits, vector64, dlogits), dlogits);
+}
+
+TEMPLATE_TEST_CASE("cross_entropy gradient is (softmax - one_hot) * scale", "[cross_entropy][gradient]", float, double) {
+  using S = TestType;
+  const double tol = std::is_same<S, float>::value ? 1e-6 : 1e-14;
+
+  for (Index V : {1, 7, 8, 9, 16, 17}) {
+    const Index B = 2, T = 3, N = B * T;
+    const RowMatrix<S> logits = random_logits<S>(N, V, 300 + static_cast<std::uint32_t>(V));
+    IdMatrix<std::int64_t> targets = random_targets<std::int64_t>(B, T, V, 400 + static_cast<std::uint32_t>(V));
+    targets(0, 1) = -100;
+    const Index count = N - 1;
+
+    RowMatrix<S> d_mean(N, V), d_sum(N, V), d_none(N, V);
+    embedhead::cross_entropy_forward_backward<S>(logits, targets, d_mean, with(Reduction::mean));
+    embedhead::cross_entropy_forward_backward<S>(logits, targets, d_sum, with(Reduction::sum));
+    embedhead::cross_entropy_forward_backward<S>(logits, targets, d_none, with(Reduction::none));
+
+    SECTION("naive reference, V = " + std::to_string(V)) {
+      // sum and none: scale 1; mean: scale 1 / count.
+      const RowMatrix<double> expected_sum = naive_dlogits(logits, targets, -100, 1.0);
+      const RowMatrix<double> expected_mean = naive_dlogits(logits, targets, -100, 1.0 / static_cast<double>(count));
+      for (Index i = 0; i < N * V; ++i) {
+        CHECK_THAT(static_cast<double>(d_sum.data()[i]), WithinAbs(expected_sum.data()[i], tol));
+        CHECK_THAT(static_cast<double>(d_none.data()[i]), WithinAbs(expected_sum.data()[i], tol));
+        CHECK_THAT(static_cast<double>(d_mean.data()[i]), WithinAbs(expected_mean.data()[i], tol));
+      }
+      CHECK(same_values(d_none, d_sum));
+      // The ignored row is exactly zero.
+      CHECK(d_sum.row(1).isZero(0));
+      CHECK(d_mean.row(1).isZero(0));
+    }
+
+    SECTION("rows sum to ~0 and mean = sum / count, V = " + std::to_string(V)) {
+      // sum_j softmax_j = 1 and the one-hot removes 1, so every row's gradient sums to zero.
+      for (Index n = 0; n < N; ++n) {
+        CHECK_THAT(static_cast<double>(d_sum.row(n).sum()), WithinAbs(0.0, 8 * tol));
+        CHECK_THAT(static_cast<double>(d_mean.row(n).sum()), WithinAbs(0.0, 8 * tol));
+      }
+      for (Index i = 0; i < N * V; ++i)
+        CHECK_THAT(static_cast<double>(d_mean.data()[i]) * static_cast<double>(count),
+                   WithinAbs(static_cast<double>(d_sum.data()[i]), 8 * tol));
+      // Only the target column is negative (softmax < 1 elsewhere is positive).
+      for (Index n = 0; n < N; ++n) {
+        const Index y = targets(n / T, n % T);
+        if (y == -100 || V == 1) continue;
+        for (Index j = 0; j < V; ++j) CHECK((j == y ? d_sum(n, j) < 0 : d_sum(n, j) > 0));
+      }
+    }
+  }
+}
+
+TEST_CASE("cross_entropy gradient check in double (mean loss)", "[cross_entropy][gradient]") {
+  const Index B = 2, T = 3, N = B * T, V = 7;
+  RowMatrix<double> logits = random_logits<double>(N, V, 9);
+  IdMatrix<std::int32_t> targets = random_targets<std::int32_t>(B, T, V, 10);
+  targets(1, 0) = -100;
+  targets(0, 2) = targets(0, 0);  // a repeated target
+
+  auto loss = [&]() { return embedhead::cross_entropy<double>(logits, targets).loss; };
+  const RowMatrix<double> numeric = naive::numerical_gradient(logits, loss);
+  RowMatrix<double> analytic(N, V);
+  embedhead::cross_entropy_forward_backward<double>(logits, targets, analytic);
+  CHECK(naive::max_relative_error(analytic, numeric) < 1e-6);
+  // The ignored row does not affect the loss at all.
+  CHECK(numeric.row(3).isZero(0));
+
+  SECTION("sum reduction too") {
+    auto sum_loss = [&]() { return embedhead::cross_entropy<double>(logits, targets, with(Reduction::sum)).loss; };
+    const RowMatrix<double> numeric_sum = naive::numerical_gradient(logits, sum_loss);
+    RowMatrix<double> analytic_sum(N, V);
+    embedhead::cross_entropy_forward_backward<double>(logits, targets, analytic_sum, with(Reduction::sum));
+    CHECK(naive::max_relative_error(analytic_sum, numeric_sum) < 1e-6);
+  }
+}
+
+TEMPLATE_TEST_CASE("cross_entropy is stable for huge logits", "[cross_entropy][stability]", float, double) {
+  using S = TestType;
+  // Offsets are multiples of 1/8, exact in float next to 1e4 (its ulp there is 2^-10), so z - c is
+  // computed exactly and both calls see the same shifted row.
+  const Index N = 3, V = 5;
+  RowMatrix<S> offsets(N, V);
+  offsets << S(0.5), S(-1.25), S(2.0), S(0.125), S(-3.0),  //
+      S(1.0), S(1.0), S(1.0), S(1.0), S(1.0),              //
+      S(-0.75), S(4.0), S(0.0), S(-2.5), S(3.25);
+  IdMatrix<std::int32_t> targets(N, 1);
+  targets << 2, 0, 4;
+
+  RowMatrix<S> shifted_dlogits(N, V);
+  const auto shifted = embedhead::cross_entropy_forward_backward<S>(offsets, targets, shifted_dlogits);
+  for (double c : {1e4, -1e4}) {
+    INFO("c = " << c);
+    const RowMatrix<S> logits = (offsets.array() + static_cast<S>(c)).matrix();
+    RowMatrix<S> dlogits(N, V);
+    const auto r = embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits);
+    CHECK(std::isfinite(r.loss));
+    CHECK(dlogits.allFinite());
+    CHECK_THAT(r.loss, WithinRel(shifted.loss, 1e-9));
+    CHECK(same_values(dlogits, shifted_dlogits));
+    Index naive_count = 0;
+    CHECK_THAT(r.sum, WithinRel(naive::cross_entropy_sum(logits, targets, -100, naive_count), loss_tolerance<S>()));
+  }
+  // Row 1 is uniform: loss log 5 whatever the offset.
+  RowMatrix<S> losses(N, 1);
+  embedhead::cross_entropy_per_token<S>(offsets, targets, losses);
+  CHECK_THAT(static_cast<double>(losses(1, 0)), WithinRel(std::log(5.0), 1e-6));
+
+  SECTION("a row spanning [-1e4, 1e4]") {
+    RowMatrix<S> wide(2, 3);
+    wide << S(1e4), S(-1e4), S(0), S(1e4), S(-1e4), S(0);
+    IdMatrix<std::int32_t> y(2, 1);
+    y << 0, 1;
+    RowMatrix<S> losses2(2, 1), dlogits(2, 3);
+    embedhead::cross_entropy_per_token<S>(wide, y, losses2);
+    embedhead::cross_entropy_forward_backward<S>(wide, y, dlogits, with(Reduction::sum));
+    CHECK(losses2.allFinite());
+    CHECK(dlogits.allFinite());
+    // Row 0 predicts its target with probability 1 - O(e^-1e4): loss 0. Row 1's target is 2e4 below
+    // the max: loss 2e4 (exp(-1e4) and exp(-2e4) vanish next to 1).
+    CHECK_THAT(static_cast<double>(losses2(0, 0)), WithinAbs(0.0, 1e-12));
+    CHECK_THAT(static_cast<double>(losses2(1, 0)), WithinRel(2e4, 1e-7));
+    CHECK_THAT(static_cast<double>(dlogits(1, 0)), WithinAbs(1.0, 1e-7));
+    CHECK_THAT(static_cast<double>(dlogits(1, 1)), WithinAbs(-1.0, 1e-7));
+  }
+
+  SECTION("V = 1: loss 0 and zero gradient") {
+    RowMatrix<S> one_column(4, 1);
+    one_column << S(1e4), S(-1e4), S(0), S(3.5);
+    const IdMatrix<std::int32_t> zeros = IdMatrix<std::int32_t>::Zero(2, 2);
+    for (Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none}) {
+      RowMatrix<S> dlogits = RowMatrix<S>::Constant(4, 1, S(7));
+      const auto r = embedhead::cross_entropy_forward_backward<S>(one_column, zeros, dlogits, with(reduction));
+      CHECK(r.loss == 0.0);
+      CHECK(r.sum == 0.0);
+      CHECK(r.count == 4);
+      CHECK(dlogits.isZero(0));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("cross_entropy ignore_index", "[cross_entropy][ignore]", float, double) {
+  using S = TestType;
+  const Index B = 2, T = 4, N = B * T, V = 6;
+  const RowMatrix<S> logits = random_logits<S>(N, V, 11);
+  const double tol = loss_tolerance<S>();
+
+  SECTION("ignored rows: no loss, zero gradient rows, not counted") {
+    IdMatrix<std::int32_t> targets = random_targets<std::int32_t>(B, T, V, 12);
+    targets(0, 0) = -100;
+    targets(1, 3) = -100;
+    // The same loss as dropping those rows entirely.
+    RowMatrix<S> kept_logits(N - 2, V);
+    IdMatrix<std::int32_t> kept_targets(N - 2, 1);
+    for (Index n = 0, k = 0; n < N; ++n)
+      if (targets(n / T, n % T) != -100) {
+        kept_logits.row(k) = logits.row(n);
+        kept_targets(k++, 0) = targets(n / T, n % T);
+      }
+    Index kept_count = 0;
+    const double kept_sum = naive::cross_entropy_sum(kept_logits, kept_targets, -100, kept_count);
+    REQUIRE(kept_count == N - 2);
+
+    RowMatrix<S> dlogits = RowMatrix<S>::Constant(N, V, S(5));
+    const auto r = embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits);
+    CHECK(r.count == N - 2);
+    CHECK_THAT(r.loss, WithinRel(kept_sum / static_cast<double>(N - 2), tol));
+    CHECK(dlogits.row(0).isZero(0));
+    CHECK(dlogits.row(7).isZero(0));
+    const RowMatrix<double> expected = naive_dlogits(logits, targets, -100, 1.0 / static_cast<double>(N - 2));
+    CHECK(naive::max_relative_error(dlogits.template cast<double>(), expected, 1e-6) < 1e-4);
+
+    RowMatrix<S> losses = RowMatrix<S>::Constant(N, 1, S(5));
+    embedhead::cross_entropy_per_token<S>(logits, targets, losses);
+    CHECK(losses(0, 0) == S(0));
+    CHECK(losses(7, 0) == S(0));
+  }
+
+  SECTION("all targets ignored: loss 0, count 0, zero gradient, no NaN") {
+    const IdMatrix<std::int32_t> all_ignored = IdMatrix<std::int32_t>::Constant(B, T, -100);
+    for (Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none}) {
+      INFO(name_of(reduction));
+      RowMatrix<S> dlogits = RowMatrix<S>::Constant(N, V, S(5));
+      const auto r = embedhead::cross_entropy_forward_backward<S>(logits, all_ignored, dlogits, with(reduction));
+      CHECK(r.loss == 0.0);
+      CHECK(r.sum == 0.0);
+      CHECK(r.count == 0);
+      CHECK(dlogits.allFinite());
+      CHECK(dlogits.isZero(0));
+      CHECK(embedhead::cross_entropy<S>(logits, all_ignored, with(reduction)).loss == 0.0);
+      RowMatrix<S> losses = RowMatrix<S>::Constant(N, 1, S(5));
+      embedhead::cross_entropy_per_token<S>(logits, all_ignored, losses, with(reduction));
+      CHECK(losses.isZero(0));
+    }
+  }
+
+  SECTION("custom ignore_index: -1, and V - 1 inside the vocabulary") {
+    IdMatrix<std::int64_t> targets = random_targets<std::int64_t>(B, T, V - 1, 13);  // ids in [0, V-1)
+    targets(0, 3) = -1;
+    // With ignore_index = -1, -1 is skipped and -100 would be an error.
+    Index naive_count = 0;
+    const double naive_sum = naive::cross_entropy_sum(logits, targets, -1, naive_count);
+    const auto r = embedhead::cross_entropy<S>(logits, targets, with(Reduction::sum, -1));
+    CHECK(r.count == N - 1);
+    CHECK(naive_count == N - 1);
+    CHECK_THAT(r.loss, WithinRel(naive_sum, tol));
+
+    targets(0, 3) = V - 1;
+    targets(1, 1) = V - 1;
+    const auto r2 = embedhead::cross_entropy<S>(logits, targets, with(Reduction::mean, V - 1));
+    const double naive_sum2 = naive::cross_entropy_sum(logits, targets, V - 1, naive_count);
+    CHECK(r2.count == N - 2);
+    CHECK(naive_count == N - 2);
+    CHECK_THAT(r2.loss, WithinRel(naive_sum2 / static_cast<double>(N - 2), tol));
+    RowMatrix<S> dlogits(N, V);
+    embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits, with(Reduction::mean, V - 1));
+    CHECK(dlogits.row(3).isZero(0));
+    CHECK(dlogits.row(5).isZero(0));
+    // The default ignore_index (-100) does not apply any more.
+    targets(1, 2) = -100;
+    REQUIRE_THROWS_AS(embedhead::cross_entropy<S>(logits, targets, with(Reduction::mean, V - 1)), embedhead::index_error);
+  }
+}
+
+TEMPLATE_TEST_CASE("cross_entropy_per_token matches the naive loss of each row", "[cross_entropy][per_token]", float,
+                   double) {
+  using S = TestType;
+  const double tol = loss_tolerance<S>();
+  for (Index V : {1, 8, 9, 17}) {
+    const Index B = 3, T = 3, N = B * T;
+    const RowMatrix<S> logits = random_logits<S>(N, V, 500 + static_cast<std::uint32_t>(V));
+    IdMatrix<std::int32_t> targets = random_targets<std::int32_t>(B, T, V, 600 + static_cast<std::uint32_t>(V));
+    targets(2, 0) = -100;
+    RowMatrix<S> losses = RowMatrix<S>::Constant(N, 1, S(-1));
+    const auto r = embedhead::cross_entropy_per_token<S>(logits, targets, losses, with(Reduction::none));
+    double total = 0;
+    for (Index n = 0; n < N; ++n) {
+      INFO("V = " << V << ", n = " << n);
+      // The naive loss of row n alone.
+      Index one = 0;
+      const RowMatrix<S> row = logits.row(n);
+      IdMatrix<std::int32_t> y(1, 1);
+      y(0, 0) = targets(n / T, n % T);
+      const double expected = naive::cross_entropy_sum(row, y, -100, one);
+      CHECK_THAT(static_cast<double>(losses(n, 0)), WithinRel(expected, tol) || WithinAbs(expected, tol));
+      total += expected;
+    }
+    CHECK(losses(6, 0) == S(0));
+    CHECK(r.count == N - 1);
+    CHECK_THAT(r.loss, WithinRel(total, tol) || WithinAbs(total, tol));
+  }
+}
+
+TEMPLATE_TEST_CASE("CrossEntropyLoss equals the free functions", "[cross_entropy][class]", float, double) {
+  using S = TestType;
+  const Index B = 2, T = 3, N = B * T, V = 8;
+  const RowMatrix<S> logits = random_logits<S>(N, V, 14);
+  IdMatrix<std::int32_t> targets(B, T);
+  targets << 0, 7, 5,  //
+      2, 3, 1;         // 3 is this test's ignore_index
+  const IdMatrix<std::int64_t> targets64 = targets.template cast<std::int64_t>();
+
+  for (Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none}) {
+    const CrossEntropyOptions options = with(reduction, 3);
+    const embedhead::CrossEntropyLoss<S> loss(options);
+    CHECK(loss.options().reduction == reduction);
+    CHECK(loss.options().ignore_index == 3);
+
+    RowMatrix<S> free_d(N, V), class_d(N, V), class_d64(N, V);
+    const auto free_r = embedhead::cross_entropy_forward_backward<S>(logits, targets, free_d, options);
+    const auto class_r = loss.forward_backward(logits, targets, class_d);
+    const auto class_r64 = loss.forward_backward(logits, targets64, class_d64);
+    for (const auto& r : {class_r, class_r64, loss.forward(logits, targets), loss.forward(logits, targets64)}) {
+      CHECK(r.loss == free_r.loss);
+      CHECK(r.sum == free_r.sum);
+      CHECK(r.count == free_r.count);
+    }
+    CHECK(free_r.count == N - 1);
+    CHECK(same_values(class_d, free_d));
+    CHECK(same_values(class_d64, free_d));
+  }
+  // Default options: mean, ignore_index -100.
+  const embedhead::CrossEntropyLoss<S> default_loss;
+  CHECK(default_loss.options().reduction == Reduction::mean);
+  CHECK(default_loss.options().ignore_index == -100);
+}
+
+TEMPLATE_TEST_CASE("cross_entropy_forward_backward in place (dlogits = logits)", "[cross_entropy][in_place]", float,
+                   double) {
+  using S = TestType;
+  const Index B = 2, T = 4, N = B * T, V = 9;
+  const RowMatrix<S> logits = random_logits<S>(N, V, 16);
+  IdMatrix<std::int32_t> targets = random_targets<std::int32_t>(B, T, V, 17);
+  targets(1, 0) = -100;
+  RowMatrix<S> separate(N, V);
+  const auto expected = embedhead::cross_entropy_forward_backward<S>(logits, targets, separate);
+  RowMatrix<S> buffer = logits;
+  const auto r = embedhead::cross_entropy_forward_backward<S>(buffer, targets, buffer);
+  CHECK(r.loss == expected.loss);
+  CHECK(r.count == expected.count);
+  CHECK(same_values(buffer, separate));
+}
+
+TEMPLATE_TEST_CASE("cross_entropy worked example from the seeds", "[cross_entropy][seeds]", float, double) {
+  using S = TestType;
+  // E = [[0.1, 0.2], [0.3, -0.1], [0.0, 0.5]], h = (1, 2): z = E h = [0.5, 0.1, 1.0], target 2.
+  RowMatrix<S> z(1, 3);
+  z << S(0.5), S(0.1), S(1.0);
+  IdMatrix<std::int32_t> y(1, 1);
+  y << 2;
+
+  // The softmax by hand: e^0.5, e^0.1, e^1 over their sum.
+  const double e0 = std::exp(0.5), e1 = std::exp(0.1), e2 = std::exp(1.0), total = e0 + e1 + e2;
+  const double p[3] = {e0 / total, e1 / total, e2 / total};
+  const double tol = std::is_same<S, float>::value ? 1e-6 : 1e-14;
+
+  RowMatrix<S> dlogits(1, 3);
+  const auto r = embedhead::cross_entropy_forward_backward<S>(z, y, dlogits, with(Reduction::sum));
+  // softmax = dlogits + one_hot(y).
+  const double softmax[3] = {static_cast<double>(dlogits(0, 0)), static_cast<double>(dlogits(0, 1)),
+                             static_cast<double>(dlogits(0, 2)) + 1.0};
+  // The seeds' rounded values: p ~ [0.301, 0.202, 0.497].
+  CHECK_THAT(softmax[0], WithinAbs(0.301, 5e-4));
+  CHECK_THAT(softmax[1], WithinAbs(0.202, 5e-4));
+  CHECK_THAT(softmax[2], WithinAbs(0.497, 5e-4));
+  for (int j = 0; j < 3; ++j) CHECK_THAT(softmax[j], WithinAbs(p[j], tol));
+  // dlogits = p - one_hot ~ [0.301, 0.202, -0.503]; times h = (1, 2) it gives the seeds' tied
+  // gradient rows [0.301, 0.603], [0.202, 0.404], [-0.503, -1.007].
+  CHECK_THAT(static_cast<double>(dlogits(0, 2)), WithinAbs(-0.503, 5e-4));
+  CHECK_THAT(2.0 * static_cast<double>(dlogits(0, 0)), WithinAbs(0.603, 5e-4));
+  CHECK_THAT(2.0 * static_cast<double>(dlogits(0, 2)), WithinAbs(-1.007, 5e-4));
+
+  // loss = -log p_2 = -log(0.4967...) = 0.6996...
+  CHECK_THAT(r.loss, WithinAbs(-std::log(p[2]), tol));
+  CHECK_THAT(r.loss, WithinAbs(0.6996, 1e-4));
+  CHECK(r.count == 1);
+}
+
+TEMPLATE_TEST_CASE("cross_entropy rejects bad input and writes nothing", "[cross_entropy][errors]", float, double) {
+  using S = TestType;
+  const Index B = 2, T = 3, N = B * T, V = 5;
+  const RowMatrix<S> logits = random_logits<S>(N, V, 18);
+  const S sentinel = S(-12.5);
+  RowMatrix<S> dlogits = RowMatrix<S>::Constant(N, V, sentinel);
+  RowMatrix<S> losses = RowMatrix<S>::Constant(N, 1, sentinel);
+  auto check_untouched = [&] {
+    CHECK((dlogits.array() == sentinel).all());
+    CHECK((losses.array() == sentinel).all());
+  };
+
+  SECTION("target == V") {
+    IdMatrix<std::int32_t> targets = IdMatrix<std::int32_t>::Zero(B, T);
+    targets(1, 0) = 5;  // n = 3
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits), embedhead::index_error);
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits),
+                        Contains("cross_entropy_forward_backward") && Contains("target 5") && Contains("n=3") &&
+                            Contains("(b=1, t=0)") && Contains("[0, 5)"));
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_per_token<S>(logits, targets, losses),
+                        Contains("target 5") && Contains("n=3") && Contains("[0, 5)"));
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy<S>(logits, targets),
+                        Contains("target 5") && Contains("n=3") && Contains("[0, 5)"));
+    REQUIRE_THROWS_WITH(embedhead::CrossEntropyLoss<S>().forward_backward(logits, targets, dlogits),
+                        Contains("CrossEntropyLoss::forward_backward") && Contains("target 5"));
+    check_untouched();
+  }
+
+  SECTION("negative target that is not ignore_index, int64, reported first in row-major order") {
+    IdMatrix<std::int64_t> targets = IdMatrix<std::int64_t>::Zero(B, T);
+    targets(0, 2) = -1;   // n = 2, the first bad one
+    targets(1, 2) = 77;   // n = 5
+    targets(1, 1) = -100; // ignored, not an error
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits), embedhead::index_error);
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits),
+                        Contains("target -1") && Contains("n=2") && Contains("[0, 5)") && Contains("-100"));
+    REQUIRE_THROWS_WITH(embedhead::CrossEntropyLoss<S>().forward(logits, targets),
+                        Contains("CrossEntropyLoss::forward") && Contains("target -1"));
+    check_untouched();
+  }
+
+  SECTION("targets with the wrong count") {
+    const IdMatrix<std::int32_t> targets = IdMatrix<std::int32_t>::Zero(B, T + 1);
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits), embedhead::shape_error);
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits),
+                        Contains("targets") && Contains("8") && Contains("N = 6"));
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_per_token<S>(logits, targets, losses), Contains("N = 6"));
+    const IdMatrix<std::int32_t> too_few = IdMatrix<std::int32_t>::Zero(N - 1, 1);
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy<S>(logits, too_few), Contains("5 entries") && Contains("N = 6"));
+    check_untouched();
+  }
+
+  SECTION("dlogits wrong shape (checked before the targets)") {
+    IdMatrix<std::int32_t> targets = IdMatrix<std::int32_t>::Zero(B, T);
+    RowMatrix<S> wrong = RowMatrix<S>::Constant(N, V + 1, sentinel);
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_forward_backward<S>(logits, targets, wrong), embedhead::shape_error);
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_forward_backward<S>(logits, targets, wrong),
+                        Contains("dlogits") && Contains("[6, 6]") && Contains("expected [6, 5]"));
+    CHECK((wrong.array() == sentinel).all());
+    targets(0, 0) = 9;
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_forward_backward<S>(logits, targets, wrong), embedhead::shape_error);
+    check_untouched();
+  }
+
+  SECTION("losses wrong shape") {
+    const IdMatrix<std::int32_t> targets = IdMatrix<std::int32_t>::Zero(B, T);
+    RowMatrix<S> wrong = RowMatrix<S>::Constant(N, 2, sentinel);
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_per_token<S>(logits, targets, wrong), embedhead::shape_error);
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_per_token<S>(logits, targets, wrong),
+                        Contains("losses") && Contains("[6, 2]") && Contains("expected [6, 1]"));
+    RowMatrix<S> row_shaped = RowMatrix<S>::Constant(1, N, sentinel);
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_per_token<S>(logits, targets, row_shaped), embedhead::shape_error);
+    CHECK((wrong.array() == sentinel).all());
+    CHECK((row_shaped.array() == sentinel).all());
+    check_untouched();
+  }
+
+  SECTION("a bad target after good rows: the good rows are not written either") {
+    IdMatrix<std::int32_t> targets = IdMatrix<std::int32_t>::Ones(B, T);
+    targets(1, 2) = 5;  // the last row
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits), embedhead::index_error);
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_per_token<S>(logits, targets, losses), embedhead::index_error);
+    check_untouched();
+  }
+}
+
+TEMPLATE_TEST_CASE("cross_entropy: the loss and gradient do not depend on where the logits live", "[cross_entropy][determinism]",
+                   float, double) {
+  // Vectorised reductions that peel to an aligned address sum in an order that depends on the
+  // pointer; the library's fixed 16-lane order must not. Copy the same logits to every offset
+  // of a buffer (0..15 scalars) and require bit-identical results.
+  using S = TestType;
+  const Index N = 3, V = 53;  // V not a multiple of 16: lanes and tail both used
+  std::mt19937 gen(7);
+  std::normal_distribution<double> normal(0.0, 3.0);
+  RowMatrix<S> logits(N, V);
+  for (Index i = 0; i < logits.size(); ++i) logits.data()[i] = static_cast<S>(normal(gen));
+  IdMatrix<std::int32_t> targets(1, N);
+  targets << 4, 52, 0;
+
+  RowMatrix<S> dlogits_ref(N, V);
+  const auto ref = embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits_ref);
+  std::vector<S> buffer(static_cast<std::size_t>(N * V + 16)), grad_buffer(buffer.size());
+  for (Index offset = 0; offset < 16; ++offset) {
+    INFO("offset " << offset);
+    Eigen::Map<RowMatrix<S>> moved(buffer.data() + offset, N, V);
+    Eigen::Map<RowMatrix<S>> dmoved(grad_buffer.data() + (15 - offset), N, V);
+    moved = logits;
+    const auto r = embedhead::cross_entropy_forward_backward<S>(moved, targets, dmoved);
+    CHECK(r.sum == ref.sum);
+    CHECK(embedhead::cross_entropy<S>(moved, targets).sum == ref.sum);
+    CHECK(RowMatrix<S>(dmoved) == dlogits_ref);
+  }
+}
