@@ -121,7 +121,9 @@ class OutputProjection {
   // Every parameter this layer uses, shared ones included (a tied head lists the embedding's E);
   // count_parameters() counts each distinct one once.
   std::vector<std::shared_ptr<Parameter<Scalar>>> parameters() const {
-    std::vector<std::shared_ptr<Parameter<Scalar>>> list{weight_};
+    std::vector<std::shared_ptr<Parameter<Scalar>>> list;
+    list.reserve(2);
+    list.push_back(weight_);
     if (bias_) list.push_back(bias_);
     return list;
   }
