@@ -432,3 +432,40 @@ TEMPLATE_TEST_CASE("RowGradient: touch_rows rejects bad ids and changes nothing"
   REQUIRE_THROWS_AS(g.touch_rows(repeated.data(), 2, out.data()), embedhead::value_error);
   expect_unchanged();
 }
+
+TEST_CASE("RowGradient: touch_rows with `fresh` flags new rows and leaves them for the caller", "[parameter][row_gradient]") {
+  RowGradient<double> g(20, 2);
+  std::vector<Index> slots(3);
+  std::vector<unsigned char> fresh(3, 9);
+  const std::vector<Index> first{4, 10, 15};
+  g.touch_rows(first.data(), 3, slots.data(), fresh.data());
+  CHECK(fresh == std::vector<unsigned char>{1, 1, 1});
+  for (std::size_t j = 0; j < 3; ++j) g.slot_row(slots[j]).setConstant(static_cast<double>(first[j]));
+
+  // 10 exists; 2, 12 and 19 are new and land before, between and after the old rows.
+  const std::vector<Index> second{2, 10, 12, 19};
+  slots.assign(4, -1);
+  fresh.assign(4, 9);
+  g.touch_rows(second.data(), 4, slots.data(), fresh.data());
+  CHECK(fresh == std::vector<unsigned char>{1, 0, 1, 1});
+  CHECK(g.touched_rows() == std::vector<Index>{2, 4, 10, 12, 15, 19});
+  // Old rows moved with their values; the caller assigns the new ones.
+  CHECK(g.slot_row(slots[1])(0) == 10.0);
+  for (std::size_t j : {std::size_t{0}, std::size_t{2}, std::size_t{3}}) g.slot_row(slots[j]).setConstant(-1.0);
+  const RowMatrix<double> dense = g.to_dense();
+  CHECK(dense(4, 0) == 4.0);
+  CHECK(dense(15, 1) == 15.0);
+  CHECK(dense(12, 0) == -1.0);
+
+  // Nothing new: every flag is 0.
+  fresh.assign(4, 9);
+  g.touch_rows(second.data(), 4, slots.data(), fresh.data());
+  CHECK(fresh == std::vector<unsigned char>{0, 0, 0, 0});
+
+  // Dense mode: rows exist already, so nothing is fresh.
+  g.dense_accumulator();
+  fresh.assign(4, 9);
+  g.touch_rows(second.data(), 4, slots.data(), fresh.data());
+  CHECK(fresh == std::vector<unsigned char>{0, 0, 0, 0});
+  CHECK(slots == second);
+}

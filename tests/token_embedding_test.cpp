@@ -710,3 +710,37 @@ TEMPLATE_TEST_CASE("TokenEmbedding: the output-argument overloads do not allocat
     CHECK(first_difference(emb.weight().grad().to_dense(), expected_grad) == "");
   }
 }
+
+TEMPLATE_TEST_CASE("TokenEmbedding backward: reused and merged gradient rows never leak stale values",
+                   "[token_embedding][backward]", float, double) {
+  // The sparse gradient keeps its block of rows across zero_grad and writes a new row's first
+  // token instead of adding it to zeros. A row reused after zero_grad, or shifted by a merge,
+  // must therefore come out exactly as the naive dense accumulation of the current step.
+  using Scalar = TestType;
+  std::mt19937_64 gen(2024);
+  const Index V = 64, d = 9;
+  for (const Scalar scale_on : {Scalar(0), Scalar(1)}) {
+    TokenEmbeddingOptions options;
+    options.scale_by_sqrt_d = scale_on != Scalar(0);
+    options.padding_idx = 7;
+    auto embedding = random_embedding<Scalar>(gen, V, d, options);
+    const Scalar s = embedding.scale();
+    RowMatrix<Scalar> expected = RowMatrix<Scalar>::Zero(V, d);
+    for (int step = 0; step < 30; ++step) {
+      // Every third step starts a new accumulation; the others add to it, so new ids land before,
+      // between and after rows already in the block.
+      if (step % 3 == 0) {
+        embedding.zero_grad();
+        expected.setZero();
+      }
+      std::uniform_int_distribution<Index> T_dist(1, 12);
+      const Index B = 2, T = T_dist(gen);
+      const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(gen, B, T, V);
+      const RowMatrix<Scalar> dout = random_matrix<Scalar>(gen, B * T, d);
+      embedding.backward(ids, dout);
+      naive::embedding_backward_dense<Scalar>(ids, dout, s, 7, expected);
+      INFO("step " << step << ", scale " << s);
+      REQUIRE(first_difference(embedding.weight().grad().to_dense(), expected).empty());
+    }
+  }
+}

@@ -74,10 +74,13 @@ class RowGradient {
 
   // ids [count], sorted and unique, each in [0, rows) -> slots [count]: marks the rows touched
   // (new rows start at zero) and writes where each one's values live, for slot_row().
+  // With `fresh` [count] given, rows new to the gradient are NOT zeroed and fresh[j] = 1 marks
+  // them: the caller must assign them before anything reads them (the embedding's backward
+  // writes a new row's first token instead of adding it to zeros, saving a pass over k rows).
   // Cost O((num_touched() + count) * cols) when new rows must be merged into the sorted block,
   // O(count) in dense mode. \throws index_error if an id is outside [0, rows), value_error if
   // the ids are not strictly increasing (nothing changed).
-  void touch_rows(const Index* ids, Index count, Index* slots) {
+  void touch_rows(const Index* ids, Index count, Index* slots, unsigned char* fresh = nullptr) {
     for (Index j = 0; j < count; ++j) {
       if (ids[j] < 0 || ids[j] >= rows_) {
         std::ostringstream message;
@@ -93,14 +96,16 @@ class RowGradient {
     }
     if (dense_mode_) {
       for (Index j = 0; j < count; ++j) slots[j] = ids[j];  // a row's slot is its id
+      if (fresh) std::fill(fresh, fresh + count, static_cast<unsigned char>(0));
       return;
     }
-    merge_sorted_ids(ids, count);
+    const bool merged = merge_sorted_ids(ids, count, /*zero_new_rows=*/fresh == nullptr);
     // Both lists sorted: one forward walk finds each id's slot.
     Index k = 0;
     for (Index j = 0; j < count; ++j) {
       while (touched_[k] != ids[j]) ++k;
       slots[j] = k;
+      if (fresh) fresh[j] = merged ? is_new_[static_cast<std::size_t>(k)] : 0;
     }
   }
 
@@ -130,16 +135,18 @@ class RowGradient {
     return dense_mode_ ? dense_.row(slot).data() : block_.row(slot).data();
   }
 
-  // Merges sorted unique ids into touched_, moving block rows so they stay aligned with it.
-  void merge_sorted_ids(const Index* ids, Index count) {
+  // Merges sorted unique ids into touched_, moving block rows so they stay aligned with it, and
+  // records in is_new_ which block rows are new. Returns false when every id was already there.
+  bool merge_sorted_ids(const Index* ids, Index count, bool zero_new_rows) {
     const Index old_k = num_touched();
     Index fresh = 0;
     for (Index i = 0, j = 0; j < count; ++j) {
       while (i < old_k && touched_[i] < ids[j]) ++i;
       if (i == old_k || touched_[i] != ids[j]) ++fresh;
     }
-    if (fresh == 0) return;
+    if (fresh == 0) return false;
     const Index new_k = old_k + fresh;
+    is_new_.assign(static_cast<std::size_t>(new_k), 0);
     if (block_.rows() < new_k) {
       // Grow geometrically; conservativeResize keeps the first rows of a row-major matrix.
       block_.conservativeResize(std::max(new_k, 2 * block_.rows()), cols_);
@@ -159,11 +166,13 @@ class RowGradient {
         --j;
       } else {
         touched_[w] = ids[j];
-        block_.row(w).setZero();
+        is_new_[static_cast<std::size_t>(w)] = 1;
+        if (zero_new_rows) block_.row(w).setZero();
         --j;
       }
       --w;
     }
+    return true;
   }
 
   void densify() {
@@ -180,6 +189,7 @@ class RowGradient {
   RowMatrix<Scalar> block_;     // sparse mode: row i holds touched_[i]'s values (capacity may exceed k)
   RowMatrix<Scalar> dense_;     // [rows, cols] once allocated; all zero whenever !dense_mode_
   bool dense_mode_ = false;
+  std::vector<unsigned char> is_new_;  // scratch of merge_sorted_ids: block row w was just added
 };
 
 template <typename Scalar>

@@ -63,17 +63,24 @@ void embedding_backward(const ConstIdRef<Id>& ids, const ConstMatrixRef<Scalar>&
   detail::check_ids(where, ids, V);
   detail::sort_tokens_by_id(ids, padding_idx, workspace);
   const Index k = static_cast<Index>(workspace.unique_ids.size());
-  dE.touch_rows(workspace.unique_ids.data(), k, workspace.slots.data());
+  // Rows new to the gradient are left unzeroed (fresh): their first token is written, not added.
+  dE.touch_rows(workspace.unique_ids.data(), k, workspace.slots.data(), workspace.fresh.data());
   // order is sorted by (id, n), so each unique id's tokens are one run, in increasing n.
   std::size_t run = 0;
-  for (Index u = 0; u < k; ++u) {
-    auto dE_row = dE.slot_row(workspace.slots[static_cast<std::size_t>(u)]);
-    for (; run < workspace.order.size() && workspace.order[run].first == workspace.unique_ids[static_cast<std::size_t>(u)]; ++run) {
-      const Index n = workspace.order[run].second;
-      if (scale == Scalar(1))
-        dE_row += dout.row(n);
+  for (std::size_t u = 0; u < static_cast<std::size_t>(k); ++u) {
+    auto dE_row = dE.slot_row(workspace.slots[u]);
+    bool assign = workspace.fresh[u] != 0;
+    for (; run < workspace.order.size() && workspace.order[run].first == workspace.unique_ids[u]; ++run) {
+      const auto dout_row = dout.row(workspace.order[run].second);
+      if (assign && scale == Scalar(1))
+        dE_row = dout_row;
+      else if (assign)
+        dE_row = scale * dout_row;
+      else if (scale == Scalar(1))
+        dE_row += dout_row;
       else
-        dE_row += scale * dout.row(n);
+        dE_row += scale * dout_row;
+      assign = false;
     }
   }
 }

@@ -18,6 +18,7 @@ struct ScatterWorkspace {
   std::vector<std::pair<Index, Index>> order;  // (id, token position n), sorted
   std::vector<Index> unique_ids;               // sorted distinct ids of `order`
   std::vector<Index> slots;                    // gradient slot of each unique id
+  std::vector<unsigned char> fresh;            // 1 where that slot is new to the gradient
 };
 
 namespace detail {
@@ -40,6 +41,7 @@ void sort_tokens_by_id(const ConstIdRef<Id>& ids, Index skip_id, ScatterWorkspac
   for (const auto& entry : ws.order)
     if (ws.unique_ids.empty() || ws.unique_ids.back() != entry.first) ws.unique_ids.push_back(entry.first);
   ws.slots.resize(ws.unique_ids.size());
+  ws.fresh.resize(ws.unique_ids.size());
 }
 
 // z [V] -> sum_j exp(z_j - m), also writing exp(z_j - m) to out[j] when out is not null (out may
