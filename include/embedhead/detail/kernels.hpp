@@ -23,6 +23,25 @@ struct ScatterWorkspace {
 
 namespace detail {
 
+// How many tokens ahead the lookup asks for a table row, and how much of it (in bytes):
+// tuned on the project's machine (see bench/RESULTS.md); the hardware prefetcher takes over
+// within a row once its first lines are in flight.
+constexpr Index kPrefetchDistance = 8;
+constexpr Index kPrefetchBytes = 512;
+
+// Hints the CPU to start loading the first kPrefetchBytes of a row; no effect on results.
+template <typename Scalar>
+inline void prefetch_row(const Scalar* row, Index d) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* bytes = reinterpret_cast<const char*>(row);
+  const Index length = std::min<Index>(d * static_cast<Index>(sizeof(Scalar)), kPrefetchBytes);
+  for (Index offset = 0; offset < length; offset += 64) __builtin_prefetch(bytes + offset);
+#else
+  (void)row;
+  (void)d;
+#endif
+}
+
 // ids [B, T] -> ws.order = (id, n) for every token n = b*T + t whose id != skip_id, sorted by id
 // and, within an id, by n; ws.unique_ids = the distinct ids. Sorting by (id, n) fixes the order
 // in which repeats are summed, so the result does not depend on threads or runs.
