@@ -604,3 +604,41 @@ TEMPLATE_TEST_CASE("cross_entropy: the loss and gradient do not depend on where 
     CHECK(RowMatrix<S>(dmoved) == dlogits_ref);
   }
 }
+
+TEMPLATE_TEST_CASE("cross_entropy_forward_backward with losses: one pass gives both outputs", "[cross_entropy][none]", float,
+                   double) {
+  using S = TestType;
+  const Index N = 6, V = 21;
+  std::mt19937 gen(3);
+  std::normal_distribution<double> normal(0.0, 2.0);
+  RowMatrix<S> logits(N, V);
+  for (Index i = 0; i < logits.size(); ++i) logits.data()[i] = static_cast<S>(normal(gen));
+  IdMatrix<std::int64_t> targets(2, 3);
+  targets << 0, 20, -100, 7, 7, 3;
+  CrossEntropyOptions options;
+  options.reduction = Reduction::none;
+
+  RowMatrix<S> dlogits(N, V), losses(N, 1), dlogits_ref(N, V), losses_ref(N, 1);
+  const auto both = embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits, losses, options);
+  const auto grad_only = embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits_ref, options);
+  embedhead::cross_entropy_per_token<S>(logits, targets, losses_ref, options);
+  CHECK(dlogits == dlogits_ref);
+  CHECK(losses == losses_ref);
+  CHECK(both.sum == grad_only.sum);
+  CHECK(both.count == 5);
+  CHECK(losses(2, 0) == S(0));  // the ignored row
+  RowMatrix<S> dlogits_class(N, V), losses_class(N, 1);
+  embedhead::CrossEntropyLoss<S>(options).forward_backward(logits, targets, dlogits_class, losses_class);
+  CHECK(dlogits_class == dlogits);
+  CHECK(losses_class == losses);
+
+  RowMatrix<S> wrong(N + 1, 1);
+  wrong.setConstant(S(9));
+  dlogits.setConstant(S(9));
+  REQUIRE_THROWS_AS(embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits, wrong, options),
+                    embedhead::shape_error);
+  REQUIRE_THROWS_WITH(embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits, wrong, options),
+                      Contains("losses") && Contains("[7, 1]") && Contains("[6, 1]"));
+  CHECK(dlogits == RowMatrix<S>::Constant(N, V, S(9)));
+  CHECK(wrong == RowMatrix<S>::Constant(N + 1, 1, S(9)));
+}

@@ -10,6 +10,8 @@
 #include <embedhead/output_projection.hpp>
 #include <limits>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "reference/naive.hpp"
@@ -727,4 +729,34 @@ TEMPLATE_TEST_CASE("OutputProjection errors throw and leave everything unchanged
     // The exception types derive from the standard ones.
     REQUIRE_THROWS_AS(OutputProjection<Scalar>(0, d), std::invalid_argument);
   }
+}
+
+TEMPLATE_TEST_CASE("OutputProjection backward: dh may be h itself", "[output_projection][backward]", float, double) {
+  using S = TestType;
+  OutputProjectionOptions options;
+  options.seed = 11;
+  OutputProjection<S> separate(13, 6, options), in_place(13, 6, options);
+  RowMatrix<S> h = RowMatrix<S>::Random(5, 6);
+  const RowMatrix<S> dlogits = RowMatrix<S>::Random(5, 13);
+  RowMatrix<S> dh(5, 6);
+  separate.backward(h, dlogits, dh);
+  in_place.backward(h, dlogits, h);  // dW reads h before dh overwrites it
+  CHECK(h == dh);
+  CHECK(in_place.weight().grad().to_dense() == separate.weight().grad().to_dense());
+  CHECK(in_place.bias()->grad().to_dense() == separate.bias()->grad().to_dense());
+}
+
+TEST_CASE("OutputProjection: tying to a moved-from TokenEmbedding is an error", "[output_projection][errors]") {
+  TokenEmbedding<float> embedding(10, 4);
+  TokenEmbedding<float> taken = std::move(embedding);
+  REQUIRE_THROWS_AS(OutputProjection<float>(embedding), embedhead::value_error);
+  REQUIRE_THROWS_WITH(OutputProjection<float>(embedding), Contains("moved from"));
+  OutputProjection<float> head(10, 4);
+  const auto W = head.weight_ptr();
+  REQUIRE_THROWS_WITH(head.tie_to(embedding), Contains("moved from"));
+  CHECK(head.weight_ptr() == W);
+  CHECK(head.has_bias());
+  CHECK_FALSE(head.is_tied());
+  REQUIRE_NOTHROW(head.tie_to(taken));
+  CHECK(head.weight_ptr() == taken.weight_ptr());
 }

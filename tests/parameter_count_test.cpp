@@ -10,6 +10,8 @@
 #include <catch2/catch.hpp>
 
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 using Catch::Contains;
@@ -145,4 +147,33 @@ TEST_CASE("embedding_head_budget rejects bad shapes", "[parameter_count][errors]
   // learned_positions = 0 (no table) and V = d = 1 are fine.
   const auto smallest = embedhead::embedding_head_budget(shape_of(1, 1, false, true, 0));
   CHECK(smallest.total() == 3);
+}
+
+TEST_CASE("embedding_head_budget: defaults match the layers' defaults", "[parameter_count]") {
+  // OutputProjectionOptions has bias = true, so an untied shape with default fields must count a
+  // bias too: untied minus tied is V*d + V, the seeds' figure (V = 50, d = 32 -> 1650).
+  EmbeddingHeadShape tied;
+  tied.V = 50;
+  tied.d = 32;
+  EmbeddingHeadShape untied = tied;
+  untied.tied = false;
+  CHECK(embedhead::embedding_head_budget(untied).total() - embedhead::embedding_head_budget(tied).total() == 1650);
+
+  embedhead::TokenEmbedding<float> embedding(50, 32);
+  embedhead::OutputProjection<float> head(50, 32);  // default options
+  std::vector<std::shared_ptr<embedhead::Parameter<float>>> params{embedding.weight_ptr()};
+  for (const auto& p : head.parameters()) params.push_back(p);
+  CHECK(embedhead::count_parameters(params) == embedhead::embedding_head_budget(untied).total());
+}
+
+TEST_CASE("embedding_head_budget: counts that overflow Index are an error", "[parameter_count][errors]") {
+  EmbeddingHeadShape shape;
+  shape.V = Index{1} << 40;
+  shape.d = Index{1} << 30;
+  REQUIRE_THROWS_AS(embedhead::embedding_head_budget(shape), embedhead::value_error);
+  REQUIRE_THROWS_WITH(embedhead::embedding_head_budget(shape),
+                      Contains("V = " + std::to_string(Index{1} << 40)) && Contains("overflow"));
+  shape.V = 256000;
+  shape.d = 2048;
+  REQUIRE_NOTHROW(embedhead::embedding_head_budget(shape));
 }

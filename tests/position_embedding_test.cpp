@@ -214,10 +214,10 @@ TEMPLATE_TEST_CASE("LearnedPositionEmbedding backward sums dout over the batch i
     CHECK(pos.weight().grad().touched_rows() == range(1, 4));
   }
 
-  SECTION("B = 0 touches the T rows with zeros") {
+  SECTION("B = 0 has no tokens and touches no row") {
     embedhead::LearnedPositionEmbedding<S> pos(5, 3);
     pos.backward(RowMatrix<S>(0, 3), 0, 2, 2);
-    CHECK(pos.weight().grad().touched_rows() == range(2, 4));
+    CHECK(pos.weight().grad().touched_rows().empty());
     CHECK(pos.weight().grad().to_dense().isZero(0));
   }
 }
@@ -532,4 +532,36 @@ TEMPLATE_TEST_CASE("SinusoidalPositionEmbedding forward, parameters and errors",
     CHECK((out.array() == S(-3)).all());
     CHECK(same_values(pe.table(), table_before));
   }
+}
+
+TEMPLATE_TEST_CASE("LearnedPositionEmbedding: a huge start or B*T cannot overflow past the checks",
+                   "[position_embedding][errors]", float, double) {
+  using S = TestType;
+  embedhead::LearnedPositionEmbedding<S> pos(8, 2);
+  const RowMatrix<S> P_before = pos.weight().value();
+  const RowMatrix<S> x = RowMatrix<S>::Zero(2, 2);
+  RowMatrix<S> out = RowMatrix<S>::Constant(2, 2, S(7));
+  const Index huge = std::numeric_limits<Index>::max() - 1;  // start + T would wrap negative
+  REQUIRE_THROWS_AS(pos.forward(x, 1, 2, out, huge), embedhead::index_error);
+  REQUIRE_THROWS_WITH(pos.forward(x, 1, 2, out, huge),
+                      Contains("position " + std::to_string(huge)) && Contains("[0, 8)"));
+  REQUIRE_THROWS_AS(pos.backward(x, 1, 2, huge), embedhead::index_error);
+  CHECK(out == RowMatrix<S>::Constant(2, 2, S(7)));
+  CHECK(pos.weight().grad().num_touched() == 0);
+  CHECK(RowMatrix<S>(pos.weight().value()) == P_before);
+
+  // B * T does not fit in Index: a value_error, not a wrapped shape.
+  const Index big = Index{1} << 62;
+  REQUIRE_THROWS_AS(pos.forward(x, big, 4, out, 0), embedhead::value_error);
+  REQUIRE_THROWS_WITH(pos.forward(x, big, 4, out, 0), Contains("B = " + std::to_string(big)) && Contains("T = 4"));
+}
+
+TEMPLATE_TEST_CASE("LearnedPositionEmbedding: backward of an empty batch touches no row", "[position_embedding][backward]",
+                   float, double) {
+  using S = TestType;
+  embedhead::LearnedPositionEmbedding<S> pos(8, 3);
+  pos.backward(RowMatrix<S>(0, 3), 0, 5);
+  CHECK(pos.weight().grad().num_touched() == 0);
+  pos.backward(RowMatrix<S>(0, 3), 4, 0);
+  CHECK(pos.weight().grad().num_touched() == 0);
 }

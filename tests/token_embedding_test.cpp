@@ -1,7 +1,9 @@
 // Tests for include/embedhead/token_embedding.hpp: lookup, backward scatter, init and errors.
 //
 // Must come before any Eigen header in this translation unit: it arms Eigen's runtime allocation
-// check used by the "no allocation" test at the end.
+// check used by the "no allocation" test at the end. That check is an eigen_assert, which
+// -DNDEBUG (the Release build) would compile away, so asserts are switched back on here.
+#undef NDEBUG
 #define EIGEN_RUNTIME_NO_MALLOC
 
 #include <embedhead/errors.hpp>

@@ -126,6 +126,24 @@ CrossEntropyResult cross_entropy_forward_backward(const ConstMatrixRef<Scalar>& 
                                                           "cross_entropy_forward_backward");
 }
 
+// logits [N, V], targets (N ids) -> loss; dlogits [N, V] as above and losses [N, 1] = loss_n
+// (0 for ignored rows) in the same pass -- Reduction::none's outputs without a second pass.
+// \throws as above, shape_error if losses is not [N, 1].
+template <typename Scalar>
+CrossEntropyResult cross_entropy_forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int32_t>& targets,
+                                                  MatrixRef<Scalar> dlogits, MatrixRef<Scalar> losses,
+                                                  const CrossEntropyOptions& options = {}) {
+  return detail::cross_entropy_pass<Scalar, std::int32_t>(logits, targets, options, &dlogits, &losses,
+                                                          "cross_entropy_forward_backward");
+}
+template <typename Scalar>
+CrossEntropyResult cross_entropy_forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int64_t>& targets,
+                                                  MatrixRef<Scalar> dlogits, MatrixRef<Scalar> losses,
+                                                  const CrossEntropyOptions& options = {}) {
+  return detail::cross_entropy_pass<Scalar, std::int64_t>(logits, targets, options, &dlogits, &losses,
+                                                          "cross_entropy_forward_backward");
+}
+
 // logits [N, V], targets (N ids) -> loss only. \throws as cross_entropy_forward_backward.
 template <typename Scalar>
 CrossEntropyResult cross_entropy(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int32_t>& targets,
@@ -182,6 +200,17 @@ class CrossEntropyLoss {
   CrossEntropyResult forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int64_t>& targets,
                                       MatrixRef<Scalar> dlogits) const {
     return detail::cross_entropy_pass<Scalar, std::int64_t>(logits, targets, options_, &dlogits, nullptr,
+                                                            "CrossEntropyLoss::forward_backward");
+  }
+  // ... and losses [N, 1] = loss_n in the same pass.
+  CrossEntropyResult forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int32_t>& targets,
+                                      MatrixRef<Scalar> dlogits, MatrixRef<Scalar> losses) const {
+    return detail::cross_entropy_pass<Scalar, std::int32_t>(logits, targets, options_, &dlogits, &losses,
+                                                            "CrossEntropyLoss::forward_backward");
+  }
+  CrossEntropyResult forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int64_t>& targets,
+                                      MatrixRef<Scalar> dlogits, MatrixRef<Scalar> losses) const {
+    return detail::cross_entropy_pass<Scalar, std::int64_t>(logits, targets, options_, &dlogits, &losses,
                                                             "CrossEntropyLoss::forward_backward");
   }
 

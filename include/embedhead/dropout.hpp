@@ -43,14 +43,16 @@ class Dropout {
   // rng unchanged). Allocates only when the mask's shape changes.
   void forward(const ConstMatrixRef<Scalar>& x, MatrixRef<Scalar> out) {
     detail::check_shape("Dropout::forward", "out", out, x.rows(), x.cols());
-    last_forward_training_ = training_;
-    has_forward_ = true;
     if (!training_) {
+      has_forward_ = true;
+      last_forward_training_ = false;
       if (out.data() != x.data()) out = x;
       return;
     }
     const Scalar keep_scale = p_ < 1.0 ? static_cast<Scalar>(1.0 / (1.0 - p_)) : Scalar(0);
-    mask_.resize(x.rows(), x.cols());
+    mask_.resize(x.rows(), x.cols());  // may throw bad_alloc: flags are set after it
+    has_forward_ = true;
+    last_forward_training_ = true;
     const std::uint64_t base = rng_.counter();
     Scalar* m = mask_.data();
     for (Index i = 0; i < mask_.size(); ++i)

@@ -29,7 +29,8 @@ namespace embedhead {
 
 // h [N, d], W [V, d], bias [V, 1] or empty (0 rows: no bias) -> logits [N, V] = h W^T + b.
 // \pre logits aliases neither h nor W. \throws shape_error on any shape mismatch (nothing written).
-// Cost: one GEMM, 2 N V d flops.
+// Cost: one GEMM, 2 N V d flops. Nothing of size N*V is allocated; Eigen's GEMM may allocate its
+// packing buffers (bounded by its cache blocking, independent of V) for large products.
 template <typename Scalar>
 void output_projection_forward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits,
@@ -44,8 +45,8 @@ void output_projection_forward(const ConstMatrixRef<Scalar>& h, const ConstMatri
 
 // h [N, d], W [V, d], dlogits [N, V] -> dh [N, d] = dlogits W (written); dW [V, d] += dlogits^T h;
 // db [V, 1] += column sums of dlogits (skipped when db is empty).
-// \pre dh aliases nothing else. \throws shape_error on any mismatch (nothing written).
-// Cost: two GEMMs, 4 N V d flops.
+// \pre dh aliases neither W, dlogits nor dW; it may be h (dW is computed first).
+// \throws shape_error on any mismatch (nothing written). Cost: two GEMMs, 4 N V d flops.
 template <typename Scalar>
 void output_projection_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                 const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW,
@@ -56,9 +57,10 @@ void output_projection_backward(const ConstMatrixRef<Scalar>& h, const ConstMatr
   detail::check_shape(where, "dh", dh, N, d);
   detail::check_shape(where, "dW", dW, V, d);
   if (db.size() != 0) detail::check_shape(where, "db", db, V, 1);
-  dh.noalias() = dlogits * W;
+  // dW reads h, so it goes before dh is written: dh may then be h itself.
   dW.noalias() += dlogits.transpose() * h;
   if (db.size() != 0) db.col(0) += dlogits.colwise().sum().transpose();
+  dh.noalias() = dlogits * W;
 }
 
 // ---- the layer ----
@@ -90,11 +92,15 @@ class OutputProjection {
   }
 
   // Tied to `embedding`: W is the embedding's Parameter (shared, not copied), no bias.
-  explicit OutputProjection(const TokenEmbedding<Scalar>& embedding) : weight_(embedding.weight_ptr()), tied_(true) {}
+  // \throws value_error if the embedding was moved from (it holds no table).
+  explicit OutputProjection(const TokenEmbedding<Scalar>& embedding)
+      : weight_((check_not_moved_from(embedding), embedding.weight_ptr())), tied_(true) {}
 
   // Makes W the embedding's Parameter and drops the bias; the old W is released.
-  // \throws shape_error if the embedding's [V, d] differs from this head's (head unchanged).
+  // \throws shape_error if the embedding's [V, d] differs from this head's, value_error if it
+  // was moved from (head unchanged either way).
   void tie_to(const TokenEmbedding<Scalar>& embedding) {
+    check_not_moved_from(embedding);
     if (embedding.vocab_size() != vocab_size() || embedding.dim() != dim()) {
       std::ostringstream message;
       message << "OutputProjection::tie_to: embedding is [V=" << embedding.vocab_size() << ", d=" << embedding.dim()
@@ -148,9 +154,10 @@ class OutputProjection {
     detail::check_shape(where, "h", h, h.rows(), dim());
     detail::check_shape(where, "dlogits", dlogits, h.rows(), vocab_size());
     detail::check_shape(where, "dh", dh, h.rows(), dim());
+    // The V x d buffer first: if its allocation fails, the bias gradient is still untouched.
+    auto dW = weight_->grad().dense_accumulator();
     auto db = bias_ ? bias_->grad().dense_accumulator() : Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, 1);
-    output_projection_backward<Scalar>(h, weight_->value(), dlogits, dh, weight_->grad().dense_accumulator(), db,
-                                       where);
+    output_projection_backward<Scalar>(h, weight_->value(), dlogits, dh, dW, db, where);
   }
   RowMatrix<Scalar> backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& dlogits) {
     detail::check_shape("OutputProjection::backward", "h", h, h.rows(), dim());
@@ -165,6 +172,9 @@ class OutputProjection {
   }
 
  private:
+  static void check_not_moved_from(const TokenEmbedding<Scalar>& embedding) {
+    if (!embedding.weight_ptr()) throw value_error("OutputProjection: the TokenEmbedding was moved from and holds no table");
+  }
   static std::shared_ptr<Parameter<Scalar>> make_weight(Index V, Index d, const OutputProjectionOptions& options) {
     detail::check_size("OutputProjection", "V", V);
     detail::check_size("OutputProjection", "d", d);

@@ -10,6 +10,8 @@
 #include "detail/checks.hpp"
 #include "types.hpp"
 
+#include <algorithm>
+#include <limits>
 #include <sstream>
 
 namespace embedhead {
@@ -18,7 +20,8 @@ struct EmbeddingHeadShape {
   Index V = 0;                 // vocabulary size
   Index d = 0;                 // model width
   bool tied = true;            // head shares E
-  bool head_bias = false;      // untied head has a bias [V] (ignored when tied)
+  bool head_bias = true;       // untied head has a bias [V], as OutputProjectionOptions' default
+                               // (ignored when tied)
   Index learned_positions = 0; // T_max of a learned position table, 0 for none
 };
 
@@ -30,14 +33,21 @@ struct EmbeddingHeadBudget {
   Index total() const { return token_embedding + position_embedding + head_weight + head_bias; }
 };
 
-// shape -> the parameter count of each part. \throws value_error if V or d < 1 or
-// learned_positions < 0.
+// shape -> the parameter count of each part. \throws value_error if V or d < 1,
+// learned_positions < 0, or a count does not fit in Index.
 inline EmbeddingHeadBudget embedding_head_budget(const EmbeddingHeadShape& shape) {
   detail::check_size("embedding_head_budget", "V", shape.V);
   detail::check_size("embedding_head_budget", "d", shape.d);
   if (shape.learned_positions < 0) {
     std::ostringstream message;
     message << "embedding_head_budget: learned_positions = " << shape.learned_positions << " outside [0, inf)";
+    throw value_error(message.str());
+  }
+  const Index rows = std::max(shape.V, shape.learned_positions);
+  if (rows > std::numeric_limits<Index>::max() / (3 * shape.d)) {  // E, W and P together must fit
+    std::ostringstream message;
+    message << "embedding_head_budget: V = " << shape.V << ", d = " << shape.d << ", learned_positions = "
+            << shape.learned_positions << " give counts that overflow Index";
     throw value_error(message.str());
   }
   EmbeddingHeadBudget budget;

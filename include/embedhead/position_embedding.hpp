@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <sstream>
@@ -31,13 +32,14 @@ namespace detail {
 // T = 0 is an empty range and passes whatever start is.
 inline void check_positions(const char* where, const char* what, Index x_rows, Index x_cols, Index B, Index T,
                             Index start, Index T_max, Index d) {
-  if (B < 0 || T < 0) {
+  if (B < 0 || T < 0 || (T > 0 && B > std::numeric_limits<Index>::max() / T)) {
     std::ostringstream message;
-    message << where << ": B = " << B << ", T = " << T << " must be >= 0";
+    message << where << ": B = " << B << ", T = " << T << " must be >= 0 with B*T representable";
     throw value_error(message.str());
   }
   if (x_rows != B * T || x_cols != d) throw_shape(where, what, x_rows, x_cols, B * T, d);
-  if (T > 0 && (start < 0 || start + T > T_max)) {
+  // Written as start > T_max - T (not start + T > T_max) so a huge start cannot overflow past it.
+  if (T > 0 && (start < 0 || T > T_max || start > T_max - T)) {
     const Index bad = start < 0 ? start : std::max(start, T_max);  // the first position outside the table
     std::ostringstream message;
     message << where << ": position " << bad << " (start " << start << ", T " << T << ") outside [0, " << T_max
@@ -109,6 +111,7 @@ class LearnedPositionEmbedding {
   void backward(const ConstMatrixRef<Scalar>& dout, Index B, Index T, Index start = 0) {
     detail::check_positions("LearnedPositionEmbedding::backward", "dout", dout.rows(), dout.cols(), B, T, start,
                             max_positions(), dim());
+    if (B == 0) return;  // no tokens: no row is touched
     positions_.resize(static_cast<std::size_t>(T));
     slots_.resize(static_cast<std::size_t>(T));
     std::iota(positions_.begin(), positions_.end(), start);
