@@ -16,26 +16,20 @@
 // Counters: items = tokens; bytes = N*d*4 (dout read); grad_bytes = bytes the gradient holds
 // (k*d*4 sparse, V*d*4 dense); touched_rows = k. Single-threaded (Eigen without OpenMP).
 
-// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsics (the deliberately
-// undefined _mm512_undefined_ps operand, GCC bug 105593) when Eigen code is inlined under
-// -march=native; the benchmarks also build with -Werror. Set before any include so it covers
-// the intrinsic headers.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+// bench_support.hpp comes first, before any other include: it sets the pragma that silences
+// GCC bug 105593's false -Wmaybe-uninitialized, which must precede the intrinsic headers.
+#include "bench_support.hpp"
 
 #include <embedhead/embedhead.hpp>
 
 #include "../tests/reference/naive.hpp"
+#include "gbench_main.hpp"
 
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <memory>
-#include <random>
 #include <set>
 #include <string>
 #include <tuple>
@@ -48,26 +42,11 @@ using embedhead::Index;
 using embedhead::Parameter;
 using embedhead::RowMatrix;
 using embedhead::TokenEmbedding;
+using bench_support::fail;
+using bench_support::fill_uniform;
+using bench_support::random_ids;
 
-[[noreturn]] void fail(const std::string& what) {
-  std::fprintf(stderr, "backward_bench: correctness check failed: %s\n", what.c_str());
-  std::exit(EXIT_FAILURE);
-}
-
-void fill_uniform(embedhead::MatrixRef<float> m, std::uint64_t seed) {
-  const embedhead::Rng rng(seed);
-  for (Index r = 0; r < m.rows(); ++r)
-    for (Index c = 0; c < m.cols(); ++c)
-      m(r, c) = static_cast<float>(2.0 * rng.uniform_at(static_cast<std::uint64_t>(r * m.cols() + c)) - 1.0);
-}
-
-IdMatrix<std::int32_t> random_ids(Index N, Index V, unsigned seed) {
-  std::mt19937 engine(seed);
-  std::uniform_int_distribution<std::int32_t> id(0, static_cast<std::int32_t>(V - 1));
-  IdMatrix<std::int32_t> ids(1, N);
-  for (Index n = 0; n < N; ++n) ids(0, n) = id(engine);
-  return ids;
-}
+constexpr char kProgram[] = "backward_bench";  // names this binary in fail() messages
 
 // The inputs of one shape: ids [1, N], dout [N, d], and the expected gradient of the touched
 // rows. The expectation is naive::embedding_backward_dense run on the ids relabelled to
@@ -102,12 +81,12 @@ std::string shape(const Problem& p) {
 }
 
 void check_sparse(const Problem& p, const embedhead::RowGradient<float>& grad) {
-  if (grad.is_dense()) fail("sparse backward switched the gradient to dense mode, " + shape(p));
+  if (grad.is_dense()) fail(kProgram, "sparse backward switched the gradient to dense mode, " + shape(p));
   if (grad.touched_rows() != p.distinct_ids)
-    fail("sparse backward touched rows differ from the distinct ids, " + shape(p));
+    fail(kProgram, "sparse backward touched rows differ from the distinct ids, " + shape(p));
   for (Index u = 0; u < grad.num_touched(); ++u)
     if (grad.touched_row(u) != p.expected_rows.row(u))
-      fail("sparse gradient row " + std::to_string(p.distinct_ids[static_cast<std::size_t>(u)]) +
+      fail(kProgram, "sparse gradient row " + std::to_string(p.distinct_ids[static_cast<std::size_t>(u)]) +
            " differs from the naive scatter, " + shape(p));
 }
 
@@ -116,7 +95,7 @@ void check_dense(const Problem& p, const RowMatrix<float>& dE) {
   for (Index v = 0; v < p.V; ++v) {
     const bool touched = u < p.distinct_ids.size() && p.distinct_ids[u] == v;
     if (touched ? dE.row(v) != p.expected_rows.row(static_cast<Index>(u)) : !dE.row(v).isZero(0))
-      fail("dense gradient row " + std::to_string(v) + " is wrong, " + shape(p));
+      fail(kProgram, "dense gradient row " + std::to_string(v) + " is wrong, " + shape(p));
     if (touched) ++u;
   }
 }
@@ -190,22 +169,4 @@ void register_benchmarks() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  register_benchmarks();
-  // Default to 0.2 s per benchmark; the flag is put first so a --benchmark_min_time on the
-  // command line, parsed later, overrides it.
-  static char default_min_time[] = "--benchmark_min_time=0.2";
-  std::vector<char*> args(argv, argv + argc);
-  args.insert(args.begin() + (argc > 0 ? 1 : 0), default_min_time);
-  int args_count = static_cast<int>(args.size());
-  args.push_back(nullptr);
-  benchmark::Initialize(&args_count, args.data());
-  if (benchmark::ReportUnrecognizedArguments(args_count, args.data())) return 1;
-  benchmark::AddCustomContext("eigen", std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) +
-                                           "." + std::to_string(EIGEN_MINOR_VERSION) + ", " +
-                                           Eigen::SimdInstructionSetsInUse() + ", " +
-                                           std::to_string(Eigen::nbThreads()) + " thread(s)");
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return bench_support::run_benchmarks(argc, argv, register_benchmarks); }

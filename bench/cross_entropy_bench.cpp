@@ -8,27 +8,22 @@
 // processed per second"; the forward-backward also writes and re-reads dlogits. items = rows.
 // Logits are uniform in [-8, 8), targets uniform over [0, V). Single-threaded.
 
-// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsics (the deliberately
-// undefined _mm512_undefined_ps operand, GCC bug 105593) when Eigen code is inlined under
-// -march=native; the benchmarks also build with -Werror. Set before any include so it covers
-// the intrinsic headers.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+// bench_support.hpp comes first, before any other include: it sets the pragma that silences
+// GCC bug 105593's false -Wmaybe-uninitialized, which must precede the intrinsic headers.
+#include "bench_support.hpp"
 
 #include <embedhead/embedhead.hpp>
 
 #include "../tests/reference/naive.hpp"
+#include "gbench_main.hpp"
 
 #include <benchmark/benchmark.h>
 
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <string>
-#include <vector>
 
 namespace {
 
@@ -36,19 +31,12 @@ using embedhead::CrossEntropyResult;
 using embedhead::IdMatrix;
 using embedhead::Index;
 using embedhead::RowMatrix;
+using bench_support::fail;
+using bench_support::number;
+
+constexpr char kProgram[] = "cross_entropy_bench";  // names this binary in fail() messages
 
 constexpr Index kRows = 1024, kVocab = 50257;
-
-[[noreturn]] void fail(const std::string& what) {
-  std::fprintf(stderr, "cross_entropy_bench: correctness check failed: %s\n", what.c_str());
-  std::exit(EXIT_FAILURE);
-}
-
-std::string number(double x) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.7g", x);
-  return text;
-}
 
 struct Problem {
   RowMatrix<float> logits = RowMatrix<float>(kRows, kVocab);
@@ -68,7 +56,7 @@ const Problem& problem() {
     for (Index n = 0; n < kRows; ++n) p.targets(0, n) = target(engine);
     Index count = 0;
     p.expected_sum = naive::cross_entropy_sum(p.logits, p.targets, -100, count);
-    if (count != kRows) fail("naive reference counted " + std::to_string(count) + " rows");
+    if (count != kRows) fail(kProgram, "naive reference counted " + std::to_string(count) + " rows");
     return p;
   }();
   return instance;
@@ -79,11 +67,12 @@ const Problem& problem() {
 // safe, while a wrong target or a lost term moves a row's loss by far more.
 void check_loss(const CrossEntropyResult& result, const char* what) {
   const Problem& p = problem();
-  if (result.count != kRows) fail(std::string(what) + ": count " + std::to_string(result.count));
+  if (result.count != kRows) fail(kProgram, std::string(what) + ": count " + std::to_string(result.count));
   if (!(std::abs(result.sum - p.expected_sum) <= 1e-4 * kRows))
-    fail(std::string(what) + ": loss sum " + number(result.sum) + ", naive " + number(p.expected_sum));
+    fail(kProgram, std::string(what) + ": loss sum " + number(result.sum) + ", naive " + number(p.expected_sum));
   if (!(std::abs(result.loss - p.expected_sum / kRows) <= 1e-4))
-    fail(std::string(what) + ": mean loss " + number(result.loss) + ", naive " + number(p.expected_sum / kRows));
+    fail(kProgram,
+         std::string(what) + ": mean loss " + number(result.loss) + ", naive " + number(p.expected_sum / kRows));
 }
 
 // dlogits rows against (softmax - one_hot) / N computed in double.
@@ -96,7 +85,7 @@ void check_dlogits(const RowMatrix<float>& dlogits) {
     for (Index v = 0; v < kVocab; ++v) {
       const double expected = (std::exp(double{p.logits(n, v)} - m) / sum - (v == p.targets(0, n) ? 1.0 : 0.0)) / kRows;
       if (!(std::abs(dlogits(n, v) - expected) <= 1e-4 * std::abs(expected) + 1e-12))
-        fail("dlogits(" + std::to_string(n) + ", " + std::to_string(v) + ") = " + number(dlogits(n, v)) +
+        fail(kProgram, "dlogits(" + std::to_string(n) + ", " + std::to_string(v) + ") = " + number(dlogits(n, v)) +
              ", expected " + number(expected));
     }
   }
@@ -145,22 +134,4 @@ void register_benchmarks() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  register_benchmarks();
-  // Default to 0.2 s per benchmark; the flag is put first so a --benchmark_min_time on the
-  // command line, parsed later, overrides it.
-  static char default_min_time[] = "--benchmark_min_time=0.2";
-  std::vector<char*> args(argv, argv + argc);
-  args.insert(args.begin() + (argc > 0 ? 1 : 0), default_min_time);
-  int args_count = static_cast<int>(args.size());
-  args.push_back(nullptr);
-  benchmark::Initialize(&args_count, args.data());
-  if (benchmark::ReportUnrecognizedArguments(args_count, args.data())) return 1;
-  benchmark::AddCustomContext("eigen", std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) +
-                                           "." + std::to_string(EIGEN_MINOR_VERSION) + ", " +
-                                           Eigen::SimdInstructionSetsInUse() + ", " +
-                                           std::to_string(Eigen::nbThreads()) + " thread(s)");
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return bench_support::run_benchmarks(argc, argv, register_benchmarks); }

@@ -14,30 +14,23 @@
 // bytes_per_second are directly comparable; items = tokens. OneHotGemm also reports FLOPS.
 // Single-threaded: built without OpenMP, so Eigen's GEMM runs on one thread.
 
-// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsics (the deliberately
-// undefined _mm512_undefined_ps operand, GCC bug 105593) when Eigen's GEMM is inlined under
-// -march=native; the benchmarks also build with -Werror. Set before any include so it covers
-// the intrinsic headers.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+// bench_support.hpp comes first, before any other include: it sets the pragma that silences
+// GCC bug 105593's false -Wmaybe-uninitialized, which must precede the intrinsic headers.
+#include "bench_support.hpp"
 
 #include <embedhead/embedhead.hpp>
 
 #include "../tests/reference/naive.hpp"
+#include "gbench_main.hpp"
 
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <random>
 #include <set>
 #include <string>
 #include <tuple>
-#include <vector>
 
 namespace {
 
@@ -46,20 +39,11 @@ using embedhead::Index;
 using embedhead::Parameter;
 using embedhead::RowMatrix;
 using embedhead::TokenEmbedding;
+using bench_support::fail;
+using bench_support::fill_uniform;
+using bench_support::random_ids;
 
-[[noreturn]] void fail(const std::string& what) {
-  std::fprintf(stderr, "lookup_bench: correctness check failed: %s\n", what.c_str());
-  std::exit(EXIT_FAILURE);
-}
-
-// Uniform values in [-1, 1) from the library's counter-based Rng: much cheaper than the normal
-// init for an 823 MB table, and the timings only need ordinary finite floats.
-void fill_uniform(embedhead::MatrixRef<float> m, std::uint64_t seed) {
-  const embedhead::Rng rng(seed);
-  for (Index r = 0; r < m.rows(); ++r)
-    for (Index c = 0; c < m.cols(); ++c)
-      m(r, c) = static_cast<float>(2.0 * rng.uniform_at(static_cast<std::uint64_t>(r * m.cols() + c)) - 1.0);
-}
+constexpr char kProgram[] = "lookup_bench";  // names this binary in fail() messages
 
 // E [V, d], kept between benchmarks of the same shape (they are registered shape by shape), and
 // at most one at a time: the largest is 50257 x 4096 floats = 823 MB.
@@ -71,15 +55,6 @@ std::shared_ptr<Parameter<float>> table(Index V, Index d) {
     fill_uniform(cached->value(), 1);
   }
   return cached;
-}
-
-// ids [1, N] uniform over [0, V): every row of E is equally likely, as in a realistic gather.
-IdMatrix<std::int32_t> random_ids(Index N, Index V, unsigned seed) {
-  std::mt19937 engine(seed);
-  std::uniform_int_distribution<std::int32_t> id(0, static_cast<std::int32_t>(V - 1));
-  IdMatrix<std::int32_t> ids(1, N);
-  for (Index n = 0; n < N; ++n) ids(0, n) = id(engine);
-  return ids;
 }
 
 // Checks that out [N, d] holds lookup(ids): a few rows (first, middle, last two) against the naive
@@ -96,12 +71,12 @@ void check_against_one_hot(const IdMatrix<std::int32_t>& ids, const embedhead::C
   const RowMatrix<float> expected = one_hot * E;
   for (int i = 0; i < 4; ++i)
     if (out.row(picks[i]) != expected.row(i))
-      fail(std::string(what) + ": row " + std::to_string(picks[i]) + " (id " + std::to_string(some(0, i)) +
-           ") differs from one_hot(id) * E" + shape);
+      fail(kProgram, std::string(what) + ": row " + std::to_string(picks[i]) + " (id " +
+                         std::to_string(some(0, i)) + ") differs from one_hot(id) * E" + shape);
   for (Index n = 0; n < N; ++n)
     if (out.row(n) != E.row(ids(0, n)))
-      fail(std::string(what) + ": row " + std::to_string(n) + " differs from E[" + std::to_string(ids(0, n)) + "]" +
-           shape);
+      fail(kProgram, std::string(what) + ": row " + std::to_string(n) + " differs from E[" +
+                         std::to_string(ids(0, n)) + "]" + shape);
 }
 
 void set_counters(benchmark::State& state, Index N, Index d) {
@@ -141,7 +116,8 @@ void BM_OneHotGemm(benchmark::State& state) {
     out.noalias() = one_hot * E_value;
     const TokenEmbedding<float> embedding(E);
     if (embedding.forward(ids) != out)
-      fail("OneHotGemm: one_hot * E differs from the lookup, V=" + std::to_string(V) + ", d=" + std::to_string(d));
+      fail(kProgram,
+           "OneHotGemm: one_hot * E differs from the lookup, V=" + std::to_string(V) + ", d=" + std::to_string(d));
   }
   for (auto _ : state) {
     out.noalias() = one_hot * E_value;
@@ -200,22 +176,4 @@ void register_benchmarks() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  register_benchmarks();
-  // Default to 0.2 s per benchmark (the whole suite then takes a few minutes); the flag is put
-  // first so a --benchmark_min_time on the command line, parsed later, overrides it.
-  static char default_min_time[] = "--benchmark_min_time=0.2";
-  std::vector<char*> args(argv, argv + argc);
-  args.insert(args.begin() + (argc > 0 ? 1 : 0), default_min_time);
-  int args_count = static_cast<int>(args.size());
-  args.push_back(nullptr);
-  benchmark::Initialize(&args_count, args.data());
-  if (benchmark::ReportUnrecognizedArguments(args_count, args.data())) return 1;
-  benchmark::AddCustomContext("eigen", std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) +
-                                           "." + std::to_string(EIGEN_MINOR_VERSION) + ", " +
-                                           Eigen::SimdInstructionSetsInUse() + ", " +
-                                           std::to_string(Eigen::nbThreads()) + " thread(s)");
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return bench_support::run_benchmarks(argc, argv, register_benchmarks); }

@@ -14,21 +14,18 @@
 // Single-threaded: built without OpenMP, so Eigen's GEMM runs on one thread. One forward is
 // 79 GFLOP (about a second), so each benchmark runs only a few iterations.
 
-// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsics (the deliberately
-// undefined _mm512_undefined_ps operand, GCC bug 105593) when Eigen's GEMM is inlined under
-// -march=native; the benchmarks also build with -Werror. Set before any include so it covers
-// the intrinsic headers.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+// bench_support.hpp comes first, before any other include: it sets the pragma that silences
+// GCC bug 105593's false -Wmaybe-uninitialized, which must precede the intrinsic headers.
+#include "bench_support.hpp"
 
 #include <embedhead/embedhead.hpp>
+
+#include "gbench_main.hpp"
 
 #include <benchmark/benchmark.h>
 
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <memory>
@@ -41,26 +38,13 @@ namespace {
 using embedhead::Index;
 using embedhead::OutputProjection;
 using embedhead::RowMatrix;
+using bench_support::fail;
+using bench_support::fill_uniform;
+using bench_support::number;
+
+constexpr char kProgram[] = "output_projection_bench";  // names this binary in fail() messages
 
 constexpr Index kTokens = 1024, kDim = 768, kVocab = 50257;
-
-[[noreturn]] void fail(const std::string& what) {
-  std::fprintf(stderr, "output_projection_bench: correctness check failed: %s\n", what.c_str());
-  std::exit(EXIT_FAILURE);
-}
-
-std::string number(double x) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.7g", x);
-  return text;
-}
-
-void fill_uniform(embedhead::MatrixRef<float> m, std::uint64_t seed, double scale = 1.0) {
-  const embedhead::Rng rng(seed);
-  for (Index r = 0; r < m.rows(); ++r)
-    for (Index c = 0; c < m.cols(); ++c)
-      m(r, c) = static_cast<float>(scale * (2.0 * rng.uniform_at(static_cast<std::uint64_t>(r * m.cols() + c)) - 1.0));
-}
 
 // A float result against the same dot product in double. The worst-case rounding bound of a float
 // sum of n products, n * 2^-24 * sum |products|, would accept almost anything at n = 50257. For
@@ -77,7 +61,8 @@ void check_dot(float got, Index length, const Terms& terms, const std::string& w
   }
   const double tolerance = 16 * std::ldexp(1.0, -24) * magnitude + 1e-30;
   if (!(std::abs(static_cast<double>(got) - exact) <= tolerance))
-    fail(what + " = " + number(got) + ", expected " + number(exact) + " (tolerance " + number(tolerance) + ")");
+    fail(kProgram,
+         what + " = " + number(got) + ", expected " + number(exact) + " (tolerance " + number(tolerance) + ")");
 }
 
 // Entries checked: the four corners and a few inside.
@@ -150,7 +135,8 @@ void BM_HeadBackward(benchmark::State& state) {
   lm_head.backward(in.h, in.dlogits, dh);
   const auto& dW = lm_head.weight().grad();
   const auto& db = lm_head.bias()->grad();
-  if (!dW.is_dense() || dW.num_touched() != kVocab) fail("backward: dW is not a dense gradient over all V rows");
+  if (!dW.is_dense() || dW.num_touched() != kVocab)
+    fail(kProgram, "backward: dW is not a dense gradient over all V rows");
   for (const auto& probe : probes(kTokens, kDim)) {
     const Index n = probe.first, j = probe.second;
     check_dot(
@@ -229,22 +215,4 @@ void register_benchmarks() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  register_benchmarks();
-  // Default to 0.2 s per benchmark; the flag is put first so a --benchmark_min_time on the
-  // command line, parsed later, overrides it.
-  static char default_min_time[] = "--benchmark_min_time=0.2";
-  std::vector<char*> args(argv, argv + argc);
-  args.insert(args.begin() + (argc > 0 ? 1 : 0), default_min_time);
-  int args_count = static_cast<int>(args.size());
-  args.push_back(nullptr);
-  benchmark::Initialize(&args_count, args.data());
-  if (benchmark::ReportUnrecognizedArguments(args_count, args.data())) return 1;
-  benchmark::AddCustomContext("eigen", std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) +
-                                           "." + std::to_string(EIGEN_MINOR_VERSION) + ", " +
-                                           Eigen::SimdInstructionSetsInUse() + ", " +
-                                           std::to_string(Eigen::nbThreads()) + " thread(s)");
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return bench_support::run_benchmarks(argc, argv, register_benchmarks); }

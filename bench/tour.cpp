@@ -10,13 +10,9 @@
 //
 // Single-threaded (Eigen without OpenMP). Takes about 20 s on an idle core, mostly section 5.
 
-// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsics (the deliberately
-// undefined _mm512_undefined_ps operand, GCC bug 105593) when Eigen's GEMM is inlined under
-// -march=native; the build uses -Werror. Set before any include so it covers the intrinsic
-// headers.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+// bench_support.hpp comes first, before any other include: it sets the pragma that silences
+// GCC bug 105593's false -Wmaybe-uninitialized, which must precede the intrinsic headers.
+#include "bench_support.hpp"
 
 #include <embedhead/embedhead.hpp>
 
@@ -30,7 +26,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,13 +37,13 @@ using embedhead::Index;
 using embedhead::OutputProjection;
 using embedhead::RowMatrix;
 using embedhead::TokenEmbedding;
+using bench_support::fail;
+using bench_support::fill_uniform;
+using bench_support::random_ids;
+
+constexpr char kProgram[] = "tour";  // names this binary in fail() messages
 
 using Clock = std::chrono::steady_clock;
-
-[[noreturn]] void fail(const std::string& what) {
-  std::fprintf(stderr, "tour: check failed: %s\n", what.c_str());
-  std::exit(EXIT_FAILURE);
-}
 
 // Tells the compiler that the memory behind p is read, so the work writing it cannot be dropped.
 void escape(const void* p) {
@@ -82,21 +77,6 @@ double median_seconds(Work&& work, int samples) {
   }
   std::nth_element(per_call.begin(), per_call.begin() + samples / 2, per_call.end());
   return per_call[static_cast<std::size_t>(samples / 2)];
-}
-
-IdMatrix<std::int32_t> random_ids(Index N, Index V, unsigned seed) {
-  std::mt19937 engine(seed);
-  std::uniform_int_distribution<std::int32_t> id(0, static_cast<std::int32_t>(V - 1));
-  IdMatrix<std::int32_t> ids(1, N);
-  for (Index n = 0; n < N; ++n) ids(0, n) = id(engine);
-  return ids;
-}
-
-void fill_uniform(embedhead::MatrixRef<float> m, std::uint64_t seed, double scale) {
-  const embedhead::Rng rng(seed);
-  for (Index r = 0; r < m.rows(); ++r)
-    for (Index c = 0; c < m.cols(); ++c)
-      m(r, c) = static_cast<float>(scale * (2.0 * rng.uniform_at(static_cast<std::uint64_t>(r * m.cols() + c)) - 1.0));
 }
 
 double megabytes(double bytes) { return bytes / 1e6; }
@@ -139,7 +119,7 @@ void lookup_vs_one_hot() {
     const bool equal =
         std::memcmp(looked_up.data(), product.data(), sizeof(float) * static_cast<std::size_t>(N * d)) == 0;
     std::printf("   V = %6ld: %s\n", static_cast<long>(V), equal ? "identical" : "DIFFERENT");
-    if (!equal) fail("lookup differs from one_hot * E at V = " + std::to_string(V));
+    if (!equal) fail(kProgram, "lookup differs from one_hot * E at V = " + std::to_string(V));
 
     const double lookup_s = median_seconds(
         [&] {
@@ -193,7 +173,7 @@ void lookup_vs_memcpy() {
         escape(copy.data());
       },
       kSamples);
-  if (out != gathered || copy != gathered) fail("lookup or memcpy result differs");
+  if (out != gathered || copy != gathered) fail(kProgram, "lookup or memcpy result differs");
 
   heading("3. Lookup vs memcpy of the same bytes");
   std::printf("   N = %ld random ids over V = %ld, d = %ld: %.1f MB of rows gathered; median of %d samples\n",
@@ -240,7 +220,7 @@ void sparse_vs_dense_backward() {
     naive_dE.setZero();
     naive::embedding_backward_dense(ids, dout, 1.0f, -1, naive_dE);
     if (embedding.weight().grad().to_dense() != naive_dE || dense != naive_dE)
-      fail("backward differs from the naive scatter at N = " + std::to_string(N));
+      fail(kProgram, "backward differs from the naive scatter at N = " + std::to_string(N));
 
     const double sparse_s = median_seconds(sparse_step, kSamples);
     const double dense_s = median_seconds(dense_step, kSamples);
@@ -267,7 +247,8 @@ void check_head_forward(const RowMatrix<float>& h, const OutputProjection<float>
       magnitude += std::abs(double{h(n, j)} * W(v, j));
     }
     if (!(std::abs(logits(n, v) - exact) <= static_cast<double>(d + 2) * std::ldexp(1.0, -24) * magnitude + 1e-30))
-      fail("head logits(" + std::to_string(n) + ", " + std::to_string(v) + ") differs from the double dot product");
+      fail(kProgram,
+           "head logits(" + std::to_string(n) + ", " + std::to_string(v) + ") differs from the double dot product");
   }
 }
 

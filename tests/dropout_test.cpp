@@ -4,41 +4,21 @@
 #include <embedhead/dropout.hpp>
 
 #include "reference/naive.hpp"
+#include "reference/test_support.hpp"
 
 #include <catch2/catch.hpp>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <random>
 
 using Catch::Contains;
 using Catch::Matchers::WithinAbs;
 using Catch::Matchers::WithinRel;
 using embedhead::Index;
 using embedhead::RowMatrix;
-
-namespace {
-
-template <typename Scalar>
-RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::uint32_t seed, double scale = 1.0) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<double> dist(-scale, scale);
-  RowMatrix<Scalar> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(dist(gen));
-  return m;
-}
-
-template <typename A, typename B>
-bool same_values(const A& a, const B& b) {
-  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
-  for (Index r = 0; r < a.rows(); ++r)
-    for (Index c = 0; c < a.cols(); ++c)
-      if (!(a(r, c) == b(r, c))) return false;
-  return true;
-}
-
-}  // namespace
+using test_support::random_matrix;
+using test_support::same_values;
 
 TEMPLATE_TEST_CASE("Dropout limits: p = 0 is the identity, p = 1 gives zeros", "[dropout]", float, double) {
   using S = TestType;

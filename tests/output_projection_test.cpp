@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "reference/naive.hpp"
+#include "reference/test_support.hpp"
 
 namespace {
 
@@ -28,28 +29,12 @@ using embedhead::Parameter;
 using embedhead::RowMatrix;
 using embedhead::TokenEmbedding;
 using embedhead::TokenEmbeddingOptions;
+using test_support::random_matrix;
+using test_support::same_values;
 
 template <typename Scalar>
 constexpr double unit_roundoff() {
   return std::numeric_limits<Scalar>::epsilon();
-}
-
-// Entries uniform in [-1, 1), from the library's counter-based Rng so every run sees the same data.
-template <typename Scalar>
-RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::uint64_t seed) {
-  embedhead::Rng rng(seed);
-  RowMatrix<Scalar> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(2.0 * rng.uniform() - 1.0);
-  return m;
-}
-
-template <typename Id>
-embedhead::IdMatrix<Id> random_ids(Index B, Index T, Index V, std::uint64_t seed) {
-  embedhead::Rng rng(seed);
-  embedhead::IdMatrix<Id> ids(B, T);
-  for (Index i = 0; i < ids.size(); ++i)
-    ids.data()[i] = static_cast<Id>(rng.next_bits() % static_cast<std::uint64_t>(V));
-  return ids;
 }
 
 // A reference value and the absolute error a Scalar computation of it may carry.
@@ -151,16 +136,6 @@ void check_close(const Actual& actual, const Reference& expected) {
       CHECK_THAT(static_cast<double>(actual(i, j)), WithinRel(expected.value(i, j), 8 * unit_roundoff<Scalar>()) ||
                                                         WithinAbs(expected.value(i, j), expected.tolerance(i, j)));
     }
-}
-
-// Bitwise equality of two matrices (state-unchanged checks after a throw).
-template <typename A, typename B>
-bool same_entries(const A& a, const B& b) {
-  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
-  for (Index i = 0; i < a.rows(); ++i)
-    for (Index j = 0; j < a.cols(); ++j)
-      if (!(a(i, j) == b(i, j))) return false;
-  return true;
 }
 
 struct Size {
@@ -293,7 +268,7 @@ TEMPLATE_TEST_CASE("OutputProjection backward: dh = dlogits W, dW += dlogits^T h
         if (bias) check_close<Scalar>(head.bias()->grad().to_dense(), db);
 
         // The weights themselves are not touched by backward.
-        CHECK(same_entries(head.weight().value(), W));
+        CHECK(same_values(head.weight().value(), W));
 
         head.zero_grad();
         CHECK_FALSE(head.weight().grad().is_dense());
@@ -516,7 +491,7 @@ TEMPLATE_TEST_CASE("Tied gradient = embedding's sparse rows + head's dense dlogi
     const RowMatrix<Scalar> dense = grad.to_dense();
     for (Index i = 0; i < grad.num_touched(); ++i) {
       CHECK(grad.touched_rows()[static_cast<std::size_t>(i)] == i);
-      CHECK(same_entries(grad.touched_row(i), dense.row(i)));
+      CHECK(same_values(grad.touched_row(i), dense.row(i)));
     }
   }
 
@@ -601,7 +576,7 @@ TEMPLATE_TEST_CASE("OutputProjection errors throw and leave everything unchanged
     CHECK(head.weight_ptr() == weight_before);
     CHECK(head.has_bias());
     CHECK(head.bias() == bias_before);
-    CHECK(same_entries(head.weight().value(), W_before));
+    CHECK(same_values(head.weight().value(), W_before));
     CHECK(wrong_V.weight_ptr().use_count() == 1);  // not retained by the head
   }
 
@@ -658,7 +633,7 @@ TEMPLATE_TEST_CASE("OutputProjection errors throw and leave everything unchanged
 
     CHECK_FALSE(grad.is_dense());
     CHECK(grad.touched_rows() == touched_before);
-    CHECK(same_entries(grad.to_dense(), grad_before));
+    CHECK(same_values(grad.to_dense(), grad_before));
     CHECK((dh.array() == Scalar(42)).all());
     CHECK((dh_wrong.array() == Scalar(42)).all());
   }
@@ -677,8 +652,8 @@ TEMPLATE_TEST_CASE("OutputProjection errors throw and leave everything unchanged
     const RowMatrix<Scalar> dW_before = head.weight().grad().to_dense();
     const RowMatrix<Scalar> db_before = head.bias()->grad().to_dense();
     REQUIRE_THROWS_AS(head.backward(h, bad), embedhead::shape_error);
-    CHECK(same_entries(head.weight().grad().to_dense(), dW_before));
-    CHECK(same_entries(head.bias()->grad().to_dense(), db_before));
+    CHECK(same_values(head.weight().grad().to_dense(), dW_before));
+    CHECK(same_values(head.bias()->grad().to_dense(), db_before));
   }
 
   SECTION("free functions check every shape, the bias included, before writing") {

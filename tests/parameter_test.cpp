@@ -7,13 +7,14 @@
 #include <embedhead/errors.hpp>
 #include <embedhead/parameter.hpp>
 
+#include "reference/test_support.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <memory>
 #include <random>
 #include <set>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -23,37 +24,16 @@ using embedhead::Index;
 using embedhead::Parameter;
 using embedhead::RowGradient;
 using embedhead::RowMatrix;
+using test_support::first_difference;
+using test_support::range;
 
 namespace {
-
-// "" if a == b element for element, else where they first differ (keeps failure output short).
-template <typename Scalar>
-std::string first_difference(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
-  std::ostringstream out;
-  if (a.rows() != b.rows() || a.cols() != b.cols()) {
-    out << "shapes [" << a.rows() << ", " << a.cols() << "] vs [" << b.rows() << ", " << b.cols() << "]";
-    return out.str();
-  }
-  for (Index r = 0; r < a.rows(); ++r)
-    for (Index c = 0; c < a.cols(); ++c)
-      if (!(a(r, c) == b(r, c))) {
-        out << "(" << r << ", " << c << "): " << a(r, c) << " vs " << b(r, c);
-        return out.str();
-      }
-  return {};
-}
-
-std::vector<Index> iota_ids(Index n) {
-  std::vector<Index> ids(static_cast<std::size_t>(n));
-  for (Index i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = i;
-  return ids;
-}
 
 // Random sorted unique subset of [0, V) with at most max_count elements (possibly empty).
 std::vector<Index> random_sorted_ids(std::mt19937_64& gen, Index V, Index max_count) {
   std::uniform_int_distribution<Index> count_dist(0, std::min(V, max_count));
   const Index count = count_dist(gen);
-  std::vector<Index> all = iota_ids(V);
+  std::vector<Index> all = range(0, V);
   std::shuffle(all.begin(), all.end(), gen);
   std::vector<Index> ids(all.begin(), all.begin() + count);
   std::sort(ids.begin(), ids.end());
@@ -199,7 +179,7 @@ TEMPLATE_TEST_CASE("RowGradient: touch_rows merges sorted id batches", "[paramet
     }
     check_gradient(grad, expected, reference);
     // Then all rows at once: the odd ids fill every gap.
-    const std::vector<Index> all = iota_ids(V);
+    const std::vector<Index> all = range(0, V);
     touch_and_add(grad, reference, all, gen);
     expected.insert(all.begin(), all.end());
     check_gradient(grad, expected, reference);
@@ -230,7 +210,7 @@ TEMPLATE_TEST_CASE("RowGradient: dense mode", "[parameter][row_gradient]", float
     REQUIRE(dense.rows() == V);
     REQUIRE(dense.cols() == d);
     CHECK(first_difference(RowMatrix<Scalar>(dense), reference) == "");
-    CHECK(grad.touched_rows() == iota_ids(V));
+    CHECK(grad.touched_rows() == range(0, V));
     CHECK(grad.num_touched() == V);
 
     // A dense contribution, as the head's dW += dlogits^T h would add.

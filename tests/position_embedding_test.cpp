@@ -5,13 +5,13 @@
 #include <embedhead/position_embedding.hpp>
 
 #include "reference/naive.hpp"
+#include "reference/test_support.hpp"
 
 #include <catch2/catch.hpp>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -20,33 +20,11 @@ using Catch::Matchers::WithinAbs;
 using Catch::Matchers::WithinRel;
 using embedhead::Index;
 using embedhead::RowMatrix;
+using test_support::random_matrix;
+using test_support::range;
+using test_support::same_values;
 
 namespace {
-
-template <typename Scalar>
-RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<double> dist(-1.0, 1.0);
-  RowMatrix<Scalar> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(dist(gen));
-  return m;
-}
-
-// Exact (bit-level) equality of two matrices of the same shape; a NaN anywhere fails.
-template <typename A, typename B>
-bool same_values(const A& a, const B& b) {
-  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
-  for (Index r = 0; r < a.rows(); ++r)
-    for (Index c = 0; c < a.cols(); ++c)
-      if (!(a(r, c) == b(r, c))) return false;
-  return true;
-}
-
-std::vector<Index> range(Index first, Index last) {
-  std::vector<Index> v;
-  for (Index i = first; i < last; ++i) v.push_back(i);
-  return v;
-}
 
 // A float table entry is the double value rounded once; allow that rounding plus a few ulps of
 // libm / exp-vs-pow differences in the angle.

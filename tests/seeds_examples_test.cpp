@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "reference/naive.hpp"
+#include "reference/test_support.hpp"
 
 namespace {
 
@@ -25,6 +26,7 @@ using Catch::Matchers::WithinAbs;
 using Catch::Matchers::WithinRel;
 using embedhead::Index;
 using embedhead::RowMatrix;
+using test_support::same_values;
 
 // Half a unit in the third decimal, plus room for float rounding of the inputs.
 constexpr double kThreeDecimals = 0.0005 + 1e-6;
@@ -40,15 +42,6 @@ embedhead::IdMatrix<Id> id_matrix(Index B, Index T, std::initializer_list<Id> va
 template <typename Scalar>
 void set_seed_table(embedhead::TokenEmbedding<Scalar>& embedding) {
   embedding.weight().value() << Scalar(0.1), Scalar(0.2), Scalar(0.3), Scalar(-0.1), Scalar(0.0), Scalar(0.5);
-}
-
-template <typename A, typename B>
-bool same_entries(const A& a, const B& b) {
-  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
-  for (Index i = 0; i < a.rows(); ++i)
-    for (Index j = 0; j < a.cols(); ++j)
-      if (!(a(i, j) == b(i, j))) return false;
-  return true;
 }
 
 // Mean over rows of the squared row norm, in double.
@@ -89,24 +82,24 @@ TEMPLATE_TEST_CASE("seed 000 one-hot example: V=3, d=2, lookup of token 1 is [0.
     CHECK(out(0, 0) == Scalar(0.3));
     CHECK(out(0, 1) == Scalar(-0.1));
     // o(1) * E = [0*0.1 + 1*0.3 + 0*0.0, 0*0.2 + 1*(-0.1) + 0*0.5]: exact too (adding zeros).
-    CHECK(same_entries(naive::one_hot_lookup<Scalar>(ids, E), out));
-    CHECK(same_entries(embedding.forward(id_matrix<std::int64_t>(1, 1, {1})), out));
+    CHECK(same_values(naive::one_hot_lookup<Scalar>(ids, E), out));
+    CHECK(same_values(embedding.forward(id_matrix<std::int64_t>(1, 1, {1})), out));
   }
 
   SECTION("seed 001: lookup = gather = one_hot x W: every row, int32 and int64 ids") {
     const auto ids = id_matrix<std::int32_t>(2, 3, {0, 1, 2, 2, 1, 0});
     const RowMatrix<Scalar> out = embedding.forward(ids);
-    CHECK(same_entries(out, naive::one_hot_lookup<Scalar>(ids, E)));
-    for (Index n = 0; n < 6; ++n) CHECK(same_entries(out.row(n), E.row(ids.data()[n])));
+    CHECK(same_values(out, naive::one_hot_lookup<Scalar>(ids, E)));
+    for (Index n = 0; n < 6; ++n) CHECK(same_values(out.row(n), E.row(ids.data()[n])));
     const auto ids64 = id_matrix<std::int64_t>(2, 3, {0, 1, 2, 2, 1, 0});
-    CHECK(same_entries(embedding.forward(ids64), out));
+    CHECK(same_values(embedding.forward(ids64), out));
   }
 
   SECTION("seed 000 PyTorch check: V=5, d=3, x=[[1, 3, 1]]: one_hot(x) @ W equals emb(x)") {
     embedhead::TokenEmbedding<Scalar> emb5(5, 3);
     const auto x = id_matrix<std::int32_t>(1, 3, {1, 3, 1});
     const RowMatrix<Scalar> W = emb5.weight().value();
-    CHECK(same_entries(naive::one_hot_lookup<Scalar>(x, W), emb5.forward(x)));
+    CHECK(same_values(naive::one_hot_lookup<Scalar>(x, W), emb5.forward(x)));
   }
 }
 
@@ -124,13 +117,13 @@ TEMPLATE_TEST_CASE("seed 000 gradient example: V=5, d=3, x=[[1, 3, 1]], L=sum(ou
   expected.row(1).setConstant(Scalar(2));  // token 1 appears twice
   expected.row(3).setConstant(Scalar(1));  // token 3 once
   const auto& grad = embedding.weight().grad();
-  CHECK(same_entries(grad.to_dense(), expected));
+  CHECK(same_values(grad.to_dense(), expected));
   // Rows of absent tokens are not even visited.
   CHECK(grad.touched_rows() == std::vector<Index>{1, 3});
   CHECK_FALSE(grad.is_dense());
   // The matrix form O^T G of the chapter.
   const RowMatrix<Scalar> O = naive::one_hot<Scalar>(x, 5);
-  CHECK(same_entries(RowMatrix<Scalar>(O.transpose() * g), grad.to_dense()));
+  CHECK(same_values(RowMatrix<Scalar>(O.transpose() * g), grad.to_dense()));
 }
 
 TEMPLATE_TEST_CASE("seed 000 exercise 2: batch [[5,2,5],[2,7,5]] -> rows 2, 5, 7 with weights 2, 3, 1",
@@ -148,9 +141,9 @@ TEMPLATE_TEST_CASE("seed 000 exercise 2: batch [[5,2,5],[2,7,5]] -> rows 2, 5, 7
   const auto& grad = embedding.weight().grad();
   CHECK(grad.touched_rows() == std::vector<Index>{2, 5, 7});
   const RowMatrix<Scalar> dE = grad.to_dense();
-  CHECK(same_entries(dE.row(2), Scalar(2) * g_row));
-  CHECK(same_entries(dE.row(5), Scalar(3) * g_row));  // "three times the gradient of one position"
-  CHECK(same_entries(dE.row(7), g_row));
+  CHECK(same_values(dE.row(2), Scalar(2) * g_row));
+  CHECK(same_values(dE.row(5), Scalar(3) * g_row));  // "three times the gradient of one position"
+  CHECK(same_values(dE.row(7), g_row));
   for (const Index absent : {0, 1, 3, 4, 6}) CHECK(dE.row(absent).isZero(0));
 }
 
@@ -227,7 +220,7 @@ TEMPLATE_TEST_CASE("seed 000 tied-gradient example: h=(1, 2), y=2 -> z=[0.5, 0.1
     }
     // seed 000 pitfall "tying must be shared storage, not a copy": the step is seen by the lookup.
     const RowMatrix<Scalar> e2 = embedding.forward(id_matrix<std::int32_t>(1, 1, {2}));
-    CHECK(same_entries(e2, head.weight().value().row(2)));
+    CHECK(same_values(e2, head.weight().value().row(2)));
   }
 }
 
@@ -501,7 +494,7 @@ TEMPLATE_TEST_CASE("seed 000 pitfall: an id >= V gives a clear error (PyTorch: '
   const RowMatrix<Scalar> g = RowMatrix<Scalar>::Ones(4, 2);
   REQUIRE_THROWS_WITH(embedding.backward(bad, g), Contains("TokenEmbedding::backward") && Contains("id 3"));
   CHECK(embedding.weight().grad().num_touched() == 0);
-  CHECK(same_entries(embedding.weight().value(), E));
+  CHECK(same_values(embedding.weight().value(), E));
 }
 
 TEMPLATE_TEST_CASE("seed 000 dropout after embeddings is inverted: x*m/(1-p) in training, identity in eval",
@@ -530,7 +523,7 @@ TEMPLATE_TEST_CASE("seed 000 dropout after embeddings is inverted: x*m/(1-p) in 
   CHECK_THAT(static_cast<double>(kept) / n, WithinAbs(1.0 - p, 5 * std::sqrt(p * (1 - p) / n)));
 
   dropout.eval();
-  CHECK(same_entries(dropout.forward(x), x));
+  CHECK(same_values(dropout.forward(x), x));
 }
 
 TEMPLATE_TEST_CASE("seed 002 x_t = token_embedding[id_t] + position_embedding[t] (ANDREA ids [256, 1842, 7301])",
@@ -564,8 +557,8 @@ TEMPLATE_TEST_CASE("seed 000/001: init N(0, 0.02) by default (initializer_range)
   CHECK_THAT(rms(head.weight().value()), WithinRel(0.02, rel_tol));
   CHECK_THAT(rms(positions.weight().value()), WithinRel(0.02, rel_tol));
   // The three tables use different default seeds, so they are not the same draws.
-  CHECK_FALSE(same_entries(tokens.weight().value(), head.weight().value()));
-  CHECK_FALSE(same_entries(tokens.weight().value(), positions.weight().value()));
+  CHECK_FALSE(same_values(tokens.weight().value(), head.weight().value()));
+  CHECK_FALSE(same_values(tokens.weight().value(), positions.weight().value()));
 
   embedhead::TokenEmbeddingOptions andrea;
   andrea.init_std = 1.0 / std::sqrt(768.0);

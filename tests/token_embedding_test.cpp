@@ -11,6 +11,7 @@
 #include <embedhead/token_embedding.hpp>
 
 #include "reference/naive.hpp"
+#include "reference/test_support.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -22,7 +23,6 @@
 #include <memory>
 #include <random>
 #include <set>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -34,48 +34,17 @@ using embedhead::RowMatrix;
 using embedhead::TokenEmbedding;
 using embedhead::TokenEmbeddingOptions;
 using Catch::Matchers::WithinAbs;
+using test_support::first_difference;
+using test_support::random_ids;
+using test_support::random_matrix;
 
 namespace {
-
-// "" if a == b element for element, else where they first differ (keeps failure output short).
-template <typename Scalar>
-std::string first_difference(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
-  std::ostringstream out;
-  if (a.rows() != b.rows() || a.cols() != b.cols()) {
-    out << "shapes [" << a.rows() << ", " << a.cols() << "] vs [" << b.rows() << ", " << b.cols() << "]";
-    return out.str();
-  }
-  for (Index r = 0; r < a.rows(); ++r)
-    for (Index c = 0; c < a.cols(); ++c)
-      if (!(a(r, c) == b(r, c))) {
-        out.precision(17);
-        out << "(" << r << ", " << c << "): " << a(r, c) << " vs " << b(r, c);
-        return out.str();
-      }
-  return {};
-}
 
 // Bitwise equality, so -0 vs +0 or a different rounding anywhere counts as a difference.
 template <typename Scalar>
 bool bit_identical(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
   return a.rows() == b.rows() && a.cols() == b.cols() &&
          std::memcmp(a.data(), b.data(), sizeof(Scalar) * static_cast<std::size_t>(a.size())) == 0;
-}
-
-template <typename Id>
-IdMatrix<Id> random_ids(std::mt19937_64& gen, Index B, Index T, Index V) {
-  std::uniform_int_distribution<std::int64_t> dist(0, V - 1);
-  IdMatrix<Id> ids(B, T);
-  for (Index i = 0; i < ids.size(); ++i) ids.data()[i] = static_cast<Id>(dist(gen));
-  return ids;
-}
-
-template <typename Scalar>
-RowMatrix<Scalar> random_matrix(std::mt19937_64& gen, Index rows, Index cols) {
-  std::uniform_real_distribution<double> dist(-1.0, 1.0);
-  RowMatrix<Scalar> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(dist(gen));
-  return m;
 }
 
 template <typename Id, typename IdMatrixT>
@@ -97,7 +66,7 @@ std::vector<Index> distinct_ids(const IdMatrix<Id>& ids, Index padding_idx) {
 template <typename Scalar>
 TokenEmbedding<Scalar> random_embedding(std::mt19937_64& gen, Index V, Index d, TokenEmbeddingOptions options = {}) {
   auto weight = std::make_shared<Parameter<Scalar>>(V, d, "E");
-  weight->value() = random_matrix<Scalar>(gen, V, d);
+  weight->value() = random_matrix<Scalar>(V, d, gen());
   return TokenEmbedding<Scalar>(weight, options);
 }
 
@@ -151,7 +120,7 @@ TEMPLATE_TEST_CASE("TokenEmbedding forward: the gather equals one_hot(ids) * E",
       INFO("V = " << V << ", d = " << d << ", B = " << B << ", T = " << T);
       const TokenEmbedding<Scalar> emb = random_embedding<Scalar>(gen, V, d);
       REQUIRE(emb.scale() == Scalar(1));
-      const IdMatrix<std::int64_t> ids64 = random_ids<std::int64_t>(gen, B, T, V);
+      const IdMatrix<std::int64_t> ids64 = random_ids<std::int64_t>(B, T, V, gen());
       const IdMatrix<std::int32_t> ids32 = ids_of<std::int32_t>(ids64);
       const RowMatrix<Scalar> E = emb.weight().value();
       const RowMatrix<Scalar> expected = naive::one_hot_lookup<Scalar>(ids64, E);
@@ -180,7 +149,7 @@ TEMPLATE_TEST_CASE("TokenEmbedding forward: the gather equals one_hot(ids) * E",
       const TokenEmbedding<Scalar> emb = random_embedding<Scalar>(gen, V, d, options);
       const auto s = static_cast<Scalar>(std::sqrt(static_cast<double>(d)));
       REQUIRE(emb.scale() == s);
-      const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(gen, B, T, V);
+      const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(B, T, V, gen());
       const RowMatrix<Scalar> scaled_E = s * emb.weight().value();
       const RowMatrix<Scalar> expected = naive::one_hot_lookup<Scalar>(ids, scaled_E);
       REQUIRE(first_difference(emb.forward(ids), expected) == "");
@@ -273,8 +242,8 @@ TEMPLATE_TEST_CASE("TokenEmbedding backward: dE += s * one_hot(ids)^T * dout", "
           const Index padding_idx = padded ? pad_dist(gen) : -1;
           if (padded) options.padding_idx = padding_idx;
           TokenEmbedding<Scalar> emb = random_embedding<Scalar>(gen, V, d, options);
-          const IdMatrix<std::int64_t> ids64 = random_ids<std::int64_t>(gen, B, T, V);
-          const RowMatrix<Scalar> dout = random_matrix<Scalar>(gen, B * T, d);
+          const IdMatrix<std::int64_t> ids64 = random_ids<std::int64_t>(B, T, V, gen());
+          const RowMatrix<Scalar> dout = random_matrix<Scalar>(B * T, d, gen());
 
           RowMatrix<Scalar> expected = RowMatrix<Scalar>::Zero(V, d);
           naive::embedding_backward_dense<Scalar>(ids64, dout, emb.scale(), padding_idx, expected);
@@ -346,9 +315,9 @@ TEMPLATE_TEST_CASE("TokenEmbedding backward: dE += s * one_hot(ids)^T * dout", "
     TokenEmbeddingOptions options;
     options.scale_by_sqrt_d = true;
     TokenEmbedding<Scalar> emb = random_embedding<Scalar>(gen, V, d, options);
-    const IdMatrix<std::int32_t> first = random_ids<std::int32_t>(gen, 3, 5, V);
-    const IdMatrix<std::int32_t> second = random_ids<std::int32_t>(gen, 2, 7, V / 2);  // adds some new rows
-    const RowMatrix<Scalar> dout1 = random_matrix<Scalar>(gen, 15, d), dout2 = random_matrix<Scalar>(gen, 14, d);
+    const IdMatrix<std::int32_t> first = random_ids<std::int32_t>(3, 5, V, gen());
+    const IdMatrix<std::int32_t> second = random_ids<std::int32_t>(2, 7, V / 2, gen());  // adds some new rows
+    const RowMatrix<Scalar> dout1 = random_matrix<Scalar>(15, d, gen()), dout2 = random_matrix<Scalar>(14, d, gen());
     RowMatrix<Scalar> expected = RowMatrix<Scalar>::Zero(V, d);
     naive::embedding_backward_dense<Scalar>(first, dout1, emb.scale(), -1, expected);
     naive::embedding_backward_dense<Scalar>(second, dout2, emb.scale(), -1, expected);
@@ -370,8 +339,8 @@ TEMPLATE_TEST_CASE("TokenEmbedding backward: dE += s * one_hot(ids)^T * dout", "
   SECTION("determinism: the same backward twice gives bit-identical gradients") {
     std::mt19937_64 gen(29);
     const Index V = 37, d = 17;
-    const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(gen, 16, 256, V);  // ~110 repeats per id
-    const RowMatrix<Scalar> dout = random_matrix<Scalar>(gen, ids.size(), d);
+    const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(16, 256, V, gen());  // ~110 repeats per id
+    const RowMatrix<Scalar> dout = random_matrix<Scalar>(ids.size(), d, gen());
     TokenEmbedding<Scalar> a(V, d), b(V, d);
     a.backward(ids, dout);
     b.backward(ids, dout);
@@ -386,10 +355,10 @@ TEMPLATE_TEST_CASE("TokenEmbedding backward: dE += s * one_hot(ids)^T * dout", "
     std::mt19937_64 gen(31);
     const Index V = 7, d = 8;
     TokenEmbedding<Scalar> emb = random_embedding<Scalar>(gen, V, d);
-    const RowMatrix<Scalar> head_part = random_matrix<Scalar>(gen, V, d);
+    const RowMatrix<Scalar> head_part = random_matrix<Scalar>(V, d, gen());
     emb.weight().grad().dense_accumulator() += head_part;
-    const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(gen, 2, 6, V);
-    const RowMatrix<Scalar> dout = random_matrix<Scalar>(gen, 12, d);
+    const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(2, 6, V, gen());
+    const RowMatrix<Scalar> dout = random_matrix<Scalar>(12, d, gen());
     RowMatrix<Scalar> expected = head_part;
     naive::embedding_backward_dense<Scalar>(ids, dout, Scalar(1), -1, expected);
     emb.backward(ids, dout);
@@ -404,7 +373,7 @@ TEST_CASE("TokenEmbedding backward: central finite differences of L = sum(W o fo
   const Index V = 6, d = 5;
   IdMatrix<std::int32_t> ids(2, 4);
   ids << 1, 4, 1, 0, 3, 1, 4, 3;  // repeats: 1 three times, 4 and 3 twice; rows 2 and 5 absent
-  const RowMatrix<double> W = random_matrix<double>(gen, 8, d);
+  const RowMatrix<double> W = random_matrix<double>(8, d, gen());
 
   for (const bool scaled : {false, true}) {
     for (const Index padding_idx : {Index(-1), Index(4)}) {
@@ -681,9 +650,9 @@ TEMPLATE_TEST_CASE("TokenEmbedding: the output-argument overloads do not allocat
   scaled.scale_by_sqrt_d = true;
   for (const TokenEmbeddingOptions& options : {TokenEmbeddingOptions{}, scaled}) {
     TokenEmbedding<Scalar> emb = random_embedding<Scalar>(gen, V, d, options);
-    const IdMatrix<std::int32_t> ids32 = random_ids<std::int32_t>(gen, B, T, V);
+    const IdMatrix<std::int32_t> ids32 = random_ids<std::int32_t>(B, T, V, gen());
     const IdMatrix<std::int64_t> ids64 = ids_of<std::int64_t>(ids32);
-    const RowMatrix<Scalar> dout = random_matrix<Scalar>(gen, B * T, d);
+    const RowMatrix<Scalar> dout = random_matrix<Scalar>(B * T, d, gen());
     RowMatrix<Scalar> out32(B * T, d), out64(B * T, d);
     RowMatrix<Scalar> wide = RowMatrix<Scalar>::Zero(B * T, d + 3);
 
@@ -737,8 +706,8 @@ TEMPLATE_TEST_CASE("TokenEmbedding backward: reused and merged gradient rows nev
       }
       std::uniform_int_distribution<Index> T_dist(1, 12);
       const Index B = 2, T = T_dist(gen);
-      const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(gen, B, T, V);
-      const RowMatrix<Scalar> dout = random_matrix<Scalar>(gen, B * T, d);
+      const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(B, T, V, gen());
+      const RowMatrix<Scalar> dout = random_matrix<Scalar>(B * T, d, gen());
       embedding.backward(ids, dout);
       naive::embedding_backward_dense<Scalar>(ids, dout, s, 7, expected);
       INFO("step " << step << ", scale " << s);
