@@ -735,3 +735,27 @@ TEST_CASE("OutputProjection: tying to a moved-from TokenEmbedding is an error", 
   REQUIRE_NOTHROW(head.tie_to(taken));
   CHECK(head.weight_ptr() == taken.weight_ptr());
 }
+
+TEST_CASE("OutputProjection wraps existing W and bias without copying them", "[output_projection][wrap]") {
+  auto W = std::make_shared<Parameter<double>>(3, 2, "lm_head.weight");
+  auto b = std::make_shared<Parameter<double>>(3, 1, "lm_head.bias");
+  W->value() << 1, 0, 0, 1, 1, 1;
+  b->value() << 0.5, -0.5, 0;
+  OutputProjection<double> head(W, b);
+  CHECK(head.weight_ptr() == W);
+  CHECK(head.bias() == b.get());
+  CHECK_FALSE(head.is_tied());
+  RowMatrix<double> h(1, 2);
+  h << 2, 3;
+  const RowMatrix<double> logits = head.forward(h);
+  CHECK(logits(0, 0) == 2.5);
+  CHECK(logits(0, 1) == 2.5);
+  CHECK(logits(0, 2) == 5.0);
+  OutputProjection<double> no_bias(W);
+  CHECK_FALSE(no_bias.has_bias());
+
+  REQUIRE_THROWS_AS(OutputProjection<double>(nullptr), embedhead::value_error);
+  auto wrong_bias = std::make_shared<Parameter<double>>(4, 1);
+  REQUIRE_THROWS_AS(OutputProjection<double>(W, wrong_bias), embedhead::shape_error);
+  REQUIRE_THROWS_WITH(OutputProjection<double>(W, wrong_bias), Contains("bias") && Contains("[4, 1]") && Contains("[3, 1]"));
+}

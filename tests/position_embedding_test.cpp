@@ -543,3 +543,18 @@ TEMPLATE_TEST_CASE("LearnedPositionEmbedding: backward of an empty batch touches
   pos.backward(RowMatrix<S>(0, 3), 4, 0);
   CHECK(pos.weight().grad().num_touched() == 0);
 }
+
+TEST_CASE("LearnedPositionEmbedding wraps an existing Parameter without copying or re-initialising it",
+          "[position_embedding][wrap]") {
+  auto P = std::make_shared<embedhead::Parameter<double>>(4, 2, "wpe");
+  P->value() << 1, 2, 3, 4, 5, 6, 7, 8;
+  embedhead::LearnedPositionEmbedding<double> pos(P);
+  CHECK(pos.weight_ptr() == P);
+  CHECK(pos.max_positions() == 4);
+  CHECK(pos.dim() == 2);
+  const RowMatrix<double> out = pos.forward(RowMatrix<double>::Zero(2, 2), 1, 2, 1);
+  CHECK(out(0, 0) == 3.0);
+  CHECK(out(1, 1) == 6.0);
+  REQUIRE_THROWS_AS(embedhead::LearnedPositionEmbedding<double>(nullptr), embedhead::value_error);
+  REQUIRE_THROWS_WITH(embedhead::LearnedPositionEmbedding<double>(nullptr), Contains("null"));
+}

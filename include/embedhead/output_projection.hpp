@@ -21,6 +21,7 @@
 #include <memory>
 #include <sstream>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace embedhead {
@@ -89,6 +90,15 @@ class OutputProjection {
     Rng rng(options.seed);
     init_normal<Scalar>(weight_->value(), options.init_std, rng);
     if (options.bias) bias_ = std::make_shared<Parameter<Scalar>>(V, 1, "lm_head.bias");
+  }
+
+  // Untied, wrapping existing parameters (e.g. loaded weights): W [V, d] and an optional bias
+  // [V, 1] (null for none), values untouched. \throws value_error if weight is null; shape_error
+  // if the bias is not [V, 1].
+  explicit OutputProjection(std::shared_ptr<Parameter<Scalar>> weight, std::shared_ptr<Parameter<Scalar>> bias = nullptr)
+      : weight_(std::move(weight)), bias_(std::move(bias)) {
+    if (!weight_) throw value_error("OutputProjection: weight is a null shared_ptr<Parameter>");
+    if (bias_) detail::check_shape("OutputProjection", "bias", bias_->value(), weight_->rows(), 1);
   }
 
   // Tied to `embedding`: W is the embedding's Parameter (shared, not copied), no bias.

@@ -23,6 +23,7 @@
 #include <numeric>
 #include <sstream>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace embedhead {
@@ -83,6 +84,12 @@ class LearnedPositionEmbedding {
       : weight_(make_weight(T_max, d, options)) {
     Rng rng(options.seed);
     init_normal<Scalar>(weight_->value(), options.init_std, rng);
+  }
+
+  // Wraps an existing parameter (e.g. loaded weights) as P [T_max, d], values untouched.
+  // \throws value_error if weight is null.
+  explicit LearnedPositionEmbedding(std::shared_ptr<Parameter<Scalar>> weight) : weight_(std::move(weight)) {
+    if (!weight_) throw value_error("LearnedPositionEmbedding: weight is a null shared_ptr<Parameter>");
   }
 
   Index max_positions() const { return weight_->rows(); }
