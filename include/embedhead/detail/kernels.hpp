@@ -19,6 +19,7 @@ struct ScatterWorkspace {
   std::vector<Index> unique_ids;               // sorted distinct ids of `order`
   std::vector<Index> slots;                    // gradient slot of each unique id
   std::vector<unsigned char> fresh;            // 1 where that slot is new to the gradient
+  std::vector<std::size_t> run_begin;          // unique id u's tokens: order[run_begin[u], run_begin[u+1])
 };
 
 namespace detail {
@@ -28,6 +29,11 @@ namespace detail {
 // within a row once its first lines are in flight.
 constexpr Index kPrefetchDistance = 8;
 constexpr Index kPrefetchBytes = 512;
+
+// Below these sizes a second thread costs more than it saves (tokens for the lookup, distinct
+// rows for the backward); only used when the program is built with OpenMP.
+constexpr Index kTokensPerThread = 256;
+constexpr Index kRowsPerThread = 64;
 
 // Hints the CPU to start loading the first kPrefetchBytes of a row; no effect on results.
 template <typename Scalar>
@@ -57,8 +63,13 @@ void sort_tokens_by_id(const ConstIdRef<Id>& ids, Index skip_id, ScatterWorkspac
     }
   std::sort(ws.order.begin(), ws.order.end());
   ws.unique_ids.clear();
-  for (const auto& entry : ws.order)
-    if (ws.unique_ids.empty() || ws.unique_ids.back() != entry.first) ws.unique_ids.push_back(entry.first);
+  ws.run_begin.clear();
+  for (std::size_t i = 0; i < ws.order.size(); ++i)
+    if (ws.unique_ids.empty() || ws.unique_ids.back() != ws.order[i].first) {
+      ws.unique_ids.push_back(ws.order[i].first);
+      ws.run_begin.push_back(i);
+    }
+  ws.run_begin.push_back(ws.order.size());
   ws.slots.resize(ws.unique_ids.size());
   ws.fresh.resize(ws.unique_ids.size());
 }

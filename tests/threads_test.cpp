@@ -1,0 +1,91 @@
+// Built with OpenMP (see tests/CMakeLists.txt): the threaded paths give bit-identical results for
+// 1 and 2 threads and across runs, and equal the naive sequential reference.
+#include <embedhead/embedhead.hpp>
+
+#include "reference/naive.hpp"
+#include "reference/test_support.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+
+using embedhead::IdMatrix;
+using embedhead::Index;
+using embedhead::RowMatrix;
+
+namespace {
+
+template <typename Scalar>
+bool bit_identical(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), sizeof(Scalar) * static_cast<std::size_t>(a.size())) == 0;
+}
+
+// Runs f with `threads` OpenMP threads and restores the previous setting.
+template <typename F>
+auto with_threads(int threads, F f) {
+  const int before = omp_get_max_threads();
+  omp_set_num_threads(threads);
+  auto result = f();
+  omp_set_num_threads(before);
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE("threads: this test really runs two threads", "[threads]") {
+  const int seen = with_threads(2, [] {
+    int count = 0;
+#pragma omp parallel
+    {
+#pragma omp single
+      count = omp_get_num_threads();
+    }
+    return count;
+  });
+  REQUIRE(seen == 2);
+}
+
+TEMPLATE_TEST_CASE("threads: lookup and sparse backward are bit-identical for 1 and 2 threads", "[threads]", float,
+                   double) {
+  using S = TestType;
+  // Large enough that both paths split (>= 2 * 256 tokens, >= 2 * 64 distinct rows), with many
+  // repeated ids so the per-row sums have several terms, and T not dividing the split points.
+  const Index V = 500, d = 33, B = 7, T = 151;
+  for (const bool scale : {false, true}) {
+    embedhead::TokenEmbeddingOptions options;
+    options.scale_by_sqrt_d = scale;
+    options.padding_idx = 3;
+    options.seed = 5;
+    const IdMatrix<std::int64_t> ids = test_support::random_ids<std::int64_t>(B, T, V, 17);
+    const RowMatrix<S> dout = test_support::random_matrix<S>(B * T, d, 18);
+
+    auto run = [&](int threads) {
+      return with_threads(threads, [&] {
+        embedhead::TokenEmbedding<S> embedding(V, d, options);
+        RowMatrix<S> out(B * T, d);
+        embedding.forward(ids, out);
+        embedding.backward(ids, dout);
+        embedding.backward(ids, dout);  // a second pass adds into existing rows
+        return std::make_pair(out, embedding.weight().grad().to_dense());
+      });
+    };
+    const auto one = run(1), two = run(2), two_again = run(2);
+    CHECK(bit_identical(one.first, two.first));
+    CHECK(bit_identical(one.second, two.second));
+    CHECK(bit_identical(two.second, two_again.second));
+
+    // And both equal the naive sequential references.
+    embedhead::TokenEmbedding<S> reference(V, d, options);
+    const RowMatrix<S> E = reference.weight().value();
+    const RowMatrix<S> expected_out = naive::one_hot_lookup<S>(ids, E) * reference.scale();
+    RowMatrix<S> expected_grad = RowMatrix<S>::Zero(V, d);
+    naive::embedding_backward_dense<S>(ids, dout, reference.scale(), 3, expected_grad);
+    naive::embedding_backward_dense<S>(ids, dout, reference.scale(), 3, expected_grad);
+    CHECK(one.first == expected_out);
+    CHECK(one.second == expected_grad);
+  }
+}
