@@ -628,3 +628,131 @@ TEMPLATE_TEST_CASE("cross_entropy_forward_backward with losses: one pass gives b
   CHECK(dlogits == RowMatrix<S>::Constant(N, V, S(9)));
   CHECK(wrong == RowMatrix<S>::Constant(N + 1, 1, S(9)));
 }
+
+// ---- the large-vocabulary options: label smoothing, z-loss, soft-capping, padded vocabulary ----
+
+TEST_CASE("cross_entropy options: hand-computed values", "[cross_entropy][options][seeds]") {
+  // z = [0, ln 3]: softmax = [1/4, 3/4], lse = ln 4. Target 0.
+  RowMatrix<double> z(1, 2);
+  z << 0.0, std::log(3.0);
+  IdMatrix<std::int32_t> y(1, 1);
+  y << 0;
+  SECTION("label smoothing eps = 0.2: 0.8 * ln 4 + 0.2 * (ln 4 + ln 4/3) / 2, PyTorch's definition") {
+    CrossEntropyOptions o;
+    o.label_smoothing = 0.2;
+    RowMatrix<double> dz(1, 2);
+    const auto r = embedhead::cross_entropy_forward_backward<double>(z, y, dz, o);
+    CHECK_THAT(r.loss, WithinRel(0.8 * std::log(4.0) + 0.1 * (std::log(4.0) + std::log(4.0 / 3.0)), 1e-14));
+    // d/dz = softmax - (1 - eps) one_hot - eps / V = [0.25 - 0.8 - 0.1, 0.75 - 0.1]
+    CHECK_THAT(dz(0, 0), WithinAbs(-0.65, 1e-15));
+    CHECK_THAT(dz(0, 1), WithinAbs(0.65, 1e-15));
+  }
+  SECTION("z-loss 0.1: ln 4 + 0.1 * (ln 4)^2, reported separately too") {
+    CrossEntropyOptions o;
+    o.z_loss = 0.1;
+    const auto r = embedhead::cross_entropy<double>(z, y, o);
+    const double lse = std::log(4.0);
+    CHECK_THAT(r.loss, WithinRel(lse + 0.1 * lse * lse, 1e-14));
+    CHECK_THAT(r.z_loss, WithinRel(0.1 * lse * lse, 1e-14));
+  }
+  SECTION("soft-cap c = 1: logits become tanh(z)") {
+    CrossEntropyOptions o;
+    o.softcap = 1.0;
+    const double s1 = std::tanh(std::log(3.0));  // = 0.8
+    const auto r = embedhead::cross_entropy<double>(z, y, o);
+    CHECK_THAT(r.loss, WithinRel(std::log(1.0 + std::exp(s1)), 1e-14));
+  }
+  SECTION("padded vocabulary: a third column that never counts") {
+    RowMatrix<double> padded(1, 3);
+    padded << 0.0, std::log(3.0), 50.0;
+    CrossEntropyOptions o;
+    o.valid_vocab = 2;
+    RowMatrix<double> dz = RowMatrix<double>::Constant(1, 3, 9.0);
+    const auto r = embedhead::cross_entropy_forward_backward<double>(padded, y, dz, o);
+    CHECK_THAT(r.loss, WithinRel(std::log(4.0), 1e-14));
+    CHECK_THAT(dz(0, 0), WithinAbs(-0.75, 1e-15));
+    CHECK_THAT(dz(0, 1), WithinAbs(0.75, 1e-15));
+    CHECK(dz(0, 2) == 0.0);
+  }
+}
+
+TEMPLATE_TEST_CASE("cross_entropy options match the naive definition", "[cross_entropy][options][naive]", float, double) {
+  using Scalar = TestType;
+  const Index V = 19, classes = 17;
+  const RowMatrix<Scalar> logits = random_matrix<Scalar>(10, V, 1201, kLogitSpread);
+  IdMatrix<std::int64_t> targets = random_ids<std::int64_t>(2, 5, classes, 1202);
+  targets(1, 2) = -100;
+  for (Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none}) {
+    CAPTURE(name_of(reduction));
+    CrossEntropyOptions o;
+    o.reduction = reduction;
+    o.label_smoothing = 0.1;
+    o.z_loss = 1e-3;
+    o.softcap = 2.0;
+    o.valid_vocab = classes;
+    o.gradient_scale = 2.0;
+    RowMatrix<Scalar> dz(10, V), losses(10, 1);
+    const auto r = embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, losses, o);
+    naive::LossOptions ref;
+    ref.mean = reduction == Reduction::mean;
+    ref.label_smoothing = 0.1;
+    ref.z_loss = 1e-3;
+    ref.softcap = 2.0;
+    ref.classes = classes;
+    ref.gradient_scale = 2.0;
+    const naive::LossResult expected = naive::full_loss(logits.template cast<double>(), targets, {}, ref);
+    CHECK(r.count == 9);
+    CHECK_THAT(r.loss, WithinRel(expected.loss, loss_tolerance<Scalar>()));
+    for (Index n = 0; n < 10; ++n) {
+      CHECK_THAT(static_cast<double>(losses(n, 0)), WithinAbs(expected.losses[n], 4 * loss_tolerance<Scalar>()));
+      for (Index j = 0; j < V; ++j) {
+        CAPTURE(n, j);
+        CHECK_THAT(static_cast<double>(dz(n, j)), WithinAbs(expected.dlogits(n, j), 4 * loss_tolerance<Scalar>()));
+      }
+    }
+    // The loss alone (a scratch row for the soft-cap) is the same number.
+    CHECK(embedhead::cross_entropy<Scalar>(logits, targets, o).loss == r.loss);
+  }
+}
+
+TEST_CASE("cross_entropy options gradient check in double", "[cross_entropy][options][gradient]") {
+  RowMatrix<double> logits = random_matrix<double>(4, 7, 1301, kLogitSpread);
+  IdMatrix<std::int32_t> targets(2, 2);
+  targets << 3, 0, 5, 3;
+  CrossEntropyOptions o;
+  o.label_smoothing = 0.3;
+  o.z_loss = 0.05;
+  o.softcap = 1.7;
+  o.valid_vocab = 6;
+  RowMatrix<double> dz(4, 7);
+  embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, o);
+  const RowMatrix<double> numeric =
+      naive::numerical_gradient(logits, [&] { return embedhead::cross_entropy<double>(logits, targets, o).loss; });
+  CHECK(naive::max_relative_error(dz, numeric, 1e-6) < 1e-6);
+}
+
+TEMPLATE_TEST_CASE("cross_entropy rejects options out of range and writes nothing", "[cross_entropy][options][errors]", float,
+                   double) {
+  using Scalar = TestType;
+  const RowMatrix<Scalar> logits = random_matrix<Scalar>(2, 5, 1401);
+  IdMatrix<std::int32_t> targets(1, 2);
+  targets << 1, 4;
+  RowMatrix<Scalar> dz = RowMatrix<Scalar>::Constant(2, 5, 7);
+  const RowMatrix<Scalar> before = dz;
+  CrossEntropyOptions o;
+  o.label_smoothing = -0.1;
+  CHECK_THROWS_WITH(embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, o),
+                    Contains("cross_entropy_forward_backward: label_smoothing = -0.1 outside [0, 1]"));
+  o = {};
+  o.softcap = -1;
+  CHECK_THROWS_AS(embedhead::cross_entropy<Scalar>(logits, targets, o), embedhead::value_error);
+  o = {};
+  o.valid_vocab = 4;  // target 4 becomes a padding column
+  CHECK_THROWS_WITH(embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, o),
+                    Contains("target 4 at n=1 (b=0, t=1) outside [0, 4) and not ignore_index (-100); columns [4, 5) are "
+                             "vocabulary padding"));
+  o.valid_vocab = 6;
+  CHECK_THROWS_WITH(embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, o),
+                    Contains("valid_vocab = 6 outside [1, 5] (or -1 for all V = 5 columns)"));
+  CHECK(same_values(dz, before));
+}

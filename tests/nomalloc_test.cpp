@@ -65,6 +65,12 @@ TEMPLATE_TEST_CASE("forward and backward passes with output arguments do not all
   without_allocation([&] { head.backward(y, dlogits, dh); });
   without_allocation([&] { tied.backward(y, dlogits, dh); });
   without_allocation([&] { positions.backward(dh, B, T); });
+  embedhead::FusedHeadLossOptions fused_options;
+  fused_options.token_chunk = 3;  // several chunks reuse one workspace
+  fused_options.softcap = 5;
+  embedhead::FusedHeadLoss<S> fused(fused_options);
+  without_allocation([&] { fused.forward_backward(head, y, ids, dh); });
+  without_allocation([&] { fused.forward(tied, y, ids); });
   without_allocation([&] {
     embedding.zero_grad();
     embedding.backward(ids, dh);

@@ -89,3 +89,41 @@ TEMPLATE_TEST_CASE("threads: lookup and sparse backward are bit-identical for 1 
     CHECK(one.second == expected_grad);
   }
 }
+
+TEMPLATE_TEST_CASE("threads: the fused head loss is bit-identical for 1 and 2 threads", "[threads][fused_head_loss]", float,
+                   double) {
+  using S = TestType;
+  // Three vocabulary blocks of 2048 (the last partial), three d blocks of 128, uneven chunks.
+  const Index V = 4500, d = 300, N = 23;
+  const RowMatrix<S> h = test_support::random_matrix<S>(N, d, 71, 0.3);
+  const RowMatrix<S> W = test_support::random_matrix<S>(V, d, 72, 0.3);
+  const RowMatrix<S> bias = test_support::random_matrix<S>(V, 1, 73, 0.3);
+  IdMatrix<std::int32_t> targets = test_support::random_ids<std::int32_t>(1, N, V - 10, 74);
+  targets(0, 4) = -100;
+  embedhead::FusedHeadLossOptions options;
+  options.token_chunk = 7;
+  options.label_smoothing = 0.1;
+  options.softcap = 10;
+  options.valid_vocab = V - 10;
+  struct Out {
+    double loss;
+    RowMatrix<S> dh, dW, db, lse;
+  };
+  auto run = [&] {
+    Out out{0, RowMatrix<S>(N, d), RowMatrix<S>::Zero(V, d), RowMatrix<S>::Zero(V, 1), RowMatrix<S>(N, 1)};
+    RowMatrix<S> no(0, 1), none(0, 1);
+    embedhead::FusedHeadLossWorkspace<S> ws;
+    out.loss = embedhead::fused_head_loss_forward_backward<S>(h, W, bias, targets, no, out.dh, out.dW, out.db, out.lse, none,
+                                                              options, ws)
+                   .loss;
+    return out;
+  };
+  const Out one = with_threads(1, run), two = with_threads(2, run), again = with_threads(2, run);
+  CHECK(one.loss == two.loss);
+  CHECK(bit_identical(one.dh, two.dh));
+  CHECK(bit_identical(one.dW, two.dW));
+  CHECK(bit_identical(one.db, two.db));
+  CHECK(bit_identical(one.lse, two.lse));
+  CHECK(two.loss == again.loss);
+  CHECK(bit_identical(two.dW, again.dW));
+}

@@ -5,8 +5,14 @@
 //   loss_n = lse - z_y                                          (= -log softmax(z)_y)
 //   dz     = (softmax(z) - one_hot(y)) * scale,  softmax(z)_j = exp(z_j - lse)
 // Rows whose target equals ignore_index give loss 0, dz = 0 and are not counted.
-// scale = 1 / count for Reduction::mean, 1 for sum and none (none: dz is d loss_n / d z).
-// Take logits, not probabilities: applying softmax before this function is the classic bug.
+// scale = 1 / count for Reduction::mean, 1 for sum and none (none: dz is d loss_n / d z), times
+// gradient_scale. Take logits, not probabilities: applying softmax first is the classic bug.
+//
+// Options that large-vocabulary training uses, all off by default (detail::softmax_loss_row has
+// the formulas): label smoothing eps (PyTorch's: (1 - eps) * loss_n + eps * mean_j(lse - z_j)),
+// z-loss (z_loss * lse^2 added per row, PaLM), final-logit soft-capping (z -> c tanh(z / c) before
+// the softmax, Gemma 2) and a padded vocabulary (only the first valid_vocab columns are classes;
+// the rest never count and get dz = 0).
 #ifndef EMBEDHEAD_CROSS_ENTROPY_HPP
 #define EMBEDHEAD_CROSS_ENTROPY_HPP
 
@@ -18,6 +24,7 @@
 #include <cstdint>
 #include <sstream>
 #include <type_traits>
+#include <vector>
 
 namespace embedhead {
 
@@ -26,18 +33,51 @@ enum class Reduction { mean, sum, none };
 struct CrossEntropyOptions {
   Index ignore_index = -100;  // PyTorch's default; targets equal to it are skipped
   Reduction reduction = Reduction::mean;
+  double label_smoothing = 0;  // eps in [0, 1]
+  double z_loss = 0;           // coefficient of lse^2, >= 0 (1e-4 in PaLM)
+  double softcap = 0;          // c > 0 caps logits to c tanh(z / c) (30 in Gemma 2); 0: off
+  Index valid_vocab = -1;      // classes are columns [0, valid_vocab); -1: all V columns
+  double gradient_scale = 1;   // multiplies every gradient (e.g. 1 / micro-batches), finite
 };
 
 struct CrossEntropyResult {
-  double loss = 0;  // mean: sum / count (0 when count = 0); sum and none: sum
-  double sum = 0;   // sum of loss_n over counted rows, for gradient accumulation across batches
-  Index count = 0;  // rows whose target is not ignore_index
+  double loss = 0;        // mean: sum / weight_sum (0 when nothing counts); sum and none: sum
+  double sum = 0;         // sum of (weighted) loss_n over counted rows, z-loss included
+  Index count = 0;        // rows whose target is not ignore_index
+  double weight_sum = 0;  // sum of the counted rows' weights (= count without per-token weights)
+  double z_loss = 0;      // the z-loss part of `loss`, reduced the same way
 };
 
 namespace detail {
 
+// Throws value_error unless every option is in range; valid_vocab is checked against V.
+inline void check_loss_options(const char* where, const CrossEntropyOptions& options, Index V) {
+  auto fail = [&](const char* what, double value, const char* range) {
+    std::ostringstream message;
+    message << where << ": " << what << " = " << value << " outside " << range;
+    throw value_error(message.str());
+  };
+  if (!(options.label_smoothing >= 0 && options.label_smoothing <= 1)) fail("label_smoothing", options.label_smoothing, "[0, 1]");
+  if (!(options.z_loss >= 0) || !std::isfinite(options.z_loss)) fail("z_loss", options.z_loss, "[0, inf)");
+  if (!(options.softcap >= 0) || !std::isfinite(options.softcap)) fail("softcap", options.softcap, "[0, inf) (0: off)");
+  if (!std::isfinite(options.gradient_scale)) fail("gradient_scale", options.gradient_scale, "the finite numbers");
+  if (options.valid_vocab != -1 && (options.valid_vocab < 1 || options.valid_vocab > V)) {
+    std::ostringstream message;
+    message << where << ": valid_vocab = " << options.valid_vocab << " outside [1, " << V << "] (or -1 for all V = " << V
+            << " columns)";
+    throw value_error(message.str());
+  }
+}
+
+inline Index classes_of(const CrossEntropyOptions& options, Index V) {
+  return options.valid_vocab == -1 ? V : options.valid_vocab;
+}
+
+// Throws unless targets has N entries, each in [0, classes) or equal to ignore_index. A target
+// in [classes, V) names a padding column and is rejected as such.
 template <typename Id>
-void check_targets(const char* where, const ConstIdRef<Id>& targets, Index N, Index V, Index ignore_index) {
+void check_targets(const char* where, const ConstIdRef<Id>& targets, Index N, Index classes, Index ignore_index,
+                   Index V = -1) {
   if (targets.size() != N) {
     std::ostringstream message;
     message << where << ": targets has " << targets.size() << " entries, expected N = " << N
@@ -46,21 +86,40 @@ void check_targets(const char* where, const ConstIdRef<Id>& targets, Index N, In
   }
   for (Index n = 0; n < N; ++n) {
     const Index y = static_cast<Index>(targets(n / targets.cols(), n % targets.cols()));
-    if (y != ignore_index && (y < 0 || y >= V)) {
+    if (y != ignore_index && (y < 0 || y >= classes)) {
       std::ostringstream message;
       message << where << ": target " << y << " at n=" << n << " (b=" << n / targets.cols() << ", t=" << n % targets.cols()
-              << ") outside [0, " << V << ") and not ignore_index (" << ignore_index << ")";
+              << ") outside [0, " << classes << ") and not ignore_index (" << ignore_index << ")";
+      if (V > classes && y >= classes && y < V) message << "; columns [" << classes << ", " << V << ") are vocabulary padding";
       throw index_error(message.str());
     }
   }
 }
 
-// loss_n = m + log(sum_exp) - z_y, in double; stored in losses[n] when asked.
+// Adds a row's (weighted) loss to the result and stores it in losses[n] when asked.
 template <typename Scalar>
-double row_loss(Scalar m, Scalar sum_exp, Scalar z_y, MatrixRef<Scalar>* losses, Index n) {
-  const double loss_n = static_cast<double>(m) + std::log(static_cast<double>(sum_exp)) - static_cast<double>(z_y);
+void add_row_loss(const RowLoss& row, double weight, CrossEntropyResult& result, MatrixRef<Scalar>* losses, Index n) {
+  const double loss_n = weight == 1.0 ? row.ce + row.z_loss : weight * (row.ce + row.z_loss);
+  result.sum += loss_n;
+  result.z_loss += weight == 1.0 ? row.z_loss : weight * row.z_loss;
   if (losses) (*losses)(n, 0) = static_cast<Scalar>(loss_n);
-  return loss_n;
+}
+
+// mean divides by the weight sum; sum and none report the sums.
+inline void finish_reduction(CrossEntropyResult& result, Reduction reduction) {
+  if (reduction == Reduction::mean) {
+    const double denominator = result.weight_sum;
+    result.loss = denominator > 0 ? result.sum / denominator : 0.0;
+    result.z_loss = denominator > 0 ? result.z_loss / denominator : 0.0;
+  } else {
+    result.loss = result.sum;
+  }
+}
+
+// The gradient's multiplier for every counted row (before per-token weights).
+inline double reduction_scale(Reduction reduction, double weight_sum, double gradient_scale) {
+  if (reduction != Reduction::mean) return gradient_scale;
+  return weight_sum > 0 ? gradient_scale / weight_sum : 0.0;
 }
 
 // The shared pass: writes dlogits when it is non-null, per-token losses when non-null.
@@ -72,13 +131,17 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
   const Index N = logits.rows(), V = logits.cols(), T = targets.cols();
   if (dlogits) check_shape(where, "dlogits", *dlogits, N, V);
   if (losses) check_shape(where, "losses", *losses, N, 1);
-  check_targets(where, targets, N, V, options.ignore_index);
+  check_loss_options(where, options, V);
+  const Index classes = classes_of(options, V);
+  check_targets(where, targets, N, classes, options.ignore_index, V);
 
   CrossEntropyResult result;
   for (Index n = 0; n < N; ++n)
     if (static_cast<Index>(targets(n / T, n % T)) != options.ignore_index) ++result.count;
-  const double scale = options.reduction == Reduction::mean ? (result.count > 0 ? 1.0 / static_cast<double>(result.count) : 0.0)
-                                                            : 1.0;
+  result.weight_sum = static_cast<double>(result.count);
+  const double scale = reduction_scale(options.reduction, result.weight_sum, options.gradient_scale);
+  // Soft-capping needs a row to write the capped logits to; without dlogits that is this one.
+  std::vector<Scalar> scratch(!dlogits && options.softcap > 0 ? static_cast<std::size_t>(classes) : 0);
   for (Index n = 0; n < N; ++n) {
     const Index y = static_cast<Index>(targets(n / T, n % T));
     if (y == options.ignore_index) {
@@ -86,23 +149,14 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
       if (losses) (*losses)(n, 0) = Scalar(0);
       continue;
     }
-    const auto z = logits.row(n);
-    // Read z_y and m before writing dlogits, so dlogits may be logits itself (in place).
-    const Scalar z_y = z(y);
-    const Scalar m = z.maxCoeff();
-    if (dlogits) {
-      // exp(z - m) lands in dlogits, then is rescaled in place into softmax * scale.
-      auto dz = dlogits->row(n);
-      const Scalar sum_exp = sum_exp_shifted(z.data(), V, m, dz.data());
-      dz *= static_cast<Scalar>(scale / static_cast<double>(sum_exp));
-      dz(y) -= static_cast<Scalar>(scale);
-      result.sum += row_loss(m, sum_exp, z_y, losses, n);
-    } else {
-      result.sum += row_loss(m, sum_exp_shifted<Scalar>(z.data(), V, m, nullptr), z_y, losses, n);
-    }
+    // The kernel reads z_y and the max before it writes, so dlogits may be logits (in place).
+    Scalar* work = dlogits ? dlogits->row(n).data() : scratch.data();
+    const RowLoss row = softmax_loss_row<Scalar>(logits.row(n).data(), work, classes, y, options.label_smoothing,
+                                                 options.z_loss, options.softcap, dlogits != nullptr, scale);
+    if (dlogits && classes < V) dlogits->row(n).tail(V - classes).setZero();
+    add_row_loss(row, 1.0, result, losses, n);
   }
-  result.loss = options.reduction == Reduction::mean ? (result.count > 0 ? result.sum / static_cast<double>(result.count) : 0.0)
-                                                     : result.sum;
+  finish_reduction(result, options.reduction);
   return result;
 }
 

@@ -7,6 +7,7 @@
 #include "cross_entropy.hpp"
 #include "dropout.hpp"
 #include "errors.hpp"
+#include "fused_head_loss.hpp"
 #include "init.hpp"
 #include "output_projection.hpp"
 #include "parameter.hpp"

@@ -64,6 +64,78 @@ double cross_entropy_sum(const RowMatrix<Scalar>& logits, const TargetsT& target
   return total;
 }
 
+// The loss with every option, straight from the definitions, in double (PyTorch's formulas):
+//   s_j  = cap tanh(z_j / cap) (cap > 0) else z_j, over the first `classes` columns only
+//   log p_j = s_j - log sum_k exp(s_k)
+//   loss_n = w_n * ( -(1 - eps) log p_y - (eps / classes) sum_j log p_j + z_coef * lse^2 )
+// reduced by mean (divided by the sum of w_n over counted rows), sum or none (sum). dlogits [N, V]
+// receives the hand-derived gradient of the reduced loss times gradient_scale:
+//   d loss_n / d s_k = w_n (p_k - (1 - eps) [k = y] - eps / classes + 2 z_coef lse p_k)
+//   d s_k / d z_k    = 1 - tanh(z_k / cap)^2
+// and 0 in padding columns and ignored rows. lse [N] and losses [N] (w_n * loss_n) are filled too.
+struct LossOptions {
+  Index ignore_index = -100;
+  bool mean = true;  // false: sum (and none, whose outputs are the same sums)
+  double label_smoothing = 0;
+  double z_loss = 0;
+  double softcap = 0;
+  Index classes = -1;  // -1: all columns
+  double gradient_scale = 1;
+};
+
+struct LossResult {
+  double loss = 0, sum = 0, weight_sum = 0;
+  Index count = 0;
+  RowMatrix<double> dlogits;
+  std::vector<double> lse, losses;
+};
+
+template <typename TargetsT>
+LossResult full_loss(const RowMatrix<double>& logits, const TargetsT& targets, const std::vector<double>& weights,
+                     const LossOptions& o) {
+  const Index N = logits.rows(), V = logits.cols(), C = o.classes < 0 ? V : o.classes;
+  LossResult r;
+  r.dlogits = RowMatrix<double>::Zero(N, V);
+  r.lse.assign(static_cast<std::size_t>(N), 0.0);
+  r.losses.assign(static_cast<std::size_t>(N), 0.0);
+  auto target = [&](Index n) { return static_cast<Index>(targets(n / targets.cols(), n % targets.cols())); };
+  auto weight = [&](Index n) { return weights.empty() ? 1.0 : weights[static_cast<std::size_t>(n)]; };
+  for (Index n = 0; n < N; ++n)
+    if (target(n) != o.ignore_index) {
+      ++r.count;
+      r.weight_sum += weight(n);
+    }
+  const double scale = (o.mean ? (r.weight_sum > 0 ? 1.0 / r.weight_sum : 0.0) : 1.0) * o.gradient_scale;
+  for (Index n = 0; n < N; ++n) {
+    const Index y = target(n);
+    if (y == o.ignore_index) continue;
+    std::vector<double> s(static_cast<std::size_t>(C));
+    for (Index j = 0; j < C; ++j) s[j] = o.softcap > 0 ? o.softcap * std::tanh(logits(n, j) / o.softcap) : logits(n, j);
+    const double m = *std::max_element(s.begin(), s.end());
+    double total = 0;
+    for (Index j = 0; j < C; ++j) total += std::exp(s[j] - m);
+    const double lse = m + std::log(total);
+    double smooth = 0;
+    for (Index j = 0; j < C; ++j) smooth -= s[j] - lse;  // -sum_j log p_j
+    const double loss_n = weight(n) * (-(1 - o.label_smoothing) * (s[y] - lse) + o.label_smoothing / C * smooth +
+                                       o.z_loss * lse * lse);
+    r.sum += loss_n;
+    r.lse[n] = lse;
+    r.losses[n] = loss_n;
+    for (Index k = 0; k < C; ++k) {
+      const double p = std::exp(s[k] - lse);
+      double g = p - o.label_smoothing / C + 2 * o.z_loss * lse * p - (k == y ? 1 - o.label_smoothing : 0.0);
+      if (o.softcap > 0) {
+        const double t = std::tanh(logits(n, k) / o.softcap);
+        g *= 1 - t * t;
+      }
+      r.dlogits(n, k) = weight(n) * scale * g;
+    }
+  }
+  r.loss = o.mean ? (r.weight_sum > 0 ? r.sum / r.weight_sum : 0.0) : r.sum;
+  return r;
+}
+
 // Central finite differences of a scalar function f over every entry of x (double):
 //   g_i = (f(x + eps e_i) - f(x - eps e_i)) / (2 eps).
 inline RowMatrix<double> numerical_gradient(RowMatrix<double>& x, const std::function<double()>& f, double eps = 1e-6) {

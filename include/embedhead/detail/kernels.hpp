@@ -98,6 +98,68 @@ Scalar sum_exp_shifted(const Scalar* z, Index V, Scalar m, Scalar* out) {
   return acc.sum() + tail;
 }
 
+// The softmax cross-entropy of one row, with every option the losses support. For raw logits
+// z [V] and target y (0 <= y < V):
+//   s_j   = c tanh(z_j / c) when softcap c > 0 (Gemma 2), else z_j
+//   lse   = m + log sum_j exp(s_j - m),  m = max_j s_j
+//   ce    = lse - (1 - eps) s_y - (eps / V) sum_j s_j          (label smoothing eps, PyTorch's)
+//   zl    = z_loss * lse^2                                      (PaLM's z-loss)
+// and, when `gradient` is set, work[j] = gradient_weight * d(ce + zl)/dz_j:
+//   g_j   = gradient_weight * ((1 + 2 z_loss lse) softmax(s)_j - eps / V - (1 - eps) [j = y])
+//   dz_j  = g_j (1 - (s_j / c)^2) with softcap, else g_j.
+// work is a V-long buffer the kernel may overwrite (it may be z itself); it is required when
+// `gradient` is set or softcap > 0, and may be null otherwise. With every option off this is the
+// arithmetic of the plain loss, operation for operation.
+struct RowLoss {
+  double ce = 0;      // cross-entropy of the row (label smoothing included)
+  double z_loss = 0;  // z_loss * lse^2
+  double lse = 0;     // log-sum-exp of the (soft-capped) logits
+};
+
+template <typename Scalar>
+RowLoss softmax_loss_row(const Scalar* z, Scalar* work, Index V, Index y, double label_smoothing, double z_loss,
+                         double softcap, bool gradient, double gradient_weight) {
+  using Row = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
+  const Scalar* s = z;
+  if (softcap > 0) {
+    const Scalar c = static_cast<Scalar>(softcap);
+    Eigen::Map<Row>(work, V) = (Eigen::Map<const Row>(z, V) / c).tanh() * c;
+    s = work;
+  }
+  const Eigen::Map<const Row> s_row(s, V);
+  const Scalar m = s_row.maxCoeff();
+  const Scalar s_y = s[y];
+  const double sum_s = label_smoothing > 0 ? s_row.template cast<double>().sum() : 0.0;
+  // Without soft-capping, exp(s - m) goes straight into work (the gradient's first step).
+  const bool exp_into_work = gradient && !(softcap > 0);
+  const Scalar sum_exp = sum_exp_shifted(s, V, m, exp_into_work ? work : nullptr);
+
+  RowLoss row;
+  row.lse = static_cast<double>(m) + std::log(static_cast<double>(sum_exp));
+  row.ce = row.lse - (1.0 - label_smoothing) * static_cast<double>(s_y);
+  if (label_smoothing > 0) row.ce -= label_smoothing / static_cast<double>(V) * sum_s;
+  row.z_loss = z_loss * row.lse * row.lse;
+  if (!gradient) return row;
+
+  // g = a * exp(s - m) - b - c_y [j = y], with a = weight (1 + 2 z_loss lse) / sum_exp.
+  const double a = gradient_weight * (z_loss > 0 ? 1.0 + 2.0 * z_loss * row.lse : 1.0) / static_cast<double>(sum_exp);
+  const double b = gradient_weight * label_smoothing / static_cast<double>(V);
+  const double c_y = gradient_weight * (1.0 - label_smoothing);
+  Eigen::Map<Row> w(work, V);
+  if (!(softcap > 0)) {
+    w *= static_cast<Scalar>(a);
+    if (b != 0) w -= static_cast<Scalar>(b);
+    work[y] -= static_cast<Scalar>(c_y);
+  } else {
+    // work holds s; dz = g * (1 - (s / c)^2), the derivative of c tanh(z / c).
+    const Scalar c = static_cast<Scalar>(softcap);
+    const Scalar t_y = s_y / c;
+    w = ((w - m).exp() * static_cast<Scalar>(a) - static_cast<Scalar>(b)) * (Scalar(1) - (w / c).square());
+    work[y] -= static_cast<Scalar>(c_y) * (Scalar(1) - t_y * t_y);
+  }
+  return row;
+}
+
 }  // namespace detail
 }  // namespace embedhead
 

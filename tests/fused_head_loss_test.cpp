@@ -1,0 +1,525 @@
+// Tests for include/embedhead/fused_head_loss.hpp: the chunked LM head + cross-entropy.
+//
+// Expected values come from three independent places: the unfused path (output_projection_forward,
+// cross_entropy_forward_backward, output_projection_backward: the [N, V] logits materialised),
+// naive::full_loss (every option from its definition, in double) and central finite differences
+// in double. Sizes cover several vocabulary blocks (V > 2048), several d blocks (d > 128), chunks
+// of 1 token, uneven chunks, and a chunk larger than N.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <embedhead/fused_head_loss.hpp>
+#include <embedhead/output_projection.hpp>
+#include <embedhead/token_embedding.hpp>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "reference/naive.hpp"
+#include "reference/test_support.hpp"
+
+namespace {
+
+using Catch::Matchers::Contains;
+using Catch::Matchers::WithinAbs;
+using Catch::Matchers::WithinRel;
+using embedhead::CrossEntropyOptions;
+using embedhead::CrossEntropyResult;
+using embedhead::FusedHeadLoss;
+using embedhead::FusedHeadLossExtras;
+using embedhead::FusedHeadLossOptions;
+using embedhead::FusedHeadLossWorkspace;
+using embedhead::IdMatrix;
+using embedhead::Index;
+using embedhead::Reduction;
+using embedhead::RowMatrix;
+using test_support::random_ids;
+using test_support::random_matrix;
+using test_support::same_values;
+
+template <typename Scalar>
+double tolerance() {
+  return std::is_same_v<Scalar, float> ? 2e-5 : 1e-12;
+}
+
+// max |a - b| <= tol * max(1, max |b|): the tolerance of a sum of products whose terms are O(1).
+template <typename A, typename B>
+bool close(const A& a, const B& b, double tol) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  if (a.size() == 0) return true;
+  const RowMatrix<double> da = a.template cast<double>(), db = b.template cast<double>();
+  const double scale = std::max(1.0, db.cwiseAbs().maxCoeff());
+  return (da - db).cwiseAbs().maxCoeff() <= tol * scale;
+}
+
+template <typename Scalar>
+struct Problem {
+  Index N, V, d;
+  RowMatrix<Scalar> h, W, bias;
+  IdMatrix<std::int64_t> targets;
+};
+
+// h and W at scale 1 so logits reach a few units (soft-capping at 2 then matters).
+template <typename Scalar>
+Problem<Scalar> make_problem(Index B, Index T, Index V, Index d, std::uint64_t seed, Index classes = -1) {
+  Problem<Scalar> p{B * T, V, d, random_matrix<Scalar>(B * T, d, seed, 1.0), random_matrix<Scalar>(V, d, seed + 1, 0.5),
+                    random_matrix<Scalar>(V, 1, seed + 2, 0.5), random_ids<std::int64_t>(B, T, classes < 0 ? V : classes, seed + 3)};
+  return p;
+}
+
+struct Outputs {
+  CrossEntropyResult result;
+  RowMatrix<double> dh, dW, db, losses;
+};
+
+// The unfused path: logits [N, V] in full, the plain loss, the head's backward.
+template <typename Scalar>
+Outputs unfused(const Problem<Scalar>& p, bool with_bias, const CrossEntropyOptions& options) {
+  const RowMatrix<Scalar> no_bias(0, 1);
+  const RowMatrix<Scalar>& bias = with_bias ? p.bias : no_bias;
+  RowMatrix<Scalar> logits(p.N, p.V), dlogits(p.N, p.V), losses(p.N, 1);
+  embedhead::output_projection_forward<Scalar>(p.h, p.W, bias, logits);
+  Outputs out;
+  out.result = embedhead::cross_entropy_forward_backward<Scalar>(logits, p.targets, dlogits, losses, options);
+  RowMatrix<Scalar> dh(p.N, p.d), dW = RowMatrix<Scalar>::Zero(p.V, p.d), db = RowMatrix<Scalar>::Zero(with_bias ? p.V : 0, 1);
+  embedhead::output_projection_backward<Scalar>(p.h, p.W, dlogits, dh, dW, db);
+  out.dh = dh.template cast<double>();
+  out.dW = dW.template cast<double>();
+  out.db = db.template cast<double>();
+  out.losses = losses.template cast<double>();
+  return out;
+}
+
+template <typename Scalar>
+Outputs fused(const Problem<Scalar>& p, bool with_bias, const FusedHeadLossOptions& options, const RowMatrix<Scalar>& weights,
+              RowMatrix<Scalar>* lse_out = nullptr) {
+  const RowMatrix<Scalar> no_bias(0, 1);
+  RowMatrix<Scalar> dh(p.N, p.d), dW = RowMatrix<Scalar>::Zero(p.V, p.d), db = RowMatrix<Scalar>::Zero(with_bias ? p.V : 0, 1);
+  RowMatrix<Scalar> lse(p.N, 1), losses(p.N, 1);
+  FusedHeadLossWorkspace<Scalar> ws;
+  Outputs out;
+  out.result = embedhead::fused_head_loss_forward_backward<Scalar>(p.h, p.W, with_bias ? p.bias : no_bias, p.targets, weights,
+                                                                   dh, dW, db, lse, losses, options, ws);
+  out.dh = dh.template cast<double>();
+  out.dW = dW.template cast<double>();
+  out.db = db.template cast<double>();
+  out.losses = losses.template cast<double>();
+  if (lse_out) *lse_out = lse;
+  return out;
+}
+
+struct Variant {
+  const char* name;
+  FusedHeadLossOptions options;
+  Index classes;  // -1: no padding
+};
+
+std::vector<Variant> variants(Index V) {
+  std::vector<Variant> list;
+  auto add = [&](const char* name, auto edit, Index classes = -1) {
+    FusedHeadLossOptions o;
+    edit(o);
+    if (classes > 0) o.valid_vocab = classes;
+    list.push_back({name, o, classes});
+  };
+  add("plain", [](FusedHeadLossOptions&) {});
+  add("sum", [](FusedHeadLossOptions& o) { o.reduction = Reduction::sum; });
+  add("none", [](FusedHeadLossOptions& o) { o.reduction = Reduction::none; });
+  add("label smoothing", [](FusedHeadLossOptions& o) { o.label_smoothing = 0.1; });
+  add("z-loss", [](FusedHeadLossOptions& o) { o.z_loss = 1e-2; });
+  add("soft-cap", [](FusedHeadLossOptions& o) { o.softcap = 2.0; });
+  add("gradient scale", [](FusedHeadLossOptions& o) { o.gradient_scale = 0.25; });
+  add("padded vocabulary", [](FusedHeadLossOptions&) {}, V - 3);
+  add("everything", [](FusedHeadLossOptions& o) {
+    o.label_smoothing = 0.2;
+    o.z_loss = 1e-3;
+    o.softcap = 3.0;
+    o.ignore_index = 1;
+  }, V - 5);
+  return list;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("fused head loss equals the unfused head + loss + head backward", "[fused_head_loss][unfused]", float,
+                   double) {
+  using Scalar = TestType;
+  const Index V = 37, d = 11;
+  Problem<Scalar> p = make_problem<Scalar>(3, 7, V, d, 101, V - 5);
+  p.targets(0, 2) = -100;  // ignored by the default ignore_index
+  p.targets(2, 6) = -100;
+  const RowMatrix<Scalar> no_weights(0, 1);
+  for (const Variant& variant : variants(V)) {
+    for (Index chunk : {Index(0), Index(1), Index(4), Index(1000)}) {
+      for (bool with_bias : {true, false}) {
+        CAPTURE(variant.name, chunk, with_bias);
+        FusedHeadLossOptions options = variant.options;
+        options.token_chunk = chunk;
+        Problem<Scalar> q = p;  // the same two tokens ignored, whatever ignore_index is
+        q.targets(0, 2) = q.targets(2, 6) = options.ignore_index;
+        const Outputs expected = unfused<Scalar>(q, with_bias, options);
+        const Outputs actual = fused<Scalar>(q, with_bias, options, no_weights);
+        CHECK(actual.result.count == q.N - 2);
+        CHECK(actual.result.count == expected.result.count);
+        CHECK(actual.result.weight_sum == expected.result.weight_sum);
+        CHECK_THAT(actual.result.loss, WithinRel(expected.result.loss, tolerance<Scalar>()));
+        CHECK_THAT(actual.result.sum, WithinRel(expected.result.sum, tolerance<Scalar>()));
+        CHECK_THAT(actual.result.z_loss, WithinRel(expected.result.z_loss, 1e-4) || WithinAbs(expected.result.z_loss, 1e-12));
+        CHECK(close(actual.dh, expected.dh, tolerance<Scalar>()));
+        CHECK(close(actual.dW, expected.dW, tolerance<Scalar>()));
+        CHECK(close(actual.db, expected.db, tolerance<Scalar>()));
+        CHECK(close(actual.losses, expected.losses, tolerance<Scalar>()));
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("fused head loss spans several vocabulary and width blocks", "[fused_head_loss][blocks]", float, double) {
+  using Scalar = TestType;
+  // V > 2 * 2048 rows (three vocabulary blocks, the last partial) and d > 2 * 128 (three d blocks).
+  const Index V = 4200, d = 260;
+  Problem<Scalar> p = make_problem<Scalar>(2, 5, V, d, 202, V - 40);
+  p.h *= Scalar(0.2);
+  p.targets(1, 1) = -100;
+  FusedHeadLossOptions options;
+  options.valid_vocab = V - 40;
+  options.label_smoothing = 0.05;
+  options.token_chunk = 3;
+  const Outputs expected = unfused<Scalar>(p, true, options);
+  const Outputs actual = fused<Scalar>(p, true, options, RowMatrix<Scalar>(0, 1));
+  CHECK_THAT(actual.result.loss, WithinRel(expected.result.loss, tolerance<Scalar>()));
+  CHECK(close(actual.dh, expected.dh, 4 * tolerance<Scalar>()));
+  CHECK(close(actual.dW, expected.dW, 4 * tolerance<Scalar>()));
+  CHECK(close(actual.db, expected.db, 4 * tolerance<Scalar>()));
+  // Padding rows of W receive nothing.
+  CHECK(actual.dW.bottomRows(40).cwiseAbs().maxCoeff() == 0.0);
+  CHECK(actual.db.bottomRows(40).cwiseAbs().maxCoeff() == 0.0);
+}
+
+TEMPLATE_TEST_CASE("fused head loss with per-token weights matches the naive definition", "[fused_head_loss][naive][weights]",
+                   float, double) {
+  using Scalar = TestType;
+  const Index V = 29, d = 9, classes = 26;
+  Problem<Scalar> p = make_problem<Scalar>(2, 9, V, d, 303, classes);
+  p.targets(1, 3) = -100;
+  RowMatrix<Scalar> weights = random_matrix<Scalar>(p.N, 1, 304, 1.0).cwiseAbs();
+  weights(4, 0) = 0;  // a zero weight counts in `count` but adds nothing
+  for (bool mean : {true, false}) {
+    FusedHeadLossOptions options;
+    options.reduction = mean ? Reduction::mean : Reduction::sum;
+    options.label_smoothing = 0.1;
+    options.z_loss = 2e-3;
+    options.softcap = 2.5;
+    options.valid_vocab = classes;
+    options.gradient_scale = 0.5;
+    options.token_chunk = 5;
+    CAPTURE(mean);
+    RowMatrix<Scalar> lse;
+    const Outputs actual = fused<Scalar>(p, true, options, weights, &lse);
+
+    RowMatrix<double> logits = p.h.template cast<double>() * p.W.template cast<double>().transpose();
+    logits.rowwise() += p.bias.template cast<double>().col(0).transpose();
+    naive::LossOptions reference;
+    reference.mean = mean;
+    reference.label_smoothing = 0.1;
+    reference.z_loss = 2e-3;
+    reference.softcap = 2.5;
+    reference.classes = classes;
+    reference.gradient_scale = 0.5;
+    std::vector<double> w(weights.data(), weights.data() + weights.size());
+    const naive::LossResult expected = naive::full_loss(logits, p.targets, w, reference);
+
+    CHECK(actual.result.count == expected.count);
+    CHECK_THAT(actual.result.weight_sum, WithinRel(expected.weight_sum, 1e-12));
+    CHECK_THAT(actual.result.loss, WithinRel(expected.loss, 10 * tolerance<Scalar>()));
+    const RowMatrix<double> dh = expected.dlogits * p.W.template cast<double>();
+    const RowMatrix<double> dW = expected.dlogits.transpose() * p.h.template cast<double>();
+    const RowMatrix<double> db = expected.dlogits.colwise().sum().transpose();
+    CHECK(close(actual.dh, dh, 10 * tolerance<Scalar>()));
+    CHECK(close(actual.dW, dW, 10 * tolerance<Scalar>()));
+    CHECK(close(actual.db, db, 10 * tolerance<Scalar>()));
+    for (Index n = 0; n < p.N; ++n) {
+      CAPTURE(n);
+      CHECK_THAT(static_cast<double>(lse(n, 0)), WithinAbs(expected.lse[n], 10 * tolerance<Scalar>()));
+      CHECK_THAT(actual.losses(n, 0), WithinAbs(expected.losses[n], 10 * tolerance<Scalar>()));
+    }
+    CHECK(lse(1 * 9 + 3, 0) == Scalar(0));  // the ignored token
+    CHECK(actual.dh.row(1 * 9 + 3).cwiseAbs().maxCoeff() == 0.0);
+  }
+}
+
+TEST_CASE("fused head loss gradient check in double, every option on", "[fused_head_loss][gradient]") {
+  const Index V = 13, d = 5, classes = 11;
+  Problem<double> p = make_problem<double>(2, 3, V, d, 404, classes);
+  p.targets(0, 1) = 7;
+  p.targets(1, 2) = 7;  // a repeated target
+  p.targets(1, 0) = -1;
+  RowMatrix<double> weights = random_matrix<double>(p.N, 1, 405, 1.0).cwiseAbs();
+  FusedHeadLossOptions options;
+  options.ignore_index = -1;
+  options.label_smoothing = 0.15;
+  options.z_loss = 0.01;
+  options.softcap = 1.5;
+  options.valid_vocab = classes;
+  options.token_chunk = 2;
+  const Outputs analytic = fused<double>(p, true, options, weights);
+  auto loss = [&] {
+    FusedHeadLossWorkspace<double> ws;
+    RowMatrix<double> lse(0, 1), losses(0, 1);
+    return embedhead::fused_head_loss<double>(p.h, p.W, p.bias, p.targets, weights, lse, losses, options, ws).loss;
+  };
+  CHECK(naive::max_relative_error(analytic.dh, naive::numerical_gradient(p.h, loss), 1e-6) < 1e-6);
+  CHECK(naive::max_relative_error(analytic.dW, naive::numerical_gradient(p.W, loss), 1e-6) < 1e-6);
+  CHECK(naive::max_relative_error(analytic.db, naive::numerical_gradient(p.bias, loss), 1e-6) < 1e-6);
+  // Padding rows of W are not classes: the loss does not depend on them.
+  CHECK(analytic.dW.bottomRows(V - classes).cwiseAbs().maxCoeff() == 0.0);
+}
+
+TEMPLATE_TEST_CASE("fused_head_loss (no gradient) gives the same loss and writes no gradient", "[fused_head_loss][forward]",
+                   float, double) {
+  using Scalar = TestType;
+  Problem<Scalar> p = make_problem<Scalar>(3, 4, 23, 6, 505);
+  FusedHeadLossOptions options;
+  options.softcap = 2.0;
+  options.z_loss = 1e-3;
+  options.token_chunk = 5;
+  const RowMatrix<Scalar> no(0, 1);
+  const Outputs with_gradient = fused<Scalar>(p, true, options, no);
+  FusedHeadLossWorkspace<Scalar> ws;
+  RowMatrix<Scalar> lse(0, 1), losses(p.N, 1);
+  const CrossEntropyResult r = embedhead::fused_head_loss<Scalar>(p.h, p.W, p.bias, p.targets, no, lse, losses, options, ws);
+  // Same chunks, same logits, same per-row kernel: the loss is bit-identical.
+  CHECK(r.loss == with_gradient.result.loss);
+  CHECK(same_values(RowMatrix<double>(losses.template cast<double>()), with_gradient.losses));
+}
+
+TEMPLATE_TEST_CASE("FusedHeadLoss layer: tied and untied, equal to the unfused layers", "[fused_head_loss][layer][tied]", float,
+                   double) {
+  using Scalar = TestType;
+  const Index V = 31, d = 8;
+  const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(2, 6, V, 606);
+  IdMatrix<std::int32_t> targets = random_ids<std::int32_t>(2, 6, V, 607);
+  targets(0, 5) = -100;
+  const RowMatrix<Scalar> upstream = random_matrix<Scalar>(12, d, 608);  // stand-in for the layers between
+  FusedHeadLossOptions options;
+  options.label_smoothing = 0.1;
+  options.token_chunk = 5;
+
+  for (bool tied : {true, false}) {
+    CAPTURE(tied);
+    auto build = [&](embedhead::TokenEmbedding<Scalar>& emb) {
+      return tied ? embedhead::OutputProjection<Scalar>(emb) : embedhead::OutputProjection<Scalar>(V, d);
+    };
+    // Unfused: embedding forward, h = x + upstream, head forward, loss, head backward, embedding backward.
+    embedhead::TokenEmbedding<Scalar> emb_a(V, d);
+    auto head_a = build(emb_a);
+    const RowMatrix<Scalar> h = emb_a.forward(ids) + upstream;
+    const RowMatrix<Scalar> logits = head_a.forward(h);
+    RowMatrix<Scalar> dlogits(12, V);
+    const auto expected = embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dlogits, options);
+    const RowMatrix<Scalar> dh_a = head_a.backward(h, dlogits);
+    emb_a.backward(ids, dh_a);
+
+    // Fused.
+    embedhead::TokenEmbedding<Scalar> emb_b(V, d);
+    auto head_b = build(emb_b);
+    FusedHeadLoss<Scalar> loss(options);
+    RowMatrix<Scalar> dh_b(12, d);
+    const auto actual = loss.forward_backward(head_b, h, targets, dh_b);
+    emb_b.backward(ids, dh_b);
+
+    CHECK_THAT(actual.loss, WithinRel(expected.loss, tolerance<Scalar>()));
+    CHECK(close(dh_b, dh_a, tolerance<Scalar>()));
+    CHECK(close(emb_b.weight().grad().to_dense(), emb_a.weight().grad().to_dense(), tolerance<Scalar>()));
+    CHECK(close(head_b.weight().grad().to_dense(), head_a.weight().grad().to_dense(), tolerance<Scalar>()));
+    if (!tied) CHECK(close(head_b.bias()->grad().to_dense(), head_a.bias()->grad().to_dense(), tolerance<Scalar>()));
+    // Tied: one matrix, one gradient.
+    CHECK((&head_b.weight() == &emb_b.weight()) == tied);
+
+    // forward() evaluates without touching any gradient.
+    embedhead::TokenEmbedding<Scalar> emb_c(V, d);
+    auto head_c = build(emb_c);
+    const auto evaluated = loss.forward(head_c, h, targets);
+    CHECK(evaluated.loss == actual.loss);
+    CHECK(head_c.weight().grad().num_touched() == 0);
+    CHECK(!head_c.weight().grad().is_dense());
+  }
+}
+
+TEMPLATE_TEST_CASE("fused head loss edge cases", "[fused_head_loss][edge]", float, double) {
+  using Scalar = TestType;
+  const RowMatrix<Scalar> no(0, 1);
+  SECTION("V = 1, d = 1: the loss is 0 and so is every gradient") {
+    Problem<Scalar> p = make_problem<Scalar>(1, 3, 1, 1, 707);
+    const Outputs out = fused<Scalar>(p, true, FusedHeadLossOptions{}, no);
+    CHECK(out.result.loss == 0.0);
+    CHECK(out.dh.cwiseAbs().maxCoeff() == 0.0);
+    CHECK(out.dW.cwiseAbs().maxCoeff() == 0.0);
+  }
+  SECTION("every token ignored: loss 0, count 0, dh zero, dW unchanged") {
+    Problem<Scalar> p = make_problem<Scalar>(2, 2, 5, 3, 708);
+    p.targets.setConstant(-100);
+    const Outputs out = fused<Scalar>(p, true, FusedHeadLossOptions{}, no);
+    CHECK(out.result.loss == 0.0);
+    CHECK(out.result.count == 0);
+    CHECK(out.dh.cwiseAbs().maxCoeff() == 0.0);
+    CHECK(out.dW.cwiseAbs().maxCoeff() == 0.0);
+  }
+  SECTION("N = 0") {
+    Problem<Scalar> p = make_problem<Scalar>(0, 4, 5, 3, 709);
+    const Outputs out = fused<Scalar>(p, false, FusedHeadLossOptions{}, no);
+    CHECK(out.result.count == 0);
+    CHECK(out.result.loss == 0.0);
+  }
+  SECTION("dh may be h itself") {
+    Problem<Scalar> p = make_problem<Scalar>(2, 5, 17, 4, 710);
+    FusedHeadLossOptions options;
+    options.token_chunk = 3;
+    const Outputs expected = fused<Scalar>(p, true, options, no);
+    RowMatrix<Scalar> h = p.h, dW = RowMatrix<Scalar>::Zero(17, 4), db = RowMatrix<Scalar>::Zero(17, 1), none(0, 1);
+    FusedHeadLossWorkspace<Scalar> ws;
+    embedhead::fused_head_loss_forward_backward<Scalar>(h, p.W, p.bias, p.targets, no, h, dW, db, none, none, options, ws);
+    CHECK(same_values(RowMatrix<double>(h.template cast<double>()), expected.dh));
+  }
+}
+
+TEMPLATE_TEST_CASE("fused head loss rejects bad input and writes nothing", "[fused_head_loss][errors]", float, double) {
+  using Scalar = TestType;
+  const Index V = 7, d = 3, N = 4;
+  Problem<Scalar> p = make_problem<Scalar>(1, N, V, d, 808);
+  RowMatrix<Scalar> dh = RowMatrix<Scalar>::Constant(N, d, 5), dW = RowMatrix<Scalar>::Constant(V, d, 6),
+                    db = RowMatrix<Scalar>::Constant(V, 1, 7), lse = RowMatrix<Scalar>::Constant(N, 1, 8),
+                    losses = RowMatrix<Scalar>::Constant(N, 1, 9), weights = RowMatrix<Scalar>::Ones(N, 1);
+  const RowMatrix<Scalar> dh0 = dh, dW0 = dW, db0 = db, lse0 = lse, losses0 = losses;
+  FusedHeadLossWorkspace<Scalar> ws;
+  auto call = [&](const RowMatrix<Scalar>& h, const RowMatrix<Scalar>& W, const RowMatrix<Scalar>& bias,
+                  const IdMatrix<std::int64_t>& targets, const RowMatrix<Scalar>& w, RowMatrix<Scalar>& dh_, RowMatrix<Scalar>& dW_,
+                  RowMatrix<Scalar>& db_, RowMatrix<Scalar>& lse_, RowMatrix<Scalar>& losses_, const FusedHeadLossOptions& o) {
+    embedhead::fused_head_loss_forward_backward<Scalar>(h, W, bias, targets, w, dh_, dW_, db_, lse_, losses_, o, ws);
+  };
+  auto unchanged = [&] {
+    CHECK(same_values(dh, dh0));
+    CHECK(same_values(dW, dW0));
+    CHECK(same_values(db, db0));
+    CHECK(same_values(lse, lse0));
+    CHECK(same_values(losses, losses0));
+  };
+  const FusedHeadLossOptions ok;
+  SECTION("shapes") {
+    RowMatrix<Scalar> bad_h(N, d + 1), bad_bias(V + 1, 1), bad_w(N + 1, 1), bad_dh(N, d + 1), bad_dW(V, d + 1), bad_db(V - 1, 1),
+        bad_lse(N + 2, 1), bad_losses(N, 2);
+    CHECK_THROWS_WITH(call(bad_h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses, ok),
+                      Contains("fused_head_loss_forward_backward: h has shape [4, 4], expected [4, 3]"));
+    CHECK_THROWS_WITH(call(p.h, p.W, bad_bias, p.targets, weights, dh, dW, db, lse, losses, ok),
+                      Contains("bias has shape [8, 1], expected [7, 1]"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, bad_w, dh, dW, db, lse, losses, ok),
+                      Contains("weights has shape [5, 1], expected [4, 1]"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, bad_dh, dW, db, lse, losses, ok),
+                      Contains("dh has shape [4, 4], expected [4, 3]"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, bad_dW, db, lse, losses, ok),
+                      Contains("dW has shape [7, 4], expected [7, 3]"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, bad_db, lse, losses, ok),
+                      Contains("db has shape [6, 1], expected [7, 1]"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, bad_lse, losses, ok),
+                      Contains("lse has shape [6, 1], expected [4, 1]"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, bad_losses, ok),
+                      Contains("losses has shape [4, 2], expected [4, 1]"));
+    IdMatrix<std::int64_t> short_targets(1, N - 1);
+    short_targets.setZero();
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, short_targets, weights, dh, dW, db, lse, losses, ok),
+                      Contains("targets has 3 entries, expected N = 4"));
+    unchanged();
+  }
+  SECTION("targets") {
+    IdMatrix<std::int64_t> t(1, N);
+    t << 0, 4, 1, 2;
+    t(0, 2) = V;
+    CHECK_THROWS_AS(call(p.h, p.W, p.bias, t, weights, dh, dW, db, lse, losses, ok), embedhead::index_error);
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, t, weights, dh, dW, db, lse, losses, ok),
+                      Contains("target 7 at n=2 (b=0, t=2) outside [0, 7) and not ignore_index (-100)"));
+    t(0, 2) = -3;
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, t, weights, dh, dW, db, lse, losses, ok), Contains("target -3 at n=2"));
+    FusedHeadLossOptions padded;
+    padded.valid_vocab = 5;
+    t(0, 2) = 6;
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, t, weights, dh, dW, db, lse, losses, padded),
+                      Contains("target 6 at n=2 (b=0, t=2) outside [0, 5) and not ignore_index (-100); columns [5, 7) are "
+                               "vocabulary padding"));
+    unchanged();
+  }
+  SECTION("weights") {
+    RowMatrix<Scalar> w = weights;
+    w(3, 0) = Scalar(-0.5);
+    CHECK_THROWS_AS(call(p.h, p.W, p.bias, p.targets, w, dh, dW, db, lse, losses, ok), embedhead::value_error);
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, w, dh, dW, db, lse, losses, ok),
+                      Contains("weight -0.5 at n=3 outside [0, inf)"));
+    w(3, 0) = std::numeric_limits<Scalar>::quiet_NaN();
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, w, dh, dW, db, lse, losses, ok), Contains("weight nan at n=3"));
+    unchanged();
+  }
+  SECTION("options") {
+    auto with = [&](auto edit) {
+      FusedHeadLossOptions o;
+      edit(o);
+      return o;
+    };
+    const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                           with([](FusedHeadLossOptions& o) { o.label_smoothing = 1.5; })),
+                      Contains("label_smoothing = 1.5 outside [0, 1]"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                           with([&](FusedHeadLossOptions& o) { o.label_smoothing = nan; })),
+                      Contains("label_smoothing = nan outside [0, 1]"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                           with([](FusedHeadLossOptions& o) { o.z_loss = -1e-4; })),
+                      Contains("z_loss = -0.0001 outside [0, inf)"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                           with([&](FusedHeadLossOptions& o) { o.softcap = inf; })),
+                      Contains("softcap = inf outside [0, inf) (0: off)"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                           with([](FusedHeadLossOptions& o) { o.valid_vocab = 8; })),
+                      Contains("valid_vocab = 8 outside [1, 7] (or -1 for all V = 7 columns)"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                           with([](FusedHeadLossOptions& o) { o.valid_vocab = 0; })),
+                      Contains("valid_vocab = 0 outside [1, 7]"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                           with([&](FusedHeadLossOptions& o) { o.gradient_scale = inf; })),
+                      Contains("gradient_scale = inf outside the finite numbers"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                           with([](FusedHeadLossOptions& o) { o.token_chunk = -2; })),
+                      Contains("token_chunk = -2 outside [0, inf) (0: automatic)"));
+    CHECK_THROWS_AS(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                         with([](FusedHeadLossOptions& o) { o.z_loss = -1; })),
+                    embedhead::value_error);
+    unchanged();
+  }
+}
+
+TEMPLATE_TEST_CASE("FusedHeadLoss layer leaves the gradients untouched when it throws", "[fused_head_loss][layer][errors]", float,
+                   double) {
+  using Scalar = TestType;
+  embedhead::TokenEmbedding<Scalar> emb(9, 4);
+  embedhead::OutputProjection<Scalar> head(emb);
+  const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(1, 3, 9, 901);
+  emb.backward(ids, RowMatrix<Scalar>::Ones(3, 4));  // a sparse gradient with a few rows
+  const Index touched = emb.weight().grad().num_touched();
+  const RowMatrix<Scalar> before = emb.weight().grad().to_dense();
+  FusedHeadLoss<Scalar> loss;
+  RowMatrix<Scalar> h = random_matrix<Scalar>(3, 4, 902), dh = RowMatrix<Scalar>::Constant(3, 4, 3);
+  IdMatrix<std::int32_t> targets(1, 3);
+  targets << 1, 9, 2;
+  CHECK_THROWS_WITH(loss.forward_backward(head, h, targets, dh),
+                    Contains("FusedHeadLoss::forward_backward: target 9 at n=1 (b=0, t=1) outside [0, 9)"));
+  RowMatrix<Scalar> bad_dh(3, 5);
+  targets(0, 1) = 0;
+  CHECK_THROWS_WITH(loss.forward_backward(head, h, targets, bad_dh), Contains("dh has shape [3, 5], expected [3, 4]"));
+  RowMatrix<Scalar> bad_weights = RowMatrix<Scalar>::Ones(3, 1);
+  bad_weights(2, 0) = Scalar(-1);
+  const FusedHeadLossExtras<Scalar> extras{Eigen::Map<const RowMatrix<Scalar>>(bad_weights.data(), 3, 1)};
+  CHECK_THROWS_WITH(loss.forward_backward(head, h, targets, dh, extras), Contains("weight -1 at n=2 outside [0, inf)"));
+  // Still sparse, same rows, same values; dh untouched.
+  CHECK(emb.weight().grad().num_touched() == touched);
+  CHECK(!emb.weight().grad().is_dense());
+  CHECK(same_values(emb.weight().grad().to_dense(), before));
+  CHECK(same_values(dh, RowMatrix<Scalar>::Constant(3, 4, 3)));
+}
