@@ -1,10 +1,10 @@
-// Tests for include/embedhead/fused_head_loss.hpp: the chunked LM head + cross-entropy.
+// Tests for include/embedhead/fused_head_loss.hpp: the LM head + cross-entropy fused by vocabulary blocks.
 //
 // Expected values come from three independent places: the unfused path (output_projection_forward,
 // cross_entropy_forward_backward, output_projection_backward: the [N, V] logits materialised),
 // naive::full_loss (every option from its definition, in double) and central finite differences
-// in double. Sizes cover several vocabulary blocks (V > 2048), several d blocks (d > 128), chunks
-// of 1 token, uneven chunks, and a chunk larger than N.
+// in double. Sizes cover blocks of 1 row, uneven blocks, a block larger than V, several GEMM pieces
+// per block (> 256 rows) and several d pieces (d > 128).
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
@@ -150,11 +150,11 @@ TEMPLATE_TEST_CASE("fused head loss equals the unfused head + loss + head backwa
   p.targets(2, 6) = -100;
   const RowMatrix<Scalar> no_weights(0, 1);
   for (const Variant& variant : variants(V)) {
-    for (Index chunk : {Index(0), Index(1), Index(4), Index(1000)}) {
+    for (Index block : {Index(0), Index(1), Index(8), Index(1000)}) {
       for (bool with_bias : {true, false}) {
-        CAPTURE(variant.name, chunk, with_bias);
+        CAPTURE(variant.name, block, with_bias);
         FusedHeadLossOptions options = variant.options;
-        options.token_chunk = chunk;
+        options.vocab_block = block;
         Problem<Scalar> q = p;  // the same two tokens ignored, whatever ignore_index is
         q.targets(0, 2) = q.targets(2, 6) = options.ignore_index;
         const Outputs expected = unfused<Scalar>(q, with_bias, options);
@@ -176,7 +176,7 @@ TEMPLATE_TEST_CASE("fused head loss equals the unfused head + loss + head backwa
 
 TEMPLATE_TEST_CASE("fused head loss spans several vocabulary and width blocks", "[fused_head_loss][blocks]", float, double) {
   using Scalar = TestType;
-  // V > 2 * 2048 rows (three vocabulary blocks, the last partial) and d > 2 * 128 (three d blocks).
+  // Several vocabulary blocks, each cut into GEMM pieces (the last partial), and d > 2 * 128.
   const Index V = 4200, d = 260;
   Problem<Scalar> p = make_problem<Scalar>(2, 5, V, d, 202, V - 40);
   p.h *= Scalar(0.2);
@@ -184,7 +184,7 @@ TEMPLATE_TEST_CASE("fused head loss spans several vocabulary and width blocks", 
   FusedHeadLossOptions options;
   options.valid_vocab = V - 40;
   options.label_smoothing = 0.05;
-  options.token_chunk = 3;
+  options.vocab_block = 1500;  // blocks of 1500, 1500 and 1160 rows, each in pieces of 256
   const Outputs expected = unfused<Scalar>(p, true, options);
   const Outputs actual = fused<Scalar>(p, true, options, RowMatrix<Scalar>(0, 1));
   CHECK_THAT(actual.result.loss, WithinRel(expected.result.loss, tolerance<Scalar>()));
@@ -212,7 +212,7 @@ TEMPLATE_TEST_CASE("fused head loss with per-token weights matches the naive def
     options.softcap = 2.5;
     options.valid_vocab = classes;
     options.gradient_scale = 0.5;
-    options.token_chunk = 5;
+    options.vocab_block = 5;
     CAPTURE(mean);
     RowMatrix<Scalar> lse;
     const Outputs actual = fused<Scalar>(p, true, options, weights, &lse);
@@ -261,7 +261,7 @@ TEST_CASE("fused head loss gradient check in double, every option on", "[fused_h
   options.z_loss = 0.01;
   options.softcap = 1.5;
   options.valid_vocab = classes;
-  options.token_chunk = 2;
+  options.vocab_block = 4;
   const Outputs analytic = fused<double>(p, true, options, weights);
   auto loss = [&] {
     FusedHeadLossWorkspace<double> ws;
@@ -282,13 +282,13 @@ TEMPLATE_TEST_CASE("fused_head_loss (no gradient) gives the same loss and writes
   FusedHeadLossOptions options;
   options.softcap = 2.0;
   options.z_loss = 1e-3;
-  options.token_chunk = 5;
+  options.vocab_block = 5;
   const RowMatrix<Scalar> no(0, 1);
   const Outputs with_gradient = fused<Scalar>(p, true, options, no);
   FusedHeadLossWorkspace<Scalar> ws;
   RowMatrix<Scalar> lse(0, 1), losses(p.N, 1);
   const CrossEntropyResult r = embedhead::fused_head_loss<Scalar>(p.h, p.W, p.bias, p.targets, no, lse, losses, options, ws);
-  // Same chunks, same logits, same per-row kernel: the loss is bit-identical.
+  // The loss is pass 1 of forward_backward: bit-identical.
   CHECK(r.loss == with_gradient.result.loss);
   CHECK(same_values(RowMatrix<double>(losses.template cast<double>()), with_gradient.losses));
 }
@@ -303,7 +303,7 @@ TEMPLATE_TEST_CASE("FusedHeadLoss layer: tied and untied, equal to the unfused l
   const RowMatrix<Scalar> upstream = random_matrix<Scalar>(12, d, 608);  // stand-in for the layers between
   FusedHeadLossOptions options;
   options.label_smoothing = 0.1;
-  options.token_chunk = 5;
+  options.vocab_block = 5;
 
   for (bool tied : {true, false}) {
     CAPTURE(tied);
@@ -374,7 +374,7 @@ TEMPLATE_TEST_CASE("fused head loss edge cases", "[fused_head_loss][edge]", floa
   SECTION("dh may be h itself") {
     Problem<Scalar> p = make_problem<Scalar>(2, 5, 17, 4, 710);
     FusedHeadLossOptions options;
-    options.token_chunk = 3;
+    options.vocab_block = 3;
     const Outputs expected = fused<Scalar>(p, true, options, no);
     RowMatrix<Scalar> h = p.h, dW = RowMatrix<Scalar>::Zero(17, 4), db = RowMatrix<Scalar>::Zero(17, 1), none(0, 1);
     FusedHeadLossWorkspace<Scalar> ws;
@@ -486,8 +486,8 @@ TEMPLATE_TEST_CASE("fused head loss rejects bad input and writes nothing", "[fus
                            with([&](FusedHeadLossOptions& o) { o.gradient_scale = inf; })),
                       Contains("gradient_scale = inf outside the finite numbers"));
     CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
-                           with([](FusedHeadLossOptions& o) { o.token_chunk = -2; })),
-                      Contains("token_chunk = -2 outside [0, inf) (0: automatic)"));
+                           with([](FusedHeadLossOptions& o) { o.vocab_block = -2; })),
+                      Contains("vocab_block = -2 outside [0, inf) (0: automatic)"));
     CHECK_THROWS_AS(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
                          with([](FusedHeadLossOptions& o) { o.z_loss = -1; })),
                     embedhead::value_error);

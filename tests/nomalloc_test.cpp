@@ -66,7 +66,7 @@ TEMPLATE_TEST_CASE("forward and backward passes with output arguments do not all
   without_allocation([&] { tied.backward(y, dlogits, dh); });
   without_allocation([&] { positions.backward(dh, B, T); });
   embedhead::FusedHeadLossOptions fused_options;
-  fused_options.token_chunk = 3;  // several chunks reuse one workspace
+  fused_options.vocab_block = 7;  // several blocks reuse one workspace
   fused_options.softcap = 5;
   embedhead::FusedHeadLoss<S> fused(fused_options);
   without_allocation([&] { fused.forward_backward(head, y, ids, dh); });

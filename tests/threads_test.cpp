@@ -93,7 +93,7 @@ TEMPLATE_TEST_CASE("threads: lookup and sparse backward are bit-identical for 1 
 TEMPLATE_TEST_CASE("threads: the fused head loss is bit-identical for 1 and 2 threads", "[threads][fused_head_loss]", float,
                    double) {
   using S = TestType;
-  // Three vocabulary blocks of 2048 (the last partial), three d blocks of 128, uneven chunks.
+  // Blocks of 1000 rows cut into GEMM pieces of 256, d cut into pieces of 128, the last partial.
   const Index V = 4500, d = 300, N = 23;
   const RowMatrix<S> h = test_support::random_matrix<S>(N, d, 71, 0.3);
   const RowMatrix<S> W = test_support::random_matrix<S>(V, d, 72, 0.3);
@@ -101,7 +101,7 @@ TEMPLATE_TEST_CASE("threads: the fused head loss is bit-identical for 1 and 2 th
   IdMatrix<std::int32_t> targets = test_support::random_ids<std::int32_t>(1, N, V - 10, 74);
   targets(0, 4) = -100;
   embedhead::FusedHeadLossOptions options;
-  options.token_chunk = 7;
+  options.vocab_block = 1000;  // pieces of 256, 256, 256, 232 rows
   options.label_smoothing = 0.1;
   options.softcap = 10;
   options.valid_vocab = V - 10;

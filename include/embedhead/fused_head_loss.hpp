@@ -1,29 +1,34 @@
-// embedhead: the LM head and its cross-entropy fused, in chunks of tokens, so the [N, V] logits
-// never exist.
+// embedhead: the LM head and its cross-entropy fused, a block of the vocabulary at a time, so
+// the [N, V] logits never exist.
 //
 // For hidden states h [N, d], the head W [V, d] (+ bias b [V]) and targets y [N], one call gives
-//   loss                     = reduce_n w_n (ce_n + z_loss lse_n^2)       (cross_entropy.hpp)
-//   dh  [N, d]  (written)    = dz W
-//   dW  [V, d]  (accumulated)+= dz^T h
-//   db  [V]     (accumulated)+= column sums of dz
-// with dz = d loss / d logits, exactly what OutputProjection::forward + cross_entropy_forward_
-// backward + OutputProjection::backward compute (the unfused path), at 1/(N / token_chunk) of
-// their memory: the tokens are taken token_chunk at a time (ignored tokens are skipped before
-// any arithmetic), their logits [token_chunk, V] are computed, turned into dz in place, and used
-// for the chunk's dW and dh before the next chunk overwrites them. The arithmetic is the same
-// three GEMMs as the unfused path (6 N V d flops, nothing recomputed); what changes is that W and
-// dW are streamed once per chunk instead of once per call.
+//   loss                      = reduce_n w_n (ce_n + z_loss lse_n^2)       (cross_entropy.hpp)
+//   dh  [N, d]  (written)     = dz W
+//   dW  [V, d]  (accumulated) += dz^T h
+//   db  [V]     (accumulated) += column sums of dz
+// with dz = d loss / d logits: what OutputProjection::forward + cross_entropy_forward_backward +
+// OutputProjection::backward compute (the unfused path), in a buffer of [N, vocab_block] logits
+// instead of [N, V]:
+//   pass 1, for each block of vocab_block rows of W: logits = h W_block^T (+ b), and each row's
+//           running max and sum of exponentials (the online softmax of Milakov & Gimelshein
+//           2018), its target logit and, for label smoothing, its sum of logits -> lse, loss.
+//   pass 2, for each block again: the same logits recomputed, turned into dz in place with the
+//           lse from pass 1, then dW_block += dz^T h, db_block += sums of dz, dh += dz W_block.
+// The price of never holding the logits is the recomputation: 8 N V d flops instead of the
+// unfused 6 N V d (the loss alone, fused_head_loss, costs 2 N V d as unfused). Every GEMM keeps
+// all N tokens, so each runs at full GEMM speed and W and dW are each streamed once per pass.
+// Tokens whose target is ignore_index are dropped before any arithmetic.
 //
 // Every option of the plain loss applies (CrossEntropyOptions: ignore_index, reductions, label
 // smoothing, z-loss, soft-capping, a padded vocabulary, gradient_scale), plus per-token weights
 // w_n >= 0 (mean divides by their sum over counted tokens), the log-sum-exp of every row as an
 // output (for z-loss monitoring), and per-token losses (Reduction::none).
 //
-// Threads (when built with OpenMP): each GEMM is cut into fixed blocks -- of V rows for the
-// logits and dW, of d columns for dh -- and each row's loss is computed by one thread, so the
-// result is bit-identical for any thread count and across runs. Ideas from Liger-Kernel's fused
-// linear cross-entropy (token chunks; Hsu et al. 2024) and Cut Cross-Entropy (Wijmans et al.
-// 2024); the code is this library's own.
+// Threads (when built with OpenMP): each GEMM is cut into fixed pieces -- 256 rows of the block
+// for the logits and dW, 128 columns of d for dh -- and each row's softmax is one thread's, so
+// the result is bit-identical for any thread count and across runs. The idea of never
+// materialising the logits is Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024) and Cut
+// Cross-Entropy's (Wijmans et al. 2024); the code is this library's own.
 #ifndef EMBEDHEAD_FUSED_HEAD_LOSS_HPP
 #define EMBEDHEAD_FUSED_HEAD_LOSS_HPP
 
@@ -36,6 +41,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <sstream>
 #include <type_traits>
 #include <vector>
@@ -47,31 +53,34 @@
 namespace embedhead {
 
 struct FusedHeadLossOptions : CrossEntropyOptions {
-  // Tokens per chunk; 0 picks one so that a chunk's logits take at most max(1 MiB, 2 % of the
-  // full [N, V] logits) and at least 16 rows -- measured in bench/fused_head_loss_bench.cpp.
-  Index token_chunk = 0;
+  // Rows of W per block: the logits buffer is [N, vocab_block]. 0 picks V / 50 rounded up to a
+  // multiple of 64, within [256, 4096] (and at most V): about 2 % of the logits' memory, chosen
+  // with bench/fused_head_loss_bench.cpp. It fixes the order of the floating-point sums, so the
+  // result depends on it (within rounding) but never on the thread count.
+  Index vocab_block = 0;
 };
 
 // Buffers reused across calls, so the steady state allocates nothing but Eigen's GEMM packing
 // buffers. Contents are internal; a default-constructed one is always valid.
 template <typename Scalar>
 struct FusedHeadLossWorkspace {
-  std::vector<Scalar> hidden;        // [chunk, d] the chunk's hidden rows, gathered
-  std::vector<Scalar> logits;        // [chunk, V] its logits, then dz in place
-  std::vector<Scalar> dhidden;       // [chunk, d] its dh
-  std::vector<Index> tokens;         // token index n of each chunk row
-  std::vector<detail::RowLoss> rows;  // each chunk row's loss terms
+  std::vector<Scalar> hidden;   // [count, d] the counted tokens' rows of h, when some are ignored
+  std::vector<Scalar> dhidden;  // [count, d] their dh, accumulated over the blocks
+  std::vector<Scalar> logits;   // [count, vocab_block] one block's logits, then its dz
+  std::vector<Index> tokens;    // token index n of each counted row
+  std::vector<double> row_max, row_sum, row_target, row_logit_sum;  // pass 1's running statistics
+  std::vector<double> lse;      // each counted row's log-sum-exp
 };
 
 namespace detail {
 
-// Fixed block sizes: they define the order of every floating-point operation, so they must not
-// depend on the thread count.
-constexpr Index kFusedVocabBlock = 2048;  // rows of W per logits / dW GEMM
-constexpr Index kFusedDimBlock = 128;     // columns of W per dh GEMM
+// Fixed pieces of each GEMM: they define the order of every floating-point operation, so they
+// must not depend on the thread count.
+constexpr Index kFusedRowPiece = 256;  // rows of a W block per logits / dW GEMM
+constexpr Index kFusedDimPiece = 128;  // columns of d per dh GEMM
 
 // Calls body(i) for i in [0, count), spread over the OpenMP threads (static schedule). With more
-// than one thread the region is entered even for one block, so Eigen's own GEMM threading (which
+// than one thread the region is entered even for one piece, so Eigen's own GEMM threading (which
 // would change the summation order) never starts inside body.
 template <typename Body>
 void parallel_blocks(Index count, const Body& body) {
@@ -85,13 +94,10 @@ void parallel_blocks(Index count, const Body& body) {
   for (Index i = 0; i < count; ++i) body(i);
 }
 
-inline Index fused_token_chunk(Index option, Index N, Index classes, std::size_t scalar_bytes) {
-  if (option > 0) return option;
-  const double logits_bytes = static_cast<double>(N) * static_cast<double>(classes) * static_cast<double>(scalar_bytes);
-  const double budget = std::max(1024.0 * 1024.0, 0.02 * logits_bytes);
-  const double row_bytes = static_cast<double>(classes) * static_cast<double>(scalar_bytes);
-  const Index rows = static_cast<Index>(budget / row_bytes);
-  return std::max<Index>(16, std::min<Index>(rows, std::max<Index>(N, 1)));
+inline Index fused_vocab_block(Index option, Index classes) {
+  if (option > 0) return std::min(option, classes);
+  const Index rows = (classes / 50 + 63) / 64 * 64;
+  return std::min(classes, std::clamp<Index>(rows, 256, 4096));
 }
 
 template <typename Scalar, typename Id>
@@ -113,9 +119,9 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   if (lse && lse->size() != 0) check_shape(where, "lse", *lse, N, 1);
   if (losses && losses->size() != 0) check_shape(where, "losses", *losses, N, 1);
   check_loss_options(where, options, V);
-  if (options.token_chunk < 0) {
+  if (options.vocab_block < 0) {
     std::ostringstream message;
-    message << where << ": token_chunk = " << options.token_chunk << " outside [0, inf) (0: automatic)";
+    message << where << ": vocab_block = " << options.vocab_block << " outside [0, inf) (0: automatic)";
     throw value_error(message.str());
   }
   const Index classes = classes_of(options, V);
@@ -133,86 +139,148 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   const bool want_db = gradient && db && db->size() != 0 && bias.size() != 0;
   const bool want_lse = lse && lse->size() != 0;
   const bool want_losses = losses && losses->size() != 0;
+  auto target_of = [&](Index n) { return static_cast<Index>(targets(n / T, n % T)); };
+  auto weight_of = [&](Index n) { return weighted ? static_cast<double>(weights(n, 0)) : 1.0; };
 
   // ---- the counted tokens, their weight sum, the gradient's scale ----
   CrossEntropyResult result;
   ws.tokens.clear();
   for (Index n = 0; n < N; ++n)
-    if (static_cast<Index>(targets(n / T, n % T)) != options.ignore_index) {
-      ++result.count;
-      result.weight_sum += weighted ? static_cast<double>(weights(n, 0)) : 1.0;
+    if (target_of(n) != options.ignore_index) {
+      ws.tokens.push_back(n);
+      result.weight_sum += weight_of(n);
     }
+  const Index count = static_cast<Index>(ws.tokens.size());
+  result.count = count;
   const double scale = reduction_scale(options.reduction, result.weight_sum, options.gradient_scale);
-  const Index chunk = fused_token_chunk(options.token_chunk, result.count, classes, sizeof(Scalar));
-  const Index rows_capacity = std::min(chunk, std::max<Index>(result.count, 1));
-  ws.hidden.resize(static_cast<std::size_t>(rows_capacity * d));
-  ws.logits.resize(static_cast<std::size_t>(rows_capacity * classes));
-  if (gradient) ws.dhidden.resize(static_cast<std::size_t>(rows_capacity * d));
-  ws.tokens.resize(static_cast<std::size_t>(rows_capacity));
-  ws.rows.resize(static_cast<std::size_t>(rows_capacity));
 
-  const auto Wv = W.topRows(classes);  // padded rows of W take no part
-  const Index vocab_blocks = (classes + kFusedVocabBlock - 1) / kFusedVocabBlock;
-  const Index dim_blocks = (d + kFusedDimBlock - 1) / kFusedDimBlock;
-
-  // ---- the chunks: gather, logits, per-row loss and dz, dW and db, dh ----
-  Index next = 0;  // next token to look at
-  while (true) {
-    Index rows = 0;
-    for (; next < N && rows < rows_capacity; ++next) {
-      if (static_cast<Index>(targets(next / T, next % T)) == options.ignore_index) continue;
-      ws.tokens[static_cast<std::size_t>(rows)] = next;
-      std::copy_n(h.row(next).data(), d, ws.hidden.data() + rows * d);
-      ++rows;
-    }
-    if (rows == 0) break;
-    const Eigen::Map<const RowMatrix<Scalar>> hidden(ws.hidden.data(), rows, d);
-    Eigen::Map<RowMatrix<Scalar>> logits(ws.logits.data(), rows, classes);
-
-    parallel_blocks(vocab_blocks, [&](Index block) {
-      const Index v0 = block * kFusedVocabBlock, width = std::min(kFusedVocabBlock, classes - v0);
-      logits.middleCols(v0, width).noalias() = hidden * Wv.middleRows(v0, width).transpose();
-      if (bias.size() != 0) logits.middleCols(v0, width).rowwise() += bias.col(0).segment(v0, width).transpose();
-    });
-    parallel_blocks(rows, [&](Index r) {
-      const Index n = ws.tokens[static_cast<std::size_t>(r)];
-      const Index y = static_cast<Index>(targets(n / T, n % T));
-      const double w = weighted ? static_cast<double>(weights(n, 0)) : 1.0;
-      Scalar* row = logits.row(r).data();
-      ws.rows[static_cast<std::size_t>(r)] = softmax_loss_row<Scalar>(row, row, classes, y, options.label_smoothing,
-                                                                      options.z_loss, options.softcap, gradient, w * scale);
-    });
-    // Summed in token order, whatever the threads did.
-    for (Index r = 0; r < rows; ++r) {
-      const Index n = ws.tokens[static_cast<std::size_t>(r)];
-      const RowLoss& row = ws.rows[static_cast<std::size_t>(r)];
-      const double w = weighted ? static_cast<double>(weights(n, 0)) : 1.0;
-      add_row_loss<Scalar>(row, w, result, want_losses ? losses : nullptr, n);
-      if (want_lse) (*lse)(n, 0) = static_cast<Scalar>(row.lse);
-    }
-    if (gradient) {
-      parallel_blocks(vocab_blocks, [&](Index block) {
-        const Index v0 = block * kFusedVocabBlock, width = std::min(kFusedVocabBlock, classes - v0);
-        dW->middleRows(v0, width).noalias() += logits.middleCols(v0, width).transpose() * hidden;
-        if (want_db) db->col(0).segment(v0, width) += logits.middleCols(v0, width).colwise().sum().transpose();
-      });
-      Eigen::Map<RowMatrix<Scalar>> dhidden(ws.dhidden.data(), rows, d);
-      parallel_blocks(dim_blocks, [&](Index block) {
-        const Index c0 = block * kFusedDimBlock, width = std::min(kFusedDimBlock, d - c0);
-        dhidden.middleCols(c0, width).noalias() = logits * Wv.middleCols(c0, width);
-      });
-      // h was gathered before dh is written, so dh may be h itself.
-      for (Index r = 0; r < rows; ++r) dh->row(ws.tokens[static_cast<std::size_t>(r)]) = dhidden.row(r);
-    }
-  }
-  // Ignored tokens: no loss, no gradient.
+  // Ignored tokens get no loss and no gradient.
   for (Index n = 0; n < N; ++n) {
-    if (static_cast<Index>(targets(n / T, n % T)) != options.ignore_index) continue;
-    if (gradient) dh->row(n).setZero();
+    if (target_of(n) != options.ignore_index) continue;
     if (want_lse) (*lse)(n, 0) = Scalar(0);
     if (want_losses) (*losses)(n, 0) = Scalar(0);
   }
+  if (count == 0) {
+    if (gradient) dh->setZero();
+    finish_reduction(result, options.reduction);
+    return result;
+  }
+
+  // The counted rows of h, gathered only when some tokens are ignored or dh is h itself (dh is
+  // then accumulated apart and copied out at the end); otherwise h and dh are used in place.
+  const bool dh_overlaps_h = gradient && dh->data() < h.data() + h.size() && h.data() < dh->data() + dh->size();
+  const bool gather = count < N || dh_overlaps_h;
+  if (gather) {
+    ws.hidden.resize(static_cast<std::size_t>(count * d));
+    for (Index r = 0; r < count; ++r) std::copy_n(h.row(ws.tokens[static_cast<std::size_t>(r)]).data(), d, ws.hidden.data() + r * d);
+    if (gradient) ws.dhidden.resize(static_cast<std::size_t>(count * d));
+  }
+  const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> hidden(
+      gather ? ws.hidden.data() : h.data(), count, d, Eigen::OuterStride<>(gather ? d : h.outerStride()));
+  Scalar* dh_base = gradient ? (gather ? ws.dhidden.data() : dh->data()) : nullptr;
+  Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> dhidden(dh_base, gradient ? count : 0, d,
+                                                                 Eigen::OuterStride<>(gather || !gradient ? d : dh->outerStride()));
+  if (gradient) dhidden.setZero();
+
+  const Index block = fused_vocab_block(options.vocab_block, classes);
+  ws.logits.resize(static_cast<std::size_t>(count * block));
+  for (auto* v : {&ws.row_max, &ws.row_sum, &ws.row_target, &ws.row_logit_sum, &ws.lse}) v->resize(static_cast<std::size_t>(count));
+  std::fill(ws.row_max.begin(), ws.row_max.end(), -std::numeric_limits<double>::infinity());
+  std::fill(ws.row_sum.begin(), ws.row_sum.end(), 0.0);
+  std::fill(ws.row_logit_sum.begin(), ws.row_logit_sum.end(), 0.0);
+  const double smoothing = options.label_smoothing, softcap = options.softcap;
+  const Scalar cap = static_cast<Scalar>(softcap);
+
+  // logits [count, width] = hidden W[v0, v0 + width)^T (+ b), then soft-capped; in fixed pieces.
+  auto block_logits = [&](Index v0, Index width) {
+    Eigen::Map<RowMatrix<Scalar>> logits(ws.logits.data(), count, width);
+    parallel_blocks((width + kFusedRowPiece - 1) / kFusedRowPiece, [&](Index piece) {
+      const Index p0 = piece * kFusedRowPiece, p_width = std::min(kFusedRowPiece, width - p0);
+      auto out = logits.middleCols(p0, p_width);
+      out.noalias() = hidden * W.middleRows(v0 + p0, p_width).transpose();
+      if (bias.size() != 0) out.rowwise() += bias.col(0).segment(v0 + p0, p_width).transpose();
+      if (softcap > 0) out = ((out.array() / cap).tanh() * cap).matrix();
+    });
+    return logits;
+  };
+
+  // ---- pass 1: each row's max, sum of exponentials, target logit and sum of logits ----
+  for (Index v0 = 0; v0 < classes; v0 += block) {
+    const Index width = std::min(block, classes - v0);
+    auto logits = block_logits(v0, width);
+    parallel_blocks(count, [&](Index r) {
+      const std::size_t i = static_cast<std::size_t>(r);
+      const Scalar* s = logits.row(r).data();
+      const Scalar block_max = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(s, width).maxCoeff();
+      double& running_max = ws.row_max[i];
+      double& running_sum = ws.row_sum[i];
+      if (block_max > running_max) {
+        running_sum *= std::exp(running_max - static_cast<double>(block_max));  // exp(-inf) = 0 at the first block
+        running_max = static_cast<double>(block_max);
+      }
+      running_sum += static_cast<double>(sum_exp_shifted(s, width, static_cast<Scalar>(running_max), static_cast<Scalar*>(nullptr)));
+      const Index y = target_of(ws.tokens[i]);
+      if (y >= v0 && y < v0 + width) ws.row_target[i] = static_cast<double>(s[y - v0]);
+      if (smoothing > 0)
+        ws.row_logit_sum[i] += Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(s, width).template cast<double>().sum();
+    });
+  }
+  // lse and the loss of each row, summed in token order.
+  for (Index r = 0; r < count; ++r) {
+    const std::size_t i = static_cast<std::size_t>(r);
+    const Index n = ws.tokens[i];
+    RowLoss row;
+    row.lse = ws.row_max[i] + std::log(ws.row_sum[i]);
+    row.ce = row.lse - (1.0 - smoothing) * ws.row_target[i];
+    if (smoothing > 0) row.ce -= smoothing / static_cast<double>(classes) * ws.row_logit_sum[i];
+    row.z_loss = options.z_loss * row.lse * row.lse;
+    ws.lse[i] = row.lse;
+    add_row_loss<Scalar>(row, weight_of(n), result, want_losses ? losses : nullptr, n);
+    if (want_lse) (*lse)(n, 0) = static_cast<Scalar>(row.lse);
+  }
   finish_reduction(result, options.reduction);
+  if (!gradient) return result;
+
+  // ---- pass 2: dz block by block, then dW, db and dh from it ----
+  for (Index v0 = 0; v0 < classes; v0 += block) {
+    const Index width = std::min(block, classes - v0);
+    auto logits = block_logits(v0, width);
+    parallel_blocks(count, [&](Index r) {
+      // dz_j = w (a softmax_j - b - c [j = y]) (1 - (s_j / cap)^2), a = 1 + 2 z_loss lse,
+      // b = eps / classes, c = 1 - eps (detail::softmax_loss_row has the derivation).
+      const std::size_t i = static_cast<std::size_t>(r);
+      const double lse_n = ws.lse[i], w = weight_of(ws.tokens[i]) * scale;
+      const Scalar a = static_cast<Scalar>(w * (options.z_loss > 0 ? 1.0 + 2.0 * options.z_loss * lse_n : 1.0));
+      const Scalar b = static_cast<Scalar>(w * smoothing / static_cast<double>(classes));
+      const Scalar c = static_cast<Scalar>(w * (1.0 - smoothing));
+      const Scalar shift = static_cast<Scalar>(lse_n);
+      Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> s(logits.row(r).data(), width);
+      const Index y = target_of(ws.tokens[i]);
+      const bool target_here = y >= v0 && y < v0 + width;
+      if (softcap > 0) {
+        const Scalar t_y = target_here ? s(y - v0) / cap : Scalar(0);
+        s = ((s - shift).exp() * a - b) * (Scalar(1) - (s / cap).square());
+        if (target_here) s(y - v0) -= c * (Scalar(1) - t_y * t_y);
+      } else {
+        s = (s - shift).exp() * a - b;
+        if (target_here) s(y - v0) -= c;
+      }
+    });
+    parallel_blocks((width + kFusedRowPiece - 1) / kFusedRowPiece, [&](Index piece) {
+      const Index p0 = piece * kFusedRowPiece, p_width = std::min(kFusedRowPiece, width - p0);
+      dW->middleRows(v0 + p0, p_width).noalias() += logits.middleCols(p0, p_width).transpose() * hidden;
+      if (want_db) db->col(0).segment(v0 + p0, p_width) += logits.middleCols(p0, p_width).colwise().sum().transpose();
+    });
+    parallel_blocks((d + kFusedDimPiece - 1) / kFusedDimPiece, [&](Index piece) {
+      const Index c0 = piece * kFusedDimPiece, c_width = std::min(kFusedDimPiece, d - c0);
+      dhidden.middleCols(c0, c_width).noalias() += logits * W.middleRows(v0, width).middleCols(c0, c_width);
+    });
+  }
+  if (gather) {
+    for (Index n = 0; n < N; ++n)
+      if (target_of(n) == options.ignore_index) dh->row(n).setZero();
+    for (Index r = 0; r < count; ++r) dh->row(ws.tokens[static_cast<std::size_t>(r)]) = dhidden.row(r);
+  }
   return result;
 }
 
@@ -229,8 +297,8 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
 // \pre no output aliases W or the other outputs; dh may be h.
 
 // ... -> loss; dh [N, d] = dz W (written), dW [V, d] += dz^T h, db [V, 1] += sums of dz (skipped
-// when empty). Cost: 6 N V d flops in GEMMs plus 4 passes over each chunk's logits; memory
-// chunk * (V + 2 d) scalars in `workspace`.
+// when empty). Cost: 8 N V d flops in GEMMs (two passes), about 6 passes over each block's
+// logits; memory in `workspace`: N * vocab_block scalars, plus 2 N d when tokens are ignored.
 template <typename Scalar>
 CrossEntropyResult fused_head_loss_forward_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                                     const ConstMatrixRef<Scalar>& bias, const ConstIdRef<std::int32_t>& targets,
@@ -252,7 +320,7 @@ CrossEntropyResult fused_head_loss_forward_backward(const ConstMatrixRef<Scalar>
                                                             options, workspace, "fused_head_loss_forward_backward");
 }
 
-// ... -> loss only (evaluation): the same chunks, no gradient. Cost: 2 N V d flops.
+// ... -> loss only (evaluation): pass 1 alone, the same loss bit for bit. Cost: 2 N V d flops.
 template <typename Scalar>
 CrossEntropyResult fused_head_loss(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                    const ConstMatrixRef<Scalar>& bias, const ConstIdRef<std::int32_t>& targets,
