@@ -9,6 +9,7 @@
 #include "errors.hpp"
 #include "fused_head_loss.hpp"
 #include "init.hpp"
+#include "optimizer.hpp"
 #include "output_projection.hpp"
 #include "parameter.hpp"
 #include "parameter_count.hpp"

@@ -1,0 +1,536 @@
+// Tests for include/embedhead/optimizer.hpp.
+//
+// Reference trajectories come from naive dense re-implementations in double below (the
+// torch.optim formulas written over full [V, d] gradient matrices, zeros where a row is
+// untouched), from hand-derived first steps, and from invariants (untouched rows under the lazy
+// optimizers do not change at all).
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <embedhead/optimizer.hpp>
+#include <embedhead/output_projection.hpp>
+#include <embedhead/token_embedding.hpp>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "reference/test_support.hpp"
+
+namespace {
+
+using Catch::Matchers::Contains;
+using Catch::Matchers::WithinAbs;
+using Catch::Matchers::WithinRel;
+using embedhead::Index;
+using embedhead::Parameter;
+using embedhead::RowMatrix;
+using test_support::random_matrix;
+using test_support::same_values;
+
+template <typename Scalar>
+using ParameterPtr = std::shared_ptr<Parameter<Scalar>>;
+
+template <typename Scalar>
+double tolerance() {
+  return std::is_same_v<Scalar, float> ? 2e-6 : 1e-13;
+}
+
+template <typename Scalar>
+ParameterPtr<Scalar> make_parameter(Index rows, Index cols, std::uint64_t seed, const char* name = "p") {
+  auto p = std::make_shared<Parameter<Scalar>>(rows, cols, name);
+  p->value() = random_matrix<Scalar>(rows, cols, seed);
+  return p;
+}
+
+// Sets p's gradient to the rows `rows` of G (sparse), or to all of G (dense) when rows is empty.
+template <typename Scalar>
+void set_gradient(Parameter<Scalar>& p, const RowMatrix<double>& G, const std::vector<Index>& rows) {
+  p.zero_grad();
+  if (rows.empty()) {
+    p.grad().dense_accumulator() = G.cast<Scalar>();
+    return;
+  }
+  std::vector<Index> slots(rows.size());
+  p.grad().touch_rows(rows.data(), static_cast<Index>(rows.size()), slots.data());
+  for (std::size_t i = 0; i < rows.size(); ++i) p.grad().slot_row(slots[i]) = G.row(rows[i]).cast<Scalar>();
+}
+
+// The gradient a step sees: G on `rows` (all rows when empty), zero elsewhere, in double.
+RowMatrix<double> masked(const RowMatrix<double>& G, const std::vector<Index>& rows) {
+  if (rows.empty()) return G;
+  RowMatrix<double> out = RowMatrix<double>::Zero(G.rows(), G.cols());
+  for (Index r : rows) out.row(r) = G.row(r);
+  return out;
+}
+
+// A schedule of sparse gradients: step s touches rows[s] (empty: dense) with values G[s].
+struct Steps {
+  std::vector<RowMatrix<double>> G;
+  std::vector<std::vector<Index>> rows;
+};
+
+Steps make_steps(Index V, Index d, std::uint64_t seed) {
+  Steps s;
+  s.rows = {{0, 3, 4}, {1, 3}, {}, {4}, {0, 2, 3}};  // step 2 is dense; row 5 only touched there
+  for (std::size_t t = 0; t < s.rows.size(); ++t) s.G.push_back(random_matrix<double>(V, d, seed + t));
+  return s;
+}
+
+// ---- naive dense references, in double ----
+
+struct NaiveAdam {
+  double lr, b1, b2, eps, wd;
+  bool decoupled, lazy;
+  RowMatrix<double> m, v;
+  int t = 0;
+  void step(RowMatrix<double>& p, const RowMatrix<double>& g, const std::vector<Index>& rows) {
+    if (m.size() == 0) m = v = RowMatrix<double>::Zero(p.rows(), p.cols());
+    ++t;
+    const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
+    for (Index r = 0; r < p.rows(); ++r) {
+      const bool touched = rows.empty() || std::find(rows.begin(), rows.end(), r) != rows.end();
+      if (lazy && !touched) continue;
+      for (Index j = 0; j < p.cols(); ++j) {
+        double grad = touched ? g(r, j) : 0.0;
+        if (decoupled) p(r, j) *= 1 - lr * wd;
+        else grad += wd * p(r, j);
+        m(r, j) = b1 * m(r, j) + (1 - b1) * grad;
+        v(r, j) = b2 * v(r, j) + (1 - b2) * grad * grad;
+        p(r, j) -= lr / bc1 * m(r, j) / (std::sqrt(v(r, j)) / std::sqrt(bc2) + eps);
+      }
+    }
+  }
+};
+
+struct NaiveSGD {
+  double lr, mu, wd;
+  bool nesterov;
+  RowMatrix<double> buf;
+  void step(RowMatrix<double>& p, const RowMatrix<double>& g) {
+    const bool first = buf.size() == 0;
+    if (first) buf = RowMatrix<double>::Zero(p.rows(), p.cols());
+    for (Index i = 0; i < p.size(); ++i) {
+      p.data()[i] *= 1 - lr * wd;
+      double d = g.data()[i];
+      if (mu > 0) {
+        buf.data()[i] = first ? d : mu * buf.data()[i] + d;
+        d = nesterov ? d + mu * buf.data()[i] : buf.data()[i];
+      }
+      p.data()[i] -= lr * d;
+    }
+  }
+};
+
+struct NaiveAdagrad {
+  double lr, lr_decay, init, eps;
+  RowMatrix<double> sum;
+  int t = 0;
+  void step(RowMatrix<double>& p, const RowMatrix<double>& g) {
+    if (sum.size() == 0) sum = RowMatrix<double>::Constant(p.rows(), p.cols(), init);
+    ++t;
+    const double clr = lr / (1 + (t - 1) * lr_decay);
+    for (Index i = 0; i < p.size(); ++i) {
+      sum.data()[i] += g.data()[i] * g.data()[i];
+      if (g.data()[i] != 0) p.data()[i] -= clr * g.data()[i] / (std::sqrt(sum.data()[i]) + eps);
+    }
+  }
+};
+
+template <typename A, typename B>
+bool close(const A& a, const B& b, double tol) {
+  const RowMatrix<double> da = a.template cast<double>(), db = b.template cast<double>();
+  return da.rows() == db.rows() && da.cols() == db.cols() &&
+         (da - db).cwiseAbs().maxCoeff() <= tol * std::max(1.0, db.cwiseAbs().maxCoeff());
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("AdamW and Adam follow the torch.optim formulas step by step", "[optimizer][adam][naive]", float, double) {
+  using Scalar = TestType;
+  const Index V = 6, d = 5;
+  const Steps steps = make_steps(V, d, 11);
+  for (bool decoupled : {true, false}) {
+    CAPTURE(decoupled);
+    auto p = make_parameter<Scalar>(V, d, 10);
+    embedhead::AdamOptions options;
+    options.lr = 0.05;
+    options.weight_decay = 0.1;
+    options.decoupled = decoupled;
+    embedhead::AdamW<Scalar> adam(options, {p});
+    NaiveAdam naive{0.05, 0.9, 0.999, 1e-8, 0.1, decoupled, false, {}, {}};
+    RowMatrix<double> expected = p->value().template cast<double>();
+    for (std::size_t t = 0; t < steps.G.size(); ++t) {
+      CAPTURE(t);
+      set_gradient(*p, steps.G[t], steps.rows[t]);
+      adam.step();
+      naive.step(expected, masked(steps.G[t], steps.rows[t]), {});
+      CHECK(close(p->value(), expected, 20 * tolerance<Scalar>()));
+    }
+    CHECK(adam.step_count() == 5);
+  }
+}
+
+TEST_CASE("AdamW first step by hand: p (1 - lr wd) - lr g / (|g| + eps)", "[optimizer][adam][seeds]") {
+  // After one step m_hat = g and v_hat = g^2, so the step is lr * sign(g) (up to eps), whatever |g|.
+  auto p = std::make_shared<Parameter<double>>(1, 2, "p");
+  p->value() << 1.0, -2.0;
+  RowMatrix<double> G(1, 2);
+  G << 0.5, -3.0;
+  set_gradient(*p, G, {});
+  embedhead::AdamOptions options;
+  options.lr = 0.1;
+  options.weight_decay = 0.5;
+  embedhead::AdamW<double> adam(options, {p});
+  adam.step();
+  CHECK_THAT(p->value()(0, 0), WithinRel(1.0 * (1 - 0.05) - 0.1 * 0.5 / (0.5 + 1e-8), 1e-14));
+  CHECK_THAT(p->value()(0, 1), WithinRel(-2.0 * (1 - 0.05) + 0.1 * 3.0 / (3.0 + 1e-8), 1e-14));
+}
+
+TEMPLATE_TEST_CASE("LazyAdam updates touched rows only; equals AdamW when every row is touched", "[optimizer][lazy]", float,
+                   double) {
+  using Scalar = TestType;
+  const Index V = 6, d = 4;
+  const Steps steps = make_steps(V, d, 21);
+  SECTION("against the naive lazy reference; untouched rows stay bit-identical") {
+    auto p = make_parameter<Scalar>(V, d, 20);
+    embedhead::AdamOptions options = embedhead::LazyAdam<Scalar>::lazy_defaults();
+    options.lr = 0.05;
+    embedhead::LazyAdam<Scalar> lazy(options, {p});
+    NaiveAdam naive{0.05, 0.9, 0.999, 1e-8, 0.0, true, true, {}, {}};
+    RowMatrix<double> expected = p->value().template cast<double>();
+    for (std::size_t t = 0; t < steps.G.size(); ++t) {
+      CAPTURE(t);
+      const RowMatrix<Scalar> before = p->value();
+      set_gradient(*p, steps.G[t], steps.rows[t]);
+      lazy.step();
+      naive.step(expected, steps.G[t], steps.rows[t]);
+      CHECK(close(p->value(), expected, 20 * tolerance<Scalar>()));
+      if (!steps.rows[t].empty())
+        for (Index r = 0; r < V; ++r)
+          if (std::find(steps.rows[t].begin(), steps.rows[t].end(), r) == steps.rows[t].end())
+            CHECK(same_values(p->value().row(r), before.row(r)));
+    }
+  }
+  SECTION("every row touched every step: lazy == exact (weight decay 0)") {
+    auto a = make_parameter<Scalar>(V, d, 22), b = make_parameter<Scalar>(V, d, 22);
+    embedhead::AdamOptions options = embedhead::LazyAdam<Scalar>::lazy_defaults();
+    embedhead::LazyAdam<Scalar> lazy(options, {a});
+    embedhead::AdamW<Scalar> exact(options, {b});
+    for (std::size_t t = 0; t < steps.G.size(); ++t) {
+      set_gradient(*a, steps.G[t], {});
+      set_gradient(*b, steps.G[t], {});
+      lazy.step();
+      exact.step();
+    }
+    CHECK(same_values(a->value(), b->value()));
+  }
+  SECTION("a row touched once, then not: AdamW keeps moving it, LazyAdam does not (the documented difference)") {
+    auto a = make_parameter<Scalar>(V, d, 23), b = make_parameter<Scalar>(V, d, 23);
+    embedhead::AdamOptions options = embedhead::LazyAdam<Scalar>::lazy_defaults();
+    embedhead::LazyAdam<Scalar> lazy(options, {a});
+    embedhead::AdamW<Scalar> exact(options, {b});
+    set_gradient(*a, steps.G[0], {0});
+    set_gradient(*b, steps.G[0], {0});
+    lazy.step();
+    exact.step();
+    CHECK(same_values(a->value(), b->value()));  // the first step agrees
+    const RowMatrix<Scalar> lazy_row = a->value().row(0), exact_row = b->value().row(0);
+    set_gradient(*a, steps.G[1], {1});
+    set_gradient(*b, steps.G[1], {1});
+    lazy.step();
+    exact.step();
+    CHECK(same_values(a->value().row(0), lazy_row));        // lazy: row 0 untouched, unchanged
+    CHECK_FALSE(same_values(b->value().row(0), exact_row));  // exact: stale momentum moves it
+  }
+}
+
+TEMPLATE_TEST_CASE("SGD: plain, momentum, Nesterov, decoupled weight decay", "[optimizer][sgd][naive]", float, double) {
+  using Scalar = TestType;
+  const Index V = 6, d = 3;
+  const Steps steps = make_steps(V, d, 31);
+  struct Case {
+    double mu, wd;
+    bool nesterov;
+  };
+  for (const Case c : {Case{0, 0, false}, Case{0.9, 0, false}, Case{0.9, 0, true}, Case{0, 0.1, false}, Case{0.5, 0.2, true}}) {
+    CAPTURE(c.mu, c.wd, c.nesterov);
+    auto p = make_parameter<Scalar>(V, d, 30);
+    embedhead::SGDOptions options;
+    options.lr = 0.1;
+    options.momentum = c.mu;
+    options.nesterov = c.nesterov;
+    options.weight_decay = c.wd;
+    embedhead::SGD<Scalar> sgd(options, {p});
+    NaiveSGD naive{0.1, c.mu, c.wd, c.nesterov, {}};
+    RowMatrix<double> expected = p->value().template cast<double>();
+    for (std::size_t t = 0; t < steps.G.size(); ++t) {
+      set_gradient(*p, steps.G[t], steps.rows[t]);
+      sgd.step();
+      naive.step(expected, masked(steps.G[t], steps.rows[t]));
+      CHECK(close(p->value(), expected, 10 * tolerance<Scalar>()));
+    }
+  }
+}
+
+TEST_CASE("SGD without momentum or decay touches only the gradient's rows, p - lr g exactly", "[optimizer][sgd][sparse]") {
+  auto p = make_parameter<double>(5, 2, 40);
+  const RowMatrix<double> before = p->value();
+  RowMatrix<double> G = random_matrix<double>(5, 2, 41);
+  set_gradient(*p, G, {1, 3});
+  embedhead::SGDOptions options;
+  options.lr = 0.5;
+  embedhead::SGD<double> sgd(options, {p});
+  sgd.step();
+  for (Index r : {0, 2, 4}) CHECK(same_values(p->value().row(r), before.row(r)));
+  for (Index r : {1, 3})
+    for (Index j = 0; j < 2; ++j) CHECK(p->value()(r, j) == before(r, j) - 0.5 * G(r, j));
+}
+
+TEMPLATE_TEST_CASE("Adagrad matches torch.optim.Adagrad (lr decay, initial accumulator)", "[optimizer][adagrad][naive]", float,
+                   double) {
+  using Scalar = TestType;
+  const Index V = 6, d = 4;
+  const Steps steps = make_steps(V, d, 51);
+  auto p = make_parameter<Scalar>(V, d, 50);
+  embedhead::AdagradOptions options;
+  options.lr = 0.1;
+  options.lr_decay = 0.01;
+  options.initial_accumulator_value = 0.1;
+  embedhead::Adagrad<Scalar> adagrad(options, {p});
+  NaiveAdagrad naive{0.1, 0.01, 0.1, 1e-10, {}};
+  RowMatrix<double> expected = p->value().template cast<double>();
+  for (std::size_t t = 0; t < steps.G.size(); ++t) {
+    const RowMatrix<Scalar> before = p->value();
+    set_gradient(*p, steps.G[t], steps.rows[t]);
+    adagrad.step();
+    naive.step(expected, masked(steps.G[t], steps.rows[t]));
+    CHECK(close(p->value(), expected, 10 * tolerance<Scalar>()));
+    for (Index r = 0; r < V && !steps.rows[t].empty(); ++r)  // untouched rows: exactly as before
+      if (std::find(steps.rows[t].begin(), steps.rows[t].end(), r) == steps.rows[t].end())
+        CHECK(same_values(p->value().row(r), before.row(r)));
+  }
+}
+
+TEST_CASE("parameter groups: per-group learning-rate multiplier and weight decay", "[optimizer][groups]") {
+  auto embedding = make_parameter<double>(4, 2, 60, "E");
+  auto bias = make_parameter<double>(4, 1, 61, "b");
+  const RowMatrix<double> E0 = embedding->value(), b0 = bias->value();
+  embedhead::SGDOptions options;
+  options.lr = 0.1;
+  options.weight_decay = 0.5;
+  embedhead::SGD<double> sgd(options);
+  embedhead::ParameterGroupOptions embedding_group;
+  embedding_group.lr_multiplier = std::sqrt(16.0);  // eta_E = sqrt(d_model) eta_W, as the seeds cite
+  sgd.add_group({embedding}, embedding_group);
+  embedhead::ParameterGroupOptions bias_group;
+  bias_group.weight_decay = 0.0;  // no decay on biases
+  sgd.add_group({bias}, bias_group);
+  const RowMatrix<double> GE = random_matrix<double>(4, 2, 62), Gb = random_matrix<double>(4, 1, 63);
+  set_gradient(*embedding, GE, {});
+  set_gradient(*bias, Gb, {});
+  sgd.step();
+  CHECK(close(embedding->value(), RowMatrix<double>(E0 * (1 - 0.4 * 0.5) - 0.4 * GE), 1e-15));
+  CHECK(close(bias->value(), RowMatrix<double>(b0 - 0.1 * Gb), 1e-15));
+  REQUIRE(sgd.groups().size() == 2);
+  CHECK(sgd.groups()[0].weight_decay == 0.5);
+  CHECK(sgd.groups()[1].weight_decay == 0.0);
+}
+
+TEMPLATE_TEST_CASE("a tied pair is one parameter: one update with the summed gradient", "[optimizer][tied]", float, double) {
+  using Scalar = TestType;
+  const Index V = 7, d = 3;
+  embedhead::TokenEmbedding<Scalar> embedding(V, d);
+  embedhead::OutputProjection<Scalar> head(embedding);
+  std::vector<ParameterPtr<Scalar>> list{embedding.weight_ptr()};
+  for (const auto& p : head.parameters()) list.push_back(p);
+  REQUIRE(list.size() == 2);  // E twice
+  SECTION("registering the raw list is an error that names the table") {
+    embedhead::SGD<Scalar> sgd;
+    CHECK_THROWS_AS(sgd.add_group(list), embedhead::value_error);
+    CHECK_THROWS_WITH(sgd.add_group(list), Contains("SGD: parameter 'token_embedding.weight' [7, 3] is registered twice"));
+    CHECK(sgd.groups().empty());
+  }
+  SECTION("unique_parameters: the sparse and dense contributions are summed once") {
+    const auto unique = embedhead::unique_parameters(list);
+    REQUIRE(unique.size() == 1);
+    embedhead::SGDOptions options;
+    options.lr = 0.1;
+    embedhead::SGD<Scalar> sgd(options, unique);
+    embedhead::IdMatrix<std::int32_t> ids(1, 2);
+    ids << 2, 5;
+    const RowMatrix<Scalar> h = random_matrix<Scalar>(2, d, 70), dlogits = random_matrix<Scalar>(2, V, 71);
+    RowMatrix<Scalar> dh(2, d);
+    head.backward(h, dlogits, dh);
+    embedding.backward(ids, dh);
+    const RowMatrix<Scalar> total = embedding.weight().grad().to_dense();
+    const RowMatrix<Scalar> before = embedding.weight().value();
+    sgd.step();
+    CHECK(close(embedding.weight().value(), RowMatrix<Scalar>(before - Scalar(0.1) * total), 4 * tolerance<Scalar>()));
+  }
+}
+
+TEMPLATE_TEST_CASE("clip_grad_norm counts each touched row once, sparse and dense together", "[optimizer][clip]", float, double) {
+  using Scalar = TestType;
+  auto sparse = make_parameter<Scalar>(8, 3, 80, "E");
+  auto dense = make_parameter<Scalar>(2, 3, 81, "W");
+  const RowMatrix<double> GS = random_matrix<double>(8, 3, 82), GD = random_matrix<double>(2, 3, 83);
+  set_gradient(*sparse, GS, {1, 6});
+  set_gradient(*dense, GD, {});
+  const double expected = std::sqrt(masked(GS, {1, 6}).squaredNorm() + GD.squaredNorm());
+  SECTION("below the threshold: nothing changes") {
+    const double norm = embedhead::clip_grad_norm<Scalar>({sparse, dense, sparse}, 1e3);  // sparse listed twice
+    CHECK_THAT(norm, WithinRel(expected, 1e-6));
+    CHECK(close(sparse->grad().to_dense(), masked(GS, {1, 6}), tolerance<Scalar>()));
+  }
+  SECTION("above: scaled by max_norm / (norm + 1e-6)") {
+    const double norm = embedhead::clip_grad_norm<Scalar>({sparse, dense}, 0.5);
+    CHECK_THAT(norm, WithinRel(expected, 1e-6));
+    const double factor = 0.5 / (expected + 1e-6);
+    CHECK(close(sparse->grad().to_dense(), RowMatrix<double>(masked(GS, {1, 6}) * factor), 10 * tolerance<Scalar>()));
+    CHECK(close(dense->grad().to_dense(), RowMatrix<double>(GD * factor), 10 * tolerance<Scalar>()));
+    CHECK(sparse->grad().num_touched() == 2);  // still sparse
+    CHECK_THAT(embedhead::clip_grad_norm<Scalar>({sparse, dense}, 1e3), WithinRel(0.5, 1e-5));
+  }
+  SECTION("errors") {
+    CHECK_THROWS_WITH(embedhead::clip_grad_norm<Scalar>({sparse}, -1.0), Contains("clip_grad_norm: max_norm = -1 outside [0, inf)"));
+    CHECK_THROWS_WITH(embedhead::clip_grad_norm<Scalar>({sparse, nullptr}, 1.0), Contains("parameter 1 is a null pointer"));
+    CHECK(close(sparse->grad().to_dense(), masked(GS, {1, 6}), tolerance<Scalar>()));
+  }
+}
+
+TEST_CASE("learning-rate schedules", "[optimizer][schedule]") {
+  const auto constant = embedhead::LrSchedule::constant();
+  CHECK(constant(0) == 1.0);
+  CHECK(constant(1000) == 1.0);
+  const auto warmup = embedhead::LrSchedule::linear_warmup(4);
+  CHECK(warmup(0) == 0.25);
+  CHECK(warmup(3) == 1.0);
+  CHECK(warmup(10) == 1.0);
+  const auto cosine = embedhead::LrSchedule::warmup_cosine(2, 12, 0.1);
+  CHECK(cosine(0) == 0.5);
+  CHECK(cosine(2) == 1.0);                                    // progress 0
+  CHECK_THAT(cosine(7), WithinAbs(0.1 + 0.9 * 0.5, 1e-15));   // progress 1/2
+  CHECK_THAT(cosine(12), WithinAbs(0.1, 1e-15));              // the end
+  CHECK_THAT(cosine(100), WithinAbs(0.1, 1e-15));             // and after it
+  CHECK_THROWS_WITH(embedhead::LrSchedule::linear_warmup(-1), Contains("warmup_steps = -1 outside [0, inf)"));
+  CHECK_THROWS_WITH(embedhead::LrSchedule::warmup_cosine(5, 5), Contains("total_steps = 5 outside (5, inf)"));
+  CHECK_THROWS_WITH(embedhead::LrSchedule::warmup_cosine(0, 5, 1.5), Contains("min_ratio = 1.5 outside [0, 1]"));
+}
+
+TEMPLATE_TEST_CASE("state save and restore continues the same trajectory", "[optimizer][state]", float, double) {
+  using Scalar = TestType;
+  const Index V = 6, d = 3;
+  const Steps steps = make_steps(V, d, 91);
+  auto run = [&](auto make_optimizer) {
+    auto p = make_parameter<Scalar>(V, d, 90, "E");
+    auto optimizer = make_optimizer(p);
+    for (std::size_t t = 0; t < 2; ++t) {
+      set_gradient(*p, steps.G[t], steps.rows[t]);
+      optimizer.step();
+    }
+    const auto saved = optimizer.state();
+    const RowMatrix<Scalar> value_at_save = p->value();
+    for (std::size_t t = 2; t < 5; ++t) {
+      set_gradient(*p, steps.G[t], steps.rows[t]);
+      optimizer.step();
+    }
+    // A new parameter with the saved values and a new optimizer with the saved state.
+    auto q = make_parameter<Scalar>(V, d, 999, "E");
+    q->value() = value_at_save;
+    auto resumed = make_optimizer(q);
+    resumed.load_state(saved);
+    CHECK(resumed.step_count() == 2);
+    for (std::size_t t = 2; t < 5; ++t) {
+      set_gradient(*q, steps.G[t], steps.rows[t]);
+      resumed.step();
+    }
+    CHECK(same_values(q->value(), p->value()));
+  };
+  embedhead::SGDOptions sgd_options;
+  sgd_options.momentum = 0.9;
+  run([&](const ParameterPtr<Scalar>& p) { return embedhead::SGD<Scalar>(sgd_options, {p}); });
+  run([&](const ParameterPtr<Scalar>& p) { return embedhead::AdamW<Scalar>(embedhead::AdamOptions{}, {p}); });
+  run([&](const ParameterPtr<Scalar>& p) { return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p}); });
+  run([&](const ParameterPtr<Scalar>& p) { return embedhead::Adagrad<Scalar>(embedhead::AdagradOptions{}, {p}); });
+}
+
+TEMPLATE_TEST_CASE("load_state rejects a state that does not fit and changes nothing", "[optimizer][state][errors]", float,
+                   double) {
+  using Scalar = TestType;
+  auto p = make_parameter<Scalar>(4, 2, 100, "E");
+  embedhead::AdamW<Scalar> adam(embedhead::AdamOptions{}, {p});
+  set_gradient(*p, random_matrix<double>(4, 2, 101), {});
+  adam.step();
+  const auto good = adam.state();
+  auto bad = good;
+  bad.optimizer = "SGD";
+  CHECK_THROWS_WITH(adam.load_state(bad), Contains("AdamW::load_state: the state is of 'SGD', not 'AdamW'"));
+  bad = good;
+  bad.parameters[0].name = "W";
+  CHECK_THROWS_WITH(adam.load_state(bad), Contains("parameter 0 is 'W' [4, 2] in the state but 'E' [4, 2] here"));
+  bad = good;
+  bad.parameters[0].buffers["exp_avg"] = RowMatrix<Scalar>::Zero(3, 2);
+  CHECK_THROWS_AS(adam.load_state(bad), embedhead::shape_error);
+  CHECK_THROWS_WITH(adam.load_state(bad), Contains("E.exp_avg has shape [3, 2], expected [4, 2]"));
+  bad = good;
+  bad.parameters[0].buffers["momentum_buffer"] = RowMatrix<Scalar>::Zero(4, 2);
+  CHECK_THROWS_WITH(adam.load_state(bad), Contains("has a buffer 'momentum_buffer' that AdamW does not use"));
+  bad = good;
+  bad.parameters.clear();
+  CHECK_THROWS_WITH(adam.load_state(bad), Contains("the state has 0 parameters and step 1, this optimizer 1 parameters"));
+  // Unchanged: the state reads back equal, and the step count is still 1.
+  const auto after = adam.state();
+  CHECK(adam.step_count() == 1);
+  CHECK(same_values(after.parameters[0].buffers.at("exp_avg"), good.parameters[0].buffers.at("exp_avg")));
+}
+
+TEST_CASE("optimizers reject bad hyperparameters with the value and its range", "[optimizer][errors]") {
+  using P = ParameterPtr<float>;
+  const P p = make_parameter<float>(2, 2, 110);
+  auto sgd = [](double lr, double mu, bool nesterov, double wd) {
+    embedhead::SGDOptions o;
+    o.lr = lr;
+    o.momentum = mu;
+    o.nesterov = nesterov;
+    o.weight_decay = wd;
+    return embedhead::SGD<float>(o);
+  };
+  CHECK_THROWS_WITH(sgd(-0.1, 0, false, 0), Contains("SGD: lr = -0.1 outside [0, inf)"));
+  CHECK_THROWS_WITH(sgd(0.1, 1.0, false, 0), Contains("SGD: momentum = 1 outside [0, 1)"));
+  CHECK_THROWS_WITH(sgd(0.1, 0, true, 0), Contains("SGD: nesterov = true needs momentum > 0"));
+  CHECK_THROWS_WITH(sgd(0.1, 0, false, -1), Contains("SGD: weight_decay = -1 outside [0, inf)"));
+  auto adam = [](double b1, double b2, double eps) {
+    embedhead::AdamOptions o;
+    o.beta1 = b1;
+    o.beta2 = b2;
+    o.eps = eps;
+    return embedhead::AdamW<float>(o);
+  };
+  CHECK_THROWS_WITH(adam(1.0, 0.999, 1e-8), Contains("AdamW: beta1 = 1 outside [0, 1)"));
+  CHECK_THROWS_WITH(adam(0.9, -0.5, 1e-8), Contains("AdamW: beta2 = -0.5 outside [0, 1)"));
+  CHECK_THROWS_WITH(adam(0.9, 0.999, 0.0), Contains("AdamW: eps = 0 outside (0, inf)"));
+  CHECK_THROWS_WITH(adam(0.9, 0.999, -1e-8), Contains("AdamW: eps = -1e-08 outside (0, inf)"));
+  embedhead::AdamOptions lazy_decay = embedhead::LazyAdam<float>::lazy_defaults();
+  lazy_decay.weight_decay = 0.01;
+  CHECK_THROWS_WITH(embedhead::LazyAdam<float>(lazy_decay), Contains("LazyAdam: weight_decay = 0.01 is not supported"));
+  embedhead::AdagradOptions adagrad;
+  adagrad.eps = 0;
+  CHECK_THROWS_WITH(embedhead::Adagrad<float>(adagrad), Contains("Adagrad: eps = 0 outside (0, inf)"));
+
+  embedhead::SGD<float> ok;
+  CHECK_THROWS_WITH(ok.set_lr(std::numeric_limits<double>::quiet_NaN()), Contains("SGD: lr = nan outside [0, inf)"));
+  CHECK(ok.lr() == embedhead::SGDOptions{}.lr);
+  embedhead::ParameterGroupOptions negative;
+  negative.lr_multiplier = -2;
+  CHECK_THROWS_WITH(ok.add_group({p}, negative), Contains("SGD: lr_multiplier = -2 outside [0, inf)"));
+  CHECK_THROWS_WITH(ok.add_group({p, nullptr}), Contains("SGD: parameter 1 of the group is a null pointer"));
+  CHECK(ok.groups().empty());
+  ok.add_group({p});
+  CHECK_THROWS_WITH(ok.add_group({p}), Contains("is registered twice"));
+  CHECK(ok.groups().size() == 1);
+  embedhead::ParameterGroupOptions decay;
+  decay.weight_decay = 0.1;
+  embedhead::LazyAdam<float> lazy;
+  CHECK_THROWS_WITH(lazy.add_group({p}, decay), Contains("LazyAdam: weight_decay = 0.1 is not supported"));
+  CHECK(lazy.groups().empty());
+}
