@@ -8,10 +8,12 @@
 #include "dropout.hpp"
 #include "errors.hpp"
 #include "init.hpp"
+#include "low_precision.hpp"
 #include "output_projection.hpp"
 #include "parameter.hpp"
 #include "parameter_count.hpp"
 #include "position_embedding.hpp"
+#include "quantized_embedding.hpp"
 #include "token_embedding.hpp"
 #include "types.hpp"
 
