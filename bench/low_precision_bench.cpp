@@ -9,8 +9,8 @@
 //   Head/bf16      LowPrecisionOutputProjection<bfloat16>::forward: W converted 256 rows at a time
 //                  into a float tile, one float GEMM per tile
 //   Head/fp16      the same with Eigen::half
-//   EigenBf16Gemm  Eigen's GEMM directly on bfloat16 matrices (h and W both bf16), N = 64: the
-//                  reason the head converts to float tiles instead
+//   EigenBf16Gemm  Eigen's GEMM directly on bfloat16 matrices (h and W both bf16), N = 64, beside
+//                  Head/float at N = 64: the reason the head converts to float tiles instead
 //
 // Bytes processed for the lookups and memcpy = N*d*sizeof(float) (the output), so their rates
 // compare directly; the table bytes read differ (4, 2, 2 and 1 per value). The heads report FLOPS
@@ -191,19 +191,25 @@ void set_head_counters(benchmark::State& state, Index N) {
                                                benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// args: N (1024, or 64 to compare with EigenBf16Gemm at the same shape)
 void BM_HeadFloat(benchmark::State& state) {
+  const Index N = state.range(0);
   auto b = std::make_shared<Parameter<float>>(kVocab, 1, "b");
   b->value() = bias();
   const embedhead::OutputProjection<float> head(float_table(), b);
-  RowMatrix<float> logits(kHeadTokens, kVocab);
-  head.forward(hidden(), logits);
-  check_logits(logits, [](Index v, Index k) { return static_cast<double>(E()(v, k)); }, "Head/float");
+  const RowMatrix<float> h = hidden().topRows(N);
+  RowMatrix<float> logits(N, kVocab);
+  head.forward(h, logits);
+  if (N == kHeadTokens)
+    check_logits(logits, [](Index v, Index k) { return static_cast<double>(E()(v, k)); }, "Head/float");
+  else if (logits.topRows(N) != head.forward(hidden()).topRows(N))
+    fail(kProgram, "Head/float: N = " + std::to_string(N) + " rows differ from the first rows at N = 1024");
   for (auto _ : state) {
-    head.forward(hidden(), logits);
+    head.forward(h, logits);
     benchmark::DoNotOptimize(logits.data());
     benchmark::ClobberMemory();
   }
-  set_head_counters(state, kHeadTokens);
+  set_head_counters(state, N);
 }
 
 template <typename Storage>
@@ -250,9 +256,10 @@ void register_benchmarks() {
   const auto head = [](const char* name, void (*fn)(benchmark::State&)) {
     benchmark::RegisterBenchmark(name, fn)->Unit(benchmark::kMillisecond);
   };
-  head("Head/float/N=1024/d=768/V=50257", BM_HeadFloat);
+  benchmark::RegisterBenchmark("Head/float/N=1024/d=768/V=50257", BM_HeadFloat)->Arg(kHeadTokens)->Unit(benchmark::kMillisecond);
   head("Head/bf16/N=1024/d=768/V=50257", BM_HeadLow<Eigen::bfloat16>);
   head("Head/fp16/N=1024/d=768/V=50257", BM_HeadLow<Eigen::half>);
+  benchmark::RegisterBenchmark("Head/float/N=64/d=768/V=50257", BM_HeadFloat)->Arg(kBf16GemmTokens)->Unit(benchmark::kMillisecond);
   head("EigenBf16Gemm/N=64/d=768/V=50257", BM_EigenBf16Gemm);
 }
 
