@@ -191,9 +191,8 @@ void set_head_counters(benchmark::State& state, Index N) {
                                                benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// args: N (1024, or 64 to compare with EigenBf16Gemm at the same shape)
-void BM_HeadFloat(benchmark::State& state) {
-  const Index N = state.range(0);
+// N = 1024, or 64 to compare with EigenBf16Gemm at the same shape.
+void BM_HeadFloat(benchmark::State& state, Index N) {
   auto b = std::make_shared<Parameter<float>>(kVocab, 1, "b");
   b->value() = bias();
   const embedhead::OutputProjection<float> head(float_table(), b);
@@ -256,10 +255,11 @@ void register_benchmarks() {
   const auto head = [](const char* name, void (*fn)(benchmark::State&)) {
     benchmark::RegisterBenchmark(name, fn)->Unit(benchmark::kMillisecond);
   };
-  benchmark::RegisterBenchmark("Head/float/N=1024/d=768/V=50257", BM_HeadFloat)->Arg(kHeadTokens)->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("Head/float/N=1024/d=768/V=50257", BM_HeadFloat, kHeadTokens)->Unit(benchmark::kMillisecond);
   head("Head/bf16/N=1024/d=768/V=50257", BM_HeadLow<Eigen::bfloat16>);
   head("Head/fp16/N=1024/d=768/V=50257", BM_HeadLow<Eigen::half>);
-  benchmark::RegisterBenchmark("Head/float/N=64/d=768/V=50257", BM_HeadFloat)->Arg(kBf16GemmTokens)->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("Head/float/N=64/d=768/V=50257", BM_HeadFloat, kBf16GemmTokens)
+      ->Unit(benchmark::kMillisecond);
   head("EigenBf16Gemm/N=64/d=768/V=50257", BM_EigenBf16Gemm);
 }
 
