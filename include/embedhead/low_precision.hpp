@@ -75,9 +75,8 @@ constexpr const char* storage_name() {
   return std::is_same_v<Storage, Eigen::bfloat16> ? "bf16" : "fp16";
 }
 
-// src [d] (Storage) -> dst [d] = scale * float(src). fp16: Eigen's cast expression, which is
-// vectorised where Eigen has a packet conversion (F16C / AVX-512: 8 or 16 values per instruction);
-// half -> float is exact, so every path gives the same floats.
+// src [d] (Storage) -> dst [d] = scale * float(src): Eigen's cast expression, used for fp16 when the
+// compiler does not target F16C. half -> float is exact, so every path gives the same floats.
 template <typename Storage>
 inline void widen_row(const Storage* src, Index d, float scale, float* dst) {
   const Eigen::Map<const Eigen::Array<Storage, 1, Eigen::Dynamic>> in(src, d);
@@ -132,7 +131,8 @@ float low_precision_scale(Index d) {
 
 // src float [V, d] -> dst Storage [V, d], each value rounded to nearest, ties to even (NaN and
 // +-inf are kept). \throws shape_error if dst is not [V, d]; value_error if a finite value
-// overflows Storage (|x| >= 65520 for fp16; bf16 has float's range), naming it and its (row, col).
+// overflows Storage (|x| >= 65520 for fp16, >= 2^128 - 2^119 = 3.3962e38 for bf16), naming it and
+// its (row, col).
 // Nothing written on throw. Cost: two passes over V*d values; no allocation.
 template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
 void convert_table(const ConstMatrixRef<float>& src, MatrixRef<Storage> dst, const char* where = "convert_table") {
@@ -165,6 +165,7 @@ void widen_table(const ConstMatrixRef<Storage>& src, MatrixRef<float> dst) {
   detail::check_shape("widen_table", "dst", dst, src.rows(), src.cols());
   dst = src.template cast<float>();
 }
+// src Storage [V, d] -> a new float [V, d]. As above; allocates V*d floats.
 template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
 RowMatrix<float> widen_table(const ConstMatrixRef<Storage>& src) {
   return src.template cast<float>();
