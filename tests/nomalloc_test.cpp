@@ -10,6 +10,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstdint>
 
 using embedhead::IdMatrix;
@@ -79,4 +80,30 @@ TEMPLATE_TEST_CASE("forward and backward passes with output arguments do not all
   // capacity from the first run was reused without allocating.
   CHECK(embedding.weight().grad().num_touched() == 7);
   CHECK_FALSE(embedding.weight().grad().is_dense());
+}
+
+TEMPLATE_TEST_CASE("low-precision and int8 passes with output arguments do not allocate", "[nomalloc]",
+                   Eigen::bfloat16, Eigen::half) {
+  using Storage = TestType;
+  const Index V = 300, d = 16, B = 2, T = 5, N = B * T;  // V > 256: the head runs two tiles
+  IdMatrix<std::int32_t> ids(B, T);
+  ids << 1, 5, 5, 299, 0, 7, 7, 7, 2, 3;
+  const RowMatrix<float> E = RowMatrix<float>::Constant(V, d, 0.25f);
+  const RowMatrix<float> dout = RowMatrix<float>::Constant(N, d, 0.5f);
+  RowMatrix<float> x(N, d), logits(N, V), dh(N, d);
+  const RowMatrix<float> dlogits = RowMatrix<float>::Constant(N, V, 0.125f);
+
+  embedhead::TokenEmbeddingOptions options;
+  options.scale_by_sqrt_d = true;
+  embedhead::LowPrecisionEmbedding<Storage> embedding(E, options);
+  embedhead::LowPrecisionOutputProjection<Storage> head(E, RowMatrix<float>::Zero(V, 1));
+  const embedhead::QuantizedEmbedding quantized(E);
+
+  without_allocation([&] { embedding.forward(ids, x); });
+  without_allocation([&] { embedding.backward(ids, dout); });
+  without_allocation([&] { head.forward(x, logits); });
+  without_allocation([&] { head.backward(x, dlogits, dh); });
+  without_allocation([&] { quantized.forward(ids, x); });
+  CHECK(std::abs(x(0, 0) - 0.25f) <= 1e-7f);  // the passes ran: code 127 times scale 0.25 / 127
+  CHECK(head.weight_grad().is_dense());
 }

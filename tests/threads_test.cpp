@@ -126,4 +126,43 @@ TEMPLATE_TEST_CASE("threads: the fused head loss is bit-identical for 1 and 2 th
   CHECK(bit_identical(one.lse, two.lse));
   CHECK(two.loss == again.loss);
   CHECK(bit_identical(two.dW, again.dW));
+TEMPLATE_TEST_CASE("threads: low-precision lookup and backward are bit-identical for 1 and 2 threads", "[threads]",
+                   Eigen::bfloat16, Eigen::half) {
+  using Storage = TestType;
+  const Index V = 500, d = 33, B = 7, T = 151;  // both paths split, as above
+  const RowMatrix<Storage> table = test_support::random_matrix<float>(V, d, 21).cast<Storage>();
+  const RowMatrix<float> widened = table.template cast<float>();
+  const IdMatrix<std::int32_t> ids = test_support::random_ids<std::int32_t>(B, T, V, 22);
+  const RowMatrix<float> dout = test_support::random_matrix<float>(B * T, d, 23);
+  embedhead::TokenEmbeddingOptions options;
+  options.scale_by_sqrt_d = true;
+  options.padding_idx = 3;
+  auto run = [&](int threads) {
+    return with_threads(threads, [&] {
+      embedhead::LowPrecisionEmbedding<Storage> embedding(table, options);
+      RowMatrix<float> out(B * T, d);
+      embedding.forward(ids, out);
+      embedding.backward(ids, dout);
+      return std::make_pair(out, embedding.grad().to_dense());
+    });
+  };
+  const auto one = run(1), two = run(2);
+  CHECK(bit_identical(one.first, two.first));
+  CHECK(bit_identical(one.second, two.second));
+  const float s = embedhead::low_precision_scale<Storage>(d);
+  const RowMatrix<float> scaled = s * widened;
+  CHECK(one.first == naive::one_hot_lookup<float>(ids, scaled));
+  RowMatrix<float> expected_grad = RowMatrix<float>::Zero(V, d);
+  naive::embedding_backward_dense<float>(ids, dout, s, 3, expected_grad);
+  CHECK(one.second == expected_grad);
+}
+
+TEST_CASE("threads: int8 lookup is bit-identical for 1 and 2 threads", "[threads]") {
+  const Index V = 500, d = 33, B = 7, T = 151;
+  const embedhead::QuantizedEmbedding table(test_support::random_matrix<float>(V, d, 31));
+  const IdMatrix<std::int64_t> ids = test_support::random_ids<std::int64_t>(B, T, V, 32);
+  auto run = [&](int threads) { return with_threads(threads, [&] { return table.forward(ids); }); };
+  const RowMatrix<float> one = run(1), two = run(2);
+  CHECK(bit_identical(one, two));
+  CHECK(one == naive::one_hot_lookup<float>(ids, table.dequantize()));
 }

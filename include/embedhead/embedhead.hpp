@@ -9,11 +9,13 @@
 #include "errors.hpp"
 #include "fused_head_loss.hpp"
 #include "init.hpp"
+#include "low_precision.hpp"
 #include "optimizer.hpp"
 #include "output_projection.hpp"
 #include "parameter.hpp"
 #include "parameter_count.hpp"
 #include "position_embedding.hpp"
+#include "quantized_embedding.hpp"
 #include "token_embedding.hpp"
 #include "types.hpp"
 

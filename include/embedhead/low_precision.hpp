@@ -1,0 +1,447 @@
+// embedhead: bf16 and fp16 storage for the token table and the LM head weights, with fp32
+// accumulation and fp32 outputs.
+//
+//   convert_table     E (float) [V, d] -> Storage [V, d], round to nearest even (Eigen's conversion)
+//   widen_table       Storage [V, d] -> float [V, d], exact
+//   embedding lookup  out[b*T + t] = s * float(E[ids(b, t)])           only gathered rows converted
+//   embedding grad    dE[v] += s * sum_{n : ids_n = v} dout[n]          in a RowGradient<float>
+//   head forward      logits = h float(W)^T + b                         tile by tile, float GEMM
+//   head backward     dh = dlogits float(W) (tiled); dW += dlogits^T h; db += column sums (float)
+//
+// Storage is Eigen::bfloat16 or Eigen::half. Nothing here ever makes a float copy of the whole
+// table: the lookup converts the d values of each gathered row, and the head converts W in tiles
+// of kHeadTileRows rows into a reused float scratch (HeadTileWorkspace) and runs Eigen's float GEMM
+// on each tile. Eigen's GEMM on bfloat16 scalars runs at a small fraction of its float rate (see
+// bench/RESULTS.md), while converting W costs V*d cheap conversions (a shift for bf16) per call
+// against the GEMM's 2*N*V*d flops.
+//
+// The lookup's optional sqrt(d) multiplier is rounded to Storage first, then applied in float, as
+// Gemma does with its bf16 normalizer: sqrt(2048) = 45.2548... becomes 45.25 in bf16 and in fp16
+// (low_precision_scale).
+//
+// The backward of a low-precision lookup does not read the table: it is the float scatter
+// embedding_backward<float> (token_embedding.hpp) into a RowGradient<float>, with the rounded
+// multiplier; LowPrecisionEmbedding::backward calls it. Row-sparse, O(touched rows * d).
+#ifndef EMBEDHEAD_LOW_PRECISION_HPP
+#define EMBEDHEAD_LOW_PRECISION_HPP
+
+#include "detail/checks.hpp"
+#include "detail/kernels.hpp"
+#include "detail/parallel.hpp"
+#include "parameter.hpp"
+#include "token_embedding.hpp"
+#include "types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <type_traits>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace embedhead {
+
+// True for the storage types this header accepts: Eigen::bfloat16 and Eigen::half.
+template <typename T>
+struct is_low_precision : std::false_type {};
+template <>
+struct is_low_precision<Eigen::bfloat16> : std::true_type {};
+template <>
+struct is_low_precision<Eigen::half> : std::true_type {};
+template <typename T>
+inline constexpr bool is_low_precision_v = is_low_precision<T>::value;
+
+// Scratch for the tiled head passes: one float tile of at most kHeadTileRows x d values, reused
+// across calls so the steady state allocates nothing. A default-constructed one is always valid.
+struct HeadTileWorkspace {
+  RowMatrix<float> tile;
+};
+
+namespace detail {
+
+template <typename Storage>
+using enable_if_low_precision = std::enable_if_t<is_low_precision_v<Storage>, int>;
+
+// Rows of W converted per tile by the head: 256 x 768 floats = 768 KiB at GPT-2's d, within a
+// 1 MiB L2, and each tile GEMM is still [N, d] x [d, 256], large enough for Eigen's kernels.
+constexpr Index kHeadTileRows = 256;
+
+template <typename Storage>
+constexpr const char* storage_name() {
+  return std::is_same_v<Storage, Eigen::bfloat16> ? "bf16" : "fp16";
+}
+
+// src [d] (Storage) -> dst [d] = scale * float(src): Eigen's cast expression, used for fp16 when the
+// compiler does not target F16C. half -> float is exact, so every path gives the same floats.
+template <typename Storage>
+inline void widen_row(const Storage* src, Index d, float scale, float* dst) {
+  const Eigen::Map<const Eigen::Array<Storage, 1, Eigen::Dynamic>> in(src, d);
+  Eigen::Map<Eigen::Array<float, 1, Eigen::Dynamic>> out(dst, d);
+  if (scale == 1.0f)
+    out = in.template cast<float>();
+  else
+    out = scale * in.template cast<float>();
+}
+#if defined(__F16C__)
+// fp16 with F16C (-mf16c, or -march= any x86-64 since 2012): 8 values per vcvtph2ps, then the tail.
+inline void widen_row(const Eigen::half* src, Index d, float scale, float* dst) {
+  const __m256 s = _mm256_set1_ps(scale);
+  Index j = 0;
+  for (; j + 8 <= d; j += 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j)));
+    _mm256_storeu_ps(dst + j, scale == 1.0f ? v : _mm256_mul_ps(s, v));
+  }
+  for (; j < d; ++j) dst[j] = scale == 1.0f ? static_cast<float>(src[j]) : scale * static_cast<float>(src[j]);
+}
+#endif
+// bf16 is the upper half of a float, so widening is a 16-bit shift of the raw bits. Written out
+// here because Eigen's bfloat16_to_float stores into half of a float through a pointer, which GCC
+// does not vectorise; this loop becomes zero-extend + shift, 16 values per AVX-512 instruction.
+inline void widen_row(const Eigen::bfloat16* src, Index d, float scale, float* dst) {
+  for (Index j = 0; j < d; ++j) {
+    const std::uint32_t bits = static_cast<std::uint32_t>(Eigen::numext::bit_cast<std::uint16_t>(src[j])) << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof value);
+    dst[j] = scale == 1.0f ? value : scale * value;
+  }
+}
+
+// Makes ws.tile at least [min(kHeadTileRows, V), d]; returns the number of rows per tile.
+inline Index prepare_tile(HeadTileWorkspace& ws, Index V, Index d) {
+  const Index rows = std::min(kHeadTileRows, V);
+  if (ws.tile.rows() < rows || ws.tile.cols() != d) ws.tile.resize(std::max<Index>(rows, 1), d);
+  return rows;
+}
+
+}  // namespace detail
+
+// ---- conversions ----
+
+// -> float(Storage(sqrt(d))): the lookup multiplier rounded to the storage type, as Gemma rounds
+// its normalizer to bf16 (d = 2048 -> 45.25). \throws value_error if d < 1. Cost O(1).
+template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
+float low_precision_scale(Index d) {
+  detail::check_size("low_precision_scale", "d", d);
+  return static_cast<float>(static_cast<Storage>(static_cast<float>(std::sqrt(static_cast<double>(d)))));
+}
+
+// src float [V, d] -> dst Storage [V, d], each value rounded to nearest, ties to even (NaN and
+// +-inf are kept). \throws shape_error if dst is not [V, d]; value_error if a finite value
+// overflows Storage (|x| >= 65520 for fp16, >= 2^128 - 2^119 = 3.3962e38 for bf16), naming it and
+// its (row, col).
+// Nothing written on throw. Cost: two passes over V*d values; no allocation.
+template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
+void convert_table(const ConstMatrixRef<float>& src, MatrixRef<Storage> dst, const char* where = "convert_table") {
+  detail::check_shape(where, "dst", dst, src.rows(), src.cols());
+  for (Index r = 0; r < src.rows(); ++r)
+    for (Index c = 0; c < src.cols(); ++c) {
+      const float x = src(r, c);
+      if (std::isfinite(x) && !std::isfinite(static_cast<float>(static_cast<Storage>(x)))) {
+        std::ostringstream message;
+        message << where << ": value " << x << " at (" << r << ", " << c << ") overflows "
+                << detail::storage_name<Storage>() << " (largest finite "
+                << static_cast<float>(Eigen::NumTraits<Storage>::highest()) << ")";
+        throw value_error(message.str());
+      }
+    }
+  dst = src.template cast<Storage>();
+}
+// src float [V, d] -> a new Storage [V, d]. As above.
+template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
+RowMatrix<Storage> convert_table(const ConstMatrixRef<float>& src) {
+  RowMatrix<Storage> dst(src.rows(), src.cols());
+  convert_table<Storage>(src, dst);
+  return dst;
+}
+
+// src Storage [V, d] -> dst float [V, d], exact (every bf16 / fp16 value is a float).
+// \throws shape_error if dst is not [V, d] (nothing written). Cost O(V*d); no allocation.
+template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
+void widen_table(const ConstMatrixRef<Storage>& src, MatrixRef<float> dst) {
+  detail::check_shape("widen_table", "dst", dst, src.rows(), src.cols());
+  dst = src.template cast<float>();
+}
+// src Storage [V, d] -> a new float [V, d]. As above; allocates V*d floats.
+template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
+RowMatrix<float> widen_table(const ConstMatrixRef<Storage>& src) {
+  return src.template cast<float>();
+}
+
+// ---- the lookup, on views ----
+
+// E Storage [V, d], ids [B, T] -> out float [B*T, d]: out[b*T + t] = scale * float(E[ids(b, t)]).
+// Only the gathered rows are converted. Same checks, messages, prefetching and OpenMP threading
+// as the float embedding_forward (bit-identical for any thread count).
+// \pre out does not alias E. \throws index_error for an id outside [0, V) (the first in
+// row-major order, with its (b, t)); shape_error if out is not [B*T, d]. Nothing written on throw.
+// Cost: B*T*d conversions (and multiplies when scale != 1); no allocation.
+template <typename Storage, typename Id, detail::enable_if_low_precision<Storage> = 0>
+void embedding_forward(const ConstMatrixRef<Storage>& E, const ConstIdRef<Id>& ids, float scale,
+                       MatrixRef<float> out, const char* where = "embedding_forward") {
+  const Index V = E.rows(), d = E.cols(), T = ids.cols(), N = ids.size();
+  detail::check_shape(where, "out", out, N, d);
+  detail::check_ids(where, ids, V);
+  if (N == 0) return;  // also keeps T = 0 out of the divisions below
+  detail::parallel_ranges(N, detail::kTokensPerThread, [&](Index begin, Index end) {
+    const Index ahead_end = std::min(end + detail::kPrefetchDistance, N);
+    // (b, t) walks the range; (ahead_b, ahead_t) walks kPrefetchDistance tokens ahead of it.
+    Index b = begin / T, t = begin % T;
+    Index ahead = std::min(begin + detail::kPrefetchDistance, ahead_end);
+    Index ahead_b = ahead / T, ahead_t = ahead % T;
+    for (Index n = begin; n < end; ++n) {
+      if (ahead < ahead_end) {
+        detail::prefetch_row(E.row(static_cast<Index>(ids(ahead_b, ahead_t))).data(), d);
+        ++ahead;
+        if (++ahead_t == T) ahead_t = 0, ++ahead_b;
+      }
+      const Index v = static_cast<Index>(ids(b, t));
+      detail::widen_row(E.row(v).data(), d, scale, out.row(n).data());
+      if (++t == T) t = 0, ++b;
+    }
+  });
+}
+
+// ---- the head, on views ----
+
+// h float [N, d], W Storage [V, d], bias float [V, 1] or empty (no bias) -> logits float [N, V]
+// = h float(W)^T + b. W is converted kHeadTileRows rows at a time into workspace.tile and each
+// tile is one float GEMM into logits' matching columns.
+// \pre logits aliases neither h nor W. \throws shape_error on any shape mismatch (nothing
+// written). Cost: 2 N V d flops plus V*d conversions; allocates only the first time the
+// workspace sees this d (kHeadTileRows * d floats), plus Eigen's GEMM packing buffers.
+template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
+void output_projection_forward(const ConstMatrixRef<float>& h, const ConstMatrixRef<Storage>& W,
+                               const ConstMatrixRef<float>& bias, MatrixRef<float> logits,
+                               HeadTileWorkspace& workspace, const char* where = "output_projection_forward") {
+  const Index N = h.rows(), V = W.rows(), d = W.cols();
+  detail::check_shape(where, "h", h, N, d);
+  if (bias.size() != 0) detail::check_shape(where, "bias", bias, V, 1);
+  detail::check_shape(where, "logits", logits, N, V);
+  const Index rows = detail::prepare_tile(workspace, V, d);
+  for (Index v0 = 0; v0 < V; v0 += rows) {
+    const Index r = std::min(rows, V - v0);
+    auto tile = workspace.tile.topRows(r);
+    tile = W.middleRows(v0, r).template cast<float>();
+    logits.middleCols(v0, r).noalias() = h * tile.transpose();
+  }
+  if (bias.size() != 0) logits.rowwise() += bias.col(0).transpose();
+}
+
+// h float [N, d], W Storage [V, d], dlogits float [N, V] -> dh float [N, d] = dlogits float(W)
+// (written, tile by tile); dW float [V, d] += dlogits^T h and db float [V, 1] += column sums of
+// dlogits, each skipped when empty (0 rows: frozen weights, no bias).
+// \pre dh aliases neither W, dlogits nor dW; it may be h (dW is computed first).
+// \throws shape_error on any mismatch (nothing written). Cost: 4 N V d flops (2 N V d without
+// dW) plus V*d conversions; allocation as output_projection_forward.
+template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
+void output_projection_backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<Storage>& W,
+                                const ConstMatrixRef<float>& dlogits, MatrixRef<float> dh, MatrixRef<float> dW,
+                                MatrixRef<float> db, HeadTileWorkspace& workspace,
+                                const char* where = "output_projection_backward") {
+  const Index N = h.rows(), V = W.rows(), d = W.cols();
+  detail::check_shape(where, "h", h, N, d);
+  detail::check_shape(where, "dlogits", dlogits, N, V);
+  detail::check_shape(where, "dh", dh, N, d);
+  if (dW.size() != 0) detail::check_shape(where, "dW", dW, V, d);
+  if (db.size() != 0) detail::check_shape(where, "db", db, V, 1);
+  // dW reads h, so it goes before dh is written: dh may then be h itself.
+  if (dW.size() != 0) dW.noalias() += dlogits.transpose() * h;
+  if (db.size() != 0) db.col(0) += dlogits.colwise().sum().transpose();
+  // dh = sum over tiles of dlogits[:, tile] float(W[tile]), tiles in increasing v.
+  const Index rows = detail::prepare_tile(workspace, V, d);
+  for (Index v0 = 0; v0 < V; v0 += rows) {
+    const Index r = std::min(rows, V - v0);
+    auto tile = workspace.tile.topRows(r);
+    tile = W.middleRows(v0, r).template cast<float>();
+    if (v0 == 0)
+      dh.noalias() = dlogits.middleCols(v0, r) * tile;
+    else
+      dh.noalias() += dlogits.middleCols(v0, r) * tile;
+  }
+}
+
+// ---- the layers ----
+
+// A token embedding whose table is stored in bf16 or fp16 and whose gradient is float.
+// Options as TokenEmbedding's (padding_idx, scale_by_sqrt_d); init_std and seed are unused: the
+// table always comes from the caller. Move-only, like the other layers.
+template <typename Storage>
+class LowPrecisionEmbedding {
+  static_assert(is_low_precision_v<Storage>, "Storage must be Eigen::bfloat16 or Eigen::half");
+
+ public:
+  LowPrecisionEmbedding(const LowPrecisionEmbedding&) = delete;
+  LowPrecisionEmbedding& operator=(const LowPrecisionEmbedding&) = delete;
+  LowPrecisionEmbedding(LowPrecisionEmbedding&&) noexcept = default;
+  LowPrecisionEmbedding& operator=(LowPrecisionEmbedding&&) noexcept = default;
+
+  // E Storage [V, d], copied as it is. \throws value_error if V or d < 1; index_error if
+  // padding_idx is outside [0, V).
+  explicit LowPrecisionEmbedding(const ConstMatrixRef<Storage>& E, const TokenEmbeddingOptions& options = {})
+      : options_((validate(E.rows(), E.cols(), options), options)), table_(E), grad_(E.rows(), E.cols()) {}
+  // E float [V, d], rounded to Storage (convert_table). \throws as above and as convert_table.
+  explicit LowPrecisionEmbedding(const ConstMatrixRef<float>& E, const TokenEmbeddingOptions& options = {})
+      : options_((validate(E.rows(), E.cols(), options), options)),
+        table_(convert_table<Storage>(E)),
+        grad_(E.rows(), E.cols()) {}
+
+  Index vocab_size() const { return table_.rows(); }
+  Index dim() const { return table_.cols(); }
+  const TokenEmbeddingOptions& options() const { return options_; }
+  // float(Storage(sqrt(d))) when scale_by_sqrt_d is set (45.25 at d = 2048), else 1.
+  float scale() const { return options_.scale_by_sqrt_d ? low_precision_scale<Storage>(dim()) : 1.0f; }
+
+  // The table [V, d]; entries may be changed in place (an optimiser step), never resized.
+  Eigen::Map<RowMatrix<Storage>> table() { return {table_.data(), table_.rows(), table_.cols()}; }
+  Eigen::Map<const RowMatrix<Storage>> table() const { return {table_.data(), table_.rows(), table_.cols()}; }
+  // dE [V, d] in float, row-sparse.
+  RowGradient<float>& grad() { return grad_; }
+  const RowGradient<float>& grad() const { return grad_; }
+  void zero_grad() { grad_.clear(); }
+
+  // ids [B, T] -> out float [B*T, d]. See embedding_forward above.
+  void forward(const ConstIdRef<std::int32_t>& ids, MatrixRef<float> out) const { forward_into(ids, out); }
+  void forward(const ConstIdRef<std::int64_t>& ids, MatrixRef<float> out) const { forward_into(ids, out); }
+  RowMatrix<float> forward(const ConstIdRef<std::int32_t>& ids) const { return forward_new(ids); }
+  RowMatrix<float> forward(const ConstIdRef<std::int64_t>& ids) const { return forward_new(ids); }
+
+  // ids [B, T], dout float [B*T, d] -> grad() += scale * one_hot(ids)^T * dout, skipping
+  // padding_idx: embedding_backward<float>, bit-identical to TokenEmbedding<float>::backward with
+  // the same multiplier. \throws index_error / shape_error (gradient unchanged).
+  // Cost O(N log N + touched rows * d).
+  void backward(const ConstIdRef<std::int32_t>& ids, const ConstMatrixRef<float>& dout) { backward_impl(ids, dout); }
+  void backward(const ConstIdRef<std::int64_t>& ids, const ConstMatrixRef<float>& dout) { backward_impl(ids, dout); }
+
+ private:
+  static void validate(Index V, Index d, const TokenEmbeddingOptions& options) {
+    detail::check_size("LowPrecisionEmbedding", "V", V);
+    detail::check_size("LowPrecisionEmbedding", "d", d);
+    if (options.padding_idx && (*options.padding_idx < 0 || *options.padding_idx >= V)) {
+      std::ostringstream message;
+      message << "LowPrecisionEmbedding: padding_idx " << *options.padding_idx << " outside [0, " << V << ")";
+      throw index_error(message.str());
+    }
+  }
+  template <typename Id>
+  void forward_into(const ConstIdRef<Id>& ids, MatrixRef<float> out) const {
+    embedding_forward<Storage, Id>(table_, ids, scale(), out, "LowPrecisionEmbedding::forward");
+  }
+  template <typename Id>
+  RowMatrix<float> forward_new(const ConstIdRef<Id>& ids) const {
+    detail::check_ids("LowPrecisionEmbedding::forward", ids, vocab_size());  // before allocating
+    RowMatrix<float> out(ids.size(), dim());
+    forward_into(ids, out);
+    return out;
+  }
+  template <typename Id>
+  void backward_impl(const ConstIdRef<Id>& ids, const ConstMatrixRef<float>& dout) {
+    embedding_backward<float, Id>(ids, dout, scale(), options_.padding_idx.value_or(-1), grad_, workspace_,
+                                  "LowPrecisionEmbedding::backward");
+  }
+
+  TokenEmbeddingOptions options_;
+  RowMatrix<Storage> table_;
+  RowGradient<float> grad_;
+  ScatterWorkspace workspace_;
+};
+
+// An untied LM head whose weight W [V, d] is stored in bf16 or fp16, with an optional float bias
+// [V, 1]; gradients (dW, db) are float. Move-only.
+template <typename Storage>
+class LowPrecisionOutputProjection {
+  static_assert(is_low_precision_v<Storage>, "Storage must be Eigen::bfloat16 or Eigen::half");
+
+ public:
+  LowPrecisionOutputProjection(const LowPrecisionOutputProjection&) = delete;
+  LowPrecisionOutputProjection& operator=(const LowPrecisionOutputProjection&) = delete;
+  LowPrecisionOutputProjection(LowPrecisionOutputProjection&&) noexcept = default;
+  LowPrecisionOutputProjection& operator=(LowPrecisionOutputProjection&&) noexcept = default;
+
+  // W Storage [V, d] (copied) and bias float [V, 1] or empty (none).
+  // \throws value_error if V or d < 1; shape_error if the bias is neither empty nor [V, 1].
+  explicit LowPrecisionOutputProjection(const ConstMatrixRef<Storage>& W,
+                                        const ConstMatrixRef<float>& bias = RowMatrix<float>(0, 1))
+      : weight_((validate(W, bias), W)), bias_(bias), weight_grad_(W.rows(), W.cols()), bias_grad_(W.rows(), 1) {}
+  // W float [V, d], rounded to Storage (convert_table); bias as above. \throws as above and as
+  // convert_table.
+  explicit LowPrecisionOutputProjection(const ConstMatrixRef<float>& W,
+                                        const ConstMatrixRef<float>& bias = RowMatrix<float>(0, 1))
+      : weight_((validate(W, bias), convert_table<Storage>(W))),
+        bias_(bias),
+        weight_grad_(W.rows(), W.cols()),
+        bias_grad_(W.rows(), 1) {}
+
+  Index vocab_size() const { return weight_.rows(); }
+  Index dim() const { return weight_.cols(); }
+  bool has_bias() const { return bias_.size() != 0; }
+
+  Eigen::Map<RowMatrix<Storage>> weight() { return {weight_.data(), weight_.rows(), weight_.cols()}; }
+  Eigen::Map<const RowMatrix<Storage>> weight() const { return {weight_.data(), weight_.rows(), weight_.cols()}; }
+  // The bias [V, 1], or [0, 1] when there is none.
+  Eigen::Map<RowMatrix<float>> bias() { return {bias_.data(), bias_.rows(), 1}; }
+  Eigen::Map<const RowMatrix<float>> bias() const { return {bias_.data(), bias_.rows(), 1}; }
+  RowGradient<float>& weight_grad() { return weight_grad_; }
+  const RowGradient<float>& weight_grad() const { return weight_grad_; }
+  // Untouched (never dense) when there is no bias.
+  RowGradient<float>& bias_grad() { return bias_grad_; }
+  const RowGradient<float>& bias_grad() const { return bias_grad_; }
+  void zero_grad() {
+    weight_grad_.clear();
+    bias_grad_.clear();
+  }
+
+  // h float [N, d] -> logits float [N, V] = h float(W)^T + b. See output_projection_forward above.
+  // Uses this layer's tile workspace: not to be called concurrently on one object.
+  void forward(const ConstMatrixRef<float>& h, MatrixRef<float> logits) {
+    output_projection_forward<Storage>(h, weight_, bias_, logits, workspace_,
+                                       "LowPrecisionOutputProjection::forward");
+  }
+  RowMatrix<float> forward(const ConstMatrixRef<float>& h) {
+    detail::check_shape("LowPrecisionOutputProjection::forward", "h", h, h.rows(), dim());
+    RowMatrix<float> logits(h.rows(), vocab_size());
+    forward(h, logits);
+    return logits;
+  }
+
+  // h float [N, d], dlogits float [N, V] -> dh [N, d] = dlogits float(W) (written);
+  // weight_grad() += dlogits^T h (dense); bias_grad() += column sums of dlogits.
+  // \throws shape_error on any mismatch; gradients and dh unchanged on throw.
+  void backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<float>& dlogits, MatrixRef<float> dh) {
+    const char* where = "LowPrecisionOutputProjection::backward";
+    // Check before dense_accumulator(), which switches the gradient to dense mode.
+    detail::check_shape(where, "h", h, h.rows(), dim());
+    detail::check_shape(where, "dlogits", dlogits, h.rows(), vocab_size());
+    detail::check_shape(where, "dh", dh, h.rows(), dim());
+    auto dW = weight_grad_.dense_accumulator();
+    auto db = has_bias() ? bias_grad_.dense_accumulator() : Eigen::Map<RowMatrix<float>>(nullptr, 0, 1);
+    output_projection_backward<Storage>(h, weight_, dlogits, dh, dW, db, workspace_, where);
+  }
+  RowMatrix<float> backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<float>& dlogits) {
+    detail::check_shape("LowPrecisionOutputProjection::backward", "h", h, h.rows(), dim());
+    RowMatrix<float> dh(h.rows(), dim());
+    backward(h, dlogits, dh);
+    return dh;
+  }
+
+ private:
+  template <typename WeightRef>
+  static void validate(const WeightRef& W, const ConstMatrixRef<float>& bias) {
+    detail::check_size("LowPrecisionOutputProjection", "V", W.rows());
+    detail::check_size("LowPrecisionOutputProjection", "d", W.cols());
+    if (bias.size() != 0) detail::check_shape("LowPrecisionOutputProjection", "bias", bias, W.rows(), 1);
+  }
+
+  RowMatrix<Storage> weight_;
+  RowMatrix<float> bias_;
+  RowGradient<float> weight_grad_;
+  RowGradient<float> bias_grad_;
+  HeadTileWorkspace workspace_;
+};
+
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_LOW_PRECISION_HPP

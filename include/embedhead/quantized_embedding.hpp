@@ -1,0 +1,145 @@
+// embedhead: an int8 token table with one float scale per row, for inference lookup.
+//
+//   build    scale_v = max_j |E[v, j]| / 127,  Q[v, j] = round(E[v, j] / scale_v) clamped to
+//            [-127, 127]  (an all-zero row gets scale 0 and Q = 0)
+//   lookup   out[b*T + t] = scale_v * float(Q[v])  with v = ids(b, t)
+//
+// Symmetric per-row ("per-channel") absmax quantization: a row dequantizes with an error of at
+// most scale_v / 2 per element (plus float rounding), and the table takes V*d bytes plus V floats,
+// a quarter of float's. This is the scheme of CTranslate2's int8 weights (one scale per output
+// row, 127 / amax, stored as its inverse; https://opennmt.net/CTranslate2/quantization.html) and
+// of ggml's Q8_0 blocks (d = amax / 127, q = round(x / d); ggml.c quantize_row_q8_0), here with
+// one block per row. -128 is never produced, so the range is symmetric and -q is always valid.
+//
+// Only the gathered rows are dequantized; there is no backward (the table is for inference).
+#ifndef EMBEDHEAD_QUANTIZED_EMBEDDING_HPP
+#define EMBEDHEAD_QUANTIZED_EMBEDDING_HPP
+
+#include "detail/checks.hpp"
+#include "detail/kernels.hpp"
+#include "detail/parallel.hpp"
+#include "types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+
+namespace embedhead {
+
+// ---- the lookup, on views ----
+
+// Q int8 [V, d], scales float [V, 1], ids [B, T] -> out float [B*T, d]:
+// out[b*T + t] = scales[v] * float(Q[v]), v = ids(b, t). Same id checks, messages, prefetching and
+// OpenMP threading as embedding_forward (bit-identical for any thread count).
+// \pre out aliases neither Q nor scales. \throws shape_error if scales is not [V, 1] or out is not
+// [B*T, d]; index_error for an id outside [0, V) (the first in row-major order, with its (b, t)).
+// Nothing written on throw. Cost: B*T*d conversions and multiplies; no allocation.
+template <typename Id>
+void quantized_embedding_forward(const ConstMatrixRef<std::int8_t>& Q, const ConstMatrixRef<float>& scales,
+                                 const ConstIdRef<Id>& ids, MatrixRef<float> out,
+                                 const char* where = "quantized_embedding_forward") {
+  const Index V = Q.rows(), d = Q.cols(), T = ids.cols(), N = ids.size();
+  detail::check_shape(where, "scales", scales, V, 1);
+  detail::check_shape(where, "out", out, N, d);
+  detail::check_ids(where, ids, V);
+  if (N == 0) return;  // also keeps T = 0 out of the divisions below
+  detail::parallel_ranges(N, detail::kTokensPerThread, [&](Index begin, Index end) {
+    const Index ahead_end = std::min(end + detail::kPrefetchDistance, N);
+    Index b = begin / T, t = begin % T;
+    Index ahead = std::min(begin + detail::kPrefetchDistance, ahead_end);
+    Index ahead_b = ahead / T, ahead_t = ahead % T;
+    for (Index n = begin; n < end; ++n) {
+      if (ahead < ahead_end) {
+        detail::prefetch_row(Q.row(static_cast<Index>(ids(ahead_b, ahead_t))).data(), d);
+        ++ahead;
+        if (++ahead_t == T) ahead_t = 0, ++ahead_b;
+      }
+      const Index v = static_cast<Index>(ids(b, t));
+      const std::int8_t* q = Q.row(v).data();
+      const float s = scales(v, 0);
+      float* o = out.row(n).data();
+      for (Index j = 0; j < d; ++j) o[j] = s * static_cast<float>(q[j]);
+      if (++t == T) t = 0, ++b;
+    }
+  });
+}
+
+// ---- the table ----
+
+class QuantizedEmbedding {
+ public:
+  // E float [V, d] -> Q int8 [V, d] and scales float [V, 1] as in the header comment.
+  // \throws value_error if V or d < 1, or if an entry is NaN or infinite (naming it and its
+  // (row, col)). Cost O(V*d); allocates V*d bytes + V floats.
+  explicit QuantizedEmbedding(const ConstMatrixRef<float>& E)
+      : values_((check(E), RowMatrix<std::int8_t>(E.rows(), E.cols()))), scales_(E.rows(), 1) {
+    for (Index v = 0; v < E.rows(); ++v) {
+      const float amax = E.row(v).cwiseAbs().maxCoeff();
+      const float scale = amax / 127.0f;
+      scales_(v, 0) = scale;
+      for (Index j = 0; j < E.cols(); ++j) {
+        // round() of x / scale, not x * (1 / scale): one rounding fewer. |x| <= amax, so the
+        // quotient is within [-127, 127] up to a rounding; the clamp makes that exact.
+        const float q = scale == 0.0f ? 0.0f : std::round(E(v, j) / scale);
+        values_(v, j) = static_cast<std::int8_t>(std::clamp(q, -127.0f, 127.0f));
+      }
+    }
+  }
+
+  Index vocab_size() const { return values_.rows(); }
+  Index dim() const { return values_.cols(); }
+  // Q [V, d] and scales [V, 1], read-only (they are built together).
+  const RowMatrix<std::int8_t>& values() const { return values_; }
+  const RowMatrix<float>& scales() const { return scales_; }
+  // Bytes held: V*d int8 values + V float scales.
+  Index bytes() const {
+    return values_.size() * static_cast<Index>(sizeof(std::int8_t)) + scales_.size() * static_cast<Index>(sizeof(float));
+  }
+
+  // ids [B, T] -> out float [B*T, d]. See quantized_embedding_forward.
+  void forward(const ConstIdRef<std::int32_t>& ids, MatrixRef<float> out) const { forward_into(ids, out); }
+  void forward(const ConstIdRef<std::int64_t>& ids, MatrixRef<float> out) const { forward_into(ids, out); }
+  RowMatrix<float> forward(const ConstIdRef<std::int32_t>& ids) const { return forward_new(ids); }
+  RowMatrix<float> forward(const ConstIdRef<std::int64_t>& ids) const { return forward_new(ids); }
+
+  // -> the whole dequantized table float [V, d] (tests, export). Cost O(V*d), allocates it.
+  RowMatrix<float> dequantize() const {
+    RowMatrix<float> out(vocab_size(), dim());
+    for (Index v = 0; v < vocab_size(); ++v) out.row(v) = scales_(v, 0) * values_.row(v).cast<float>();
+    return out;
+  }
+
+ private:
+  static int check(const ConstMatrixRef<float>& E) {
+    detail::check_size("QuantizedEmbedding", "V", E.rows());
+    detail::check_size("QuantizedEmbedding", "d", E.cols());
+    for (Index r = 0; r < E.rows(); ++r)
+      for (Index c = 0; c < E.cols(); ++c)
+        if (!std::isfinite(E(r, c))) {
+          std::ostringstream message;
+          message << "QuantizedEmbedding: value " << E(r, c) << " at (" << r << ", " << c
+                  << ") is not finite; only finite tables can be quantized";
+          throw value_error(message.str());
+        }
+    return 0;
+  }
+  template <typename Id>
+  void forward_into(const ConstIdRef<Id>& ids, MatrixRef<float> out) const {
+    quantized_embedding_forward<Id>(values_, scales_, ids, out, "QuantizedEmbedding::forward");
+  }
+  template <typename Id>
+  RowMatrix<float> forward_new(const ConstIdRef<Id>& ids) const {
+    detail::check_ids("QuantizedEmbedding::forward", ids, vocab_size());  // before allocating
+    RowMatrix<float> out(ids.size(), dim());
+    forward_into(ids, out);
+    return out;
+  }
+
+  RowMatrix<std::int8_t> values_;
+  RowMatrix<float> scales_;
+};
+
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_QUANTIZED_EMBEDDING_HPP
