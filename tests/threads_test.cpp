@@ -126,6 +126,8 @@ TEMPLATE_TEST_CASE("threads: the fused head loss is bit-identical for 1 and 2 th
   CHECK(bit_identical(one.lse, two.lse));
   CHECK(two.loss == again.loss);
   CHECK(bit_identical(two.dW, again.dW));
+}
+
 TEMPLATE_TEST_CASE("threads: low-precision lookup and backward are bit-identical for 1 and 2 threads", "[threads]",
                    Eigen::bfloat16, Eigen::half) {
   using Storage = TestType;
