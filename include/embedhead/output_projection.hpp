@@ -134,7 +134,7 @@ void output_projection_forward(const ConstMatrixRef<Scalar>& h, const ConstMatri
 
 // Decode: h [N, d] with 1 <= N <= 8, W [V, d], bias [V, 1] or empty -> logits [N, V] = h W^T + b,
 // streaming W from memory once. For each row v of W, the N dot products with the rows of h are
-// accumulated together while the row is in registers (16 lanes per token), so the cost is one read
+// accumulated together while the row is in registers (a SIMD packet per token), so the cost is one read
 // of W's V d values plus 2 N V d flops: memory-bound, about the time of reading W. Chunks of 1024
 // rows of W go to the OpenMP threads; the result is bit-identical for any thread count.
 // output_projection_forward (and so OutputProjection::forward) calls this for N <= 8 by itself;
