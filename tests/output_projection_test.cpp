@@ -877,3 +877,29 @@ TEMPLATE_TEST_CASE("output_projection_decode computes h W^T + b for 1 to 8 token
     CHECK((logits_wrong.array() == Scalar(42)).all());
   }
 }
+
+TEST_CASE("output_projection free functions accept empty operands (N = 0 with V over several chunks, d = 0)",
+          "[output_projection][chunks]") {
+  const Index V = 2 * embedhead::detail::kHeadVocabChunk + 5;
+  const RowMatrix<float> b = random_matrix<float>(V, 1, 401);
+  SECTION("N = 0: nothing to compute, the gradients stay as they were") {
+    const RowMatrix<float> h(0, 3), W = random_matrix<float>(V, 3, 402), g(0, V);
+    RowMatrix<float> logits(0, V), dh(0, 3), dW = RowMatrix<float>::Constant(V, 3, 2.0f),
+                                          db = RowMatrix<float>::Constant(V, 1, 3.0f);
+    embedhead::output_projection_forward<float>(h, W, b, logits);
+    embedhead::output_projection_backward<float>(h, W, g, dh, dW, db);
+    CHECK((dW.array() == 2.0f).all());
+    CHECK((db.array() == 3.0f).all());
+  }
+  SECTION("d = 0: logits are the bias, dh is empty, dW is empty, db still sums dlogits") {
+    const Index N = 10;
+    const RowMatrix<float> h(N, 0), W(V, 0), g = random_matrix<float>(N, V, 403);
+    RowMatrix<float> logits(N, V), dh(N, 0), dW(V, 0), db = RowMatrix<float>::Zero(V, 1);
+    embedhead::output_projection_forward<float>(h, W, b, logits);
+    for (Index n = 0; n < N; ++n) CHECK(same_values(logits.row(n), b.transpose()));
+    embedhead::output_projection_backward<float>(h, W, g, dh, dW, db);
+    Reference expected = zero_reference(V, 1);
+    add_naive_db<float>(expected, g);
+    check_close<float>(db, expected);
+  }
+}

@@ -54,7 +54,9 @@ void head_forward_chunked(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<
       else
         logits.row(n).segment(v0, C).setZero();
     }
-    // W[v0:v1]^T is the [d, C] column-major view of the row-major rows v0 .. v1 - 1 of W.
+    // W[v0:v1]^T is the [d, C] column-major view of the row-major rows v0 .. v1 - 1 of W. (No
+    // product, and no offset from a possibly null data pointer, when h or W is empty.)
+    if (N == 0 || d == 0) return;
     gemm_add<Scalar, Eigen::RowMajor, Eigen::ColMajor>(N, C, d, h.data(), h.outerStride(),
                                                        W.data() + v0 * W.outerStride(), W.outerStride(),
                                                        logits.data() + v0, logits.outerStride());
@@ -73,9 +75,10 @@ void head_backward_chunked(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef
   parallel_chunks(V, vocab_chunk, threaded, [&](Index v0, Index v1) {
     const Index C = v1 - v0;
     // dlogits[:, v0:v1]^T is the [C, N] column-major view of those columns of row-major dlogits.
-    gemm_add<Scalar, Eigen::ColMajor, Eigen::RowMajor>(C, d, N, dlogits.data() + v0, dlogits.outerStride(), h.data(),
-                                                       h.outerStride(), dW.data() + v0 * dW.outerStride(),
-                                                       dW.outerStride());
+    if (N > 0 && d > 0)
+      gemm_add<Scalar, Eigen::ColMajor, Eigen::RowMajor>(C, d, N, dlogits.data() + v0, dlogits.outerStride(), h.data(),
+                                                         h.outerStride(), dW.data() + v0 * dW.outerStride(),
+                                                         dW.outerStride());
     // db[v] += dlogits[0, v], then dlogits[1, v], ...: in token order, vectorised over v.
     if (db.size() != 0)
       for (Index n = 0; n < N; ++n) db.col(0).segment(v0, C) += dlogits.row(n).segment(v0, C).transpose();
@@ -85,6 +88,7 @@ void head_backward_chunked(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef
   parallel_chunks(N, token_chunk, threaded, [&](Index n0, Index n1) {
     const Index rows = n1 - n0;
     dh.middleRows(n0, rows).setZero();
+    if (d == 0 || V == 0) return;
     gemm_add<Scalar, Eigen::RowMajor, Eigen::RowMajor>(rows, d, V, dlogits.data() + n0 * dlogits.outerStride(),
                                                        dlogits.outerStride(), W.data(), W.outerStride(),
                                                        dh.data() + n0 * dh.outerStride(), dh.outerStride());
