@@ -62,6 +62,13 @@ TEMPLATE_TEST_CASE("forward and backward passes with output arguments do not all
   without_allocation([&] { dropout.forward(x, y); });
   without_allocation([&] { dropout.backward(dout, y); });
   without_allocation([&] { head.forward(y, logits); });
+  // N <= 8 takes the decode path, which has no packing buffers at all.
+  const RowMatrix<S> few = RowMatrix<S>::Constant(3, d, S(0.25));
+  RowMatrix<S> few_logits(3, V);
+  without_allocation([&] { head.forward(few, few_logits); });
+  without_allocation([&] {
+    embedhead::output_projection_decode<S>(few, head.weight().value(), head.bias()->value(), few_logits);
+  });
   without_allocation([&] { embedhead::cross_entropy_forward_backward<S>(logits, ids, dlogits, losses); });
   without_allocation([&] { head.backward(y, dlogits, dh); });
   without_allocation([&] { tied.backward(y, dlogits, dh); });

@@ -759,3 +759,147 @@ TEST_CASE("OutputProjection wraps existing W and bias without copying them", "[o
   REQUIRE_THROWS_AS(OutputProjection<double>(W, wrong_bias), embedhead::shape_error);
   REQUIRE_THROWS_WITH(OutputProjection<double>(W, wrong_bias), Contains("bias") && Contains("[4, 1]") && Contains("[3, 1]"));
 }
+
+// ---- the chunked GEMMs (N > 8) across chunk boundaries ----
+
+TEMPLATE_TEST_CASE("OutputProjection forward and backward across several chunks of V and of N",
+                   "[output_projection][chunks]", float, double) {
+  using Scalar = TestType;
+  // V = 2 chunks of kHeadVocabChunk and 37 rows more, N = one chunk of kHeadTokenChunk and 3
+  // tokens more: the last chunk of each is partial, and chunk edges fall inside SIMD packets.
+  const Index V = 2 * embedhead::detail::kHeadVocabChunk + 37;
+  const Index N = embedhead::detail::kHeadTokenChunk + 3, d = 19;
+  for (const bool bias : {true, false}) {
+    CAPTURE(bias);
+    auto head = make_head<Scalar>(V, d, bias, 201);
+    const RowMatrix<Scalar> W = head.weight().value();
+    RowMatrix<Scalar> b;
+    if (bias) b = head.bias()->value();
+    const RowMatrix<Scalar> h = random_matrix<Scalar>(N, d, 202);
+    const RowMatrix<Scalar> g = random_matrix<Scalar>(N, V, 203);
+    check_close<Scalar>(head.forward(h), naive_logits<Scalar>(h, W, bias ? &b : nullptr));
+    const RowMatrix<Scalar> dh = head.backward(h, g);
+    check_close<Scalar>(dh, naive_dh<Scalar>(g, W));
+    Reference dW = zero_reference(V, d), db = zero_reference(V, 1);
+    add_naive_dW<Scalar>(dW, g, h);
+    add_naive_db<Scalar>(db, g);
+    check_close<Scalar>(head.weight().grad().to_dense(), dW);
+    if (bias) check_close<Scalar>(head.bias()->grad().to_dense(), db);
+  }
+}
+
+// ---- the decode path (1 <= N <= 8) ----
+
+TEMPLATE_TEST_CASE("output_projection_decode computes h W^T + b for 1 to 8 tokens", "[output_projection][decode]",
+                   float, double) {
+  using Scalar = TestType;
+  using embedhead::output_projection_decode;
+  using embedhead::output_projection_forward;
+
+  SECTION("naive reference for N = 1 ... 8, d around the 16-lane width, V = 1, d = 1, with and without bias") {
+    for (const Index d : {Index{1}, Index{7}, Index{15}, Index{16}, Index{17}, Index{33}, Index{50}}) {
+      for (const Index V : {Index{1}, Index{5}, Index{70}}) {
+        const RowMatrix<Scalar> W = random_matrix<Scalar>(V, d, 300 + static_cast<std::uint64_t>(d));
+        const RowMatrix<Scalar> b = random_matrix<Scalar>(V, 1, 301);
+        const RowMatrix<Scalar> no_bias(0, 1);
+        for (Index N = 1; N <= 8; ++N) {
+          for (const bool bias : {true, false}) {
+            CAPTURE(N, V, d, bias);
+            const RowMatrix<Scalar> h = random_matrix<Scalar>(N, d, 302 + static_cast<std::uint64_t>(N));
+            const Reference expected = naive_logits<Scalar>(h, W, bias ? &b : nullptr);
+            RowMatrix<Scalar> logits = RowMatrix<Scalar>::Constant(N, V, Scalar(1e6));
+            output_projection_decode<Scalar>(h, W, bias ? b : no_bias, logits);
+            check_close<Scalar>(logits, expected);
+            // output_projection_forward takes the decode path by itself for N <= 8: same bits.
+            RowMatrix<Scalar> forward = RowMatrix<Scalar>::Constant(N, V, Scalar(-1e6));
+            output_projection_forward<Scalar>(h, W, bias ? b : no_bias, forward);
+            CHECK(same_values(forward, logits));
+          }
+        }
+      }
+    }
+  }
+
+  SECTION("a token's logits do not depend on the other tokens of the call") {
+    const Index V = 37, d = 35;
+    const RowMatrix<Scalar> W = random_matrix<Scalar>(V, d, 311);
+    const RowMatrix<Scalar> b = random_matrix<Scalar>(V, 1, 312);
+    const RowMatrix<Scalar> h = random_matrix<Scalar>(8, d, 313);
+    RowMatrix<Scalar> all(8, V);
+    output_projection_decode<Scalar>(h, W, b, all);
+    for (Index n = 0; n < 8; ++n) {
+      RowMatrix<Scalar> one(1, V);
+      output_projection_decode<Scalar>(h.middleRows(n, 1), W, b, one);
+      CHECK(same_values(one, all.middleRows(n, 1)));
+    }
+  }
+
+  SECTION("strided views: rows of wider matrices, and a bias that is a column of a wider matrix") {
+    const Index N = 3, V = 11, d = 18;
+    const RowMatrix<Scalar> h_wide = random_matrix<Scalar>(N, d + 5, 321);
+    const RowMatrix<Scalar> W_wide = random_matrix<Scalar>(V, d + 3, 322);
+    const RowMatrix<Scalar> b_wide = random_matrix<Scalar>(V, 4, 323);
+    RowMatrix<Scalar> logits_wide = RowMatrix<Scalar>::Constant(N, V + 2, Scalar(42));
+    output_projection_decode<Scalar>(h_wide.leftCols(d), W_wide.leftCols(d), b_wide.col(2),
+                                     logits_wide.leftCols(V));
+    const RowMatrix<Scalar> h = h_wide.leftCols(d), W = W_wide.leftCols(d), b = b_wide.col(2);
+    check_close<Scalar>(logits_wide.leftCols(V), naive_logits<Scalar>(h, W, &b));
+    CHECK((logits_wide.rightCols(2).array() == Scalar(42)).all());
+  }
+
+  SECTION("errors: N outside [1, 8] is a value_error, shapes are shape_errors; nothing written") {
+    const Index V = 5, d = 4;
+    const RowMatrix<Scalar> W = random_matrix<Scalar>(V, d, 331);
+    const RowMatrix<Scalar> b = random_matrix<Scalar>(V, 1, 332);
+    const RowMatrix<Scalar> h9 = random_matrix<Scalar>(9, d, 333);
+    RowMatrix<Scalar> logits9 = RowMatrix<Scalar>::Constant(9, V, Scalar(42));
+    REQUIRE_THROWS_AS(output_projection_decode<Scalar>(h9, W, b, logits9), embedhead::value_error);
+    REQUIRE_THROWS_WITH(output_projection_decode<Scalar>(h9, W, b, logits9),
+                        Contains("output_projection_decode: N = 9 outside [1, 8]"));
+    CHECK((logits9.array() == Scalar(42)).all());
+    const RowMatrix<Scalar> h0(0, d);
+    RowMatrix<Scalar> logits0(0, V);
+    REQUIRE_THROWS_WITH(output_projection_decode<Scalar>(h0, W, b, logits0), Contains("N = 0 outside [1, 8]"));
+
+    const RowMatrix<Scalar> h_wide = random_matrix<Scalar>(2, d + 1, 334);
+    RowMatrix<Scalar> logits = RowMatrix<Scalar>::Constant(2, V, Scalar(42));
+    REQUIRE_THROWS_AS(output_projection_decode<Scalar>(h_wide, W, b, logits), embedhead::shape_error);
+    REQUIRE_THROWS_WITH(output_projection_decode<Scalar>(h_wide, W, b, logits),
+                        Contains("output_projection_decode: h has shape [2, 5], expected [2, 4]"));
+    const RowMatrix<Scalar> h = random_matrix<Scalar>(2, d, 335);
+    const RowMatrix<Scalar> b_wrong = random_matrix<Scalar>(V + 1, 1, 336);
+    REQUIRE_THROWS_WITH(output_projection_decode<Scalar>(h, W, b_wrong, logits),
+                        Contains("bias has shape [6, 1], expected [5, 1]"));
+    RowMatrix<Scalar> logits_wrong = RowMatrix<Scalar>::Constant(2, V - 1, Scalar(42));
+    REQUIRE_THROWS_WITH(output_projection_decode<Scalar>(h, W, b, logits_wrong),
+                        Contains("logits has shape [2, 4], expected [2, 5]"));
+    CHECK((logits.array() == Scalar(42)).all());
+    CHECK((logits_wrong.array() == Scalar(42)).all());
+  }
+}
+
+TEST_CASE("output_projection free functions accept empty operands (N = 0 with V over several chunks, d = 0)",
+          "[output_projection][chunks]") {
+  const Index V = 2 * embedhead::detail::kHeadVocabChunk + 5;
+  const RowMatrix<float> b = random_matrix<float>(V, 1, 401);
+  SECTION("N = 0: nothing to compute, the gradients stay as they were") {
+    const RowMatrix<float> h(0, 3), W = random_matrix<float>(V, 3, 402), g(0, V);
+    RowMatrix<float> logits(0, V), dh(0, 3), dW = RowMatrix<float>::Constant(V, 3, 2.0f),
+                                          db = RowMatrix<float>::Constant(V, 1, 3.0f);
+    embedhead::output_projection_forward<float>(h, W, b, logits);
+    embedhead::output_projection_backward<float>(h, W, g, dh, dW, db);
+    CHECK((dW.array() == 2.0f).all());
+    CHECK((db.array() == 3.0f).all());
+  }
+  SECTION("d = 0: logits are the bias, dh is empty, dW is empty, db still sums dlogits") {
+    const Index N = 10;
+    const RowMatrix<float> h(N, 0), W(V, 0), g = random_matrix<float>(N, V, 403);
+    RowMatrix<float> logits(N, V), dh(N, 0), dW(V, 0), db = RowMatrix<float>::Zero(V, 1);
+    embedhead::output_projection_forward<float>(h, W, b, logits);
+    for (Index n = 0; n < N; ++n) CHECK(same_values(logits.row(n), b.transpose()));
+    embedhead::output_projection_backward<float>(h, W, g, dh, dW, db);
+    Reference expected = zero_reference(V, 1);
+    add_naive_db<float>(expected, g);
+    check_close<float>(db, expected);
+  }
+}

@@ -9,8 +9,13 @@
 
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
 
 using embedhead::IdMatrix;
 using embedhead::Index;
@@ -167,4 +172,119 @@ TEST_CASE("threads: int8 lookup is bit-identical for 1 and 2 threads", "[threads
   const RowMatrix<float> one = run(1), two = run(2);
   CHECK(bit_identical(one, two));
   CHECK(one == naive::one_hot_lookup<float>(ids, table.dequantize()));
+}
+
+namespace {
+
+struct HeadSize {
+  Index N, V, d;
+};
+
+// The head's forward and backward (two accumulating calls, the second into dh = h) run with
+// `threads` OpenMP threads; returns logits, dh, dW and db.
+template <typename S>
+std::vector<RowMatrix<S>> run_head(int threads, const HeadSize& s) {
+  return with_threads(threads, [&] {
+    embedhead::OutputProjection<S> head(s.V, s.d);
+    head.bias()->value() = test_support::random_matrix<S>(s.V, 1, 41);
+    RowMatrix<S> h = test_support::random_matrix<S>(s.N, s.d, 42);
+    const RowMatrix<S> dlogits = test_support::random_matrix<S>(s.N, s.V, 43);
+    RowMatrix<S> logits(s.N, s.V), dh(s.N, s.d);
+    head.forward(h, logits);
+    head.backward(h, dlogits, dh);
+    head.backward(h, dlogits, h);
+    return std::vector<RowMatrix<S>>{logits, dh, h, head.weight().grad().to_dense(), head.bias()->grad().to_dense()};
+  });
+}
+
+template <typename S>
+bool all_bit_identical(const std::vector<RowMatrix<S>>& a, const std::vector<RowMatrix<S>>& b) {
+  bool same = a.size() == b.size();
+  for (std::size_t i = 0; same && i < a.size(); ++i) same = bit_identical(a[i], b[i]);
+  return same;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("threads: the head's forward and backward are bit-identical for 1 and 2 threads", "[threads][head]",
+                   float, double) {
+  using S = TestType;
+  using embedhead::detail::kHeadTokenChunk;
+  using embedhead::detail::kHeadVocabChunk;
+  // Threaded GEMM chunks with V not a multiple of the V chunk and N not one of the dh chunk; N = 1
+  // and N <= 8 (decode forward, chunked backward); N = 9 (the smallest GEMM forward); and sizes
+  // below the threading threshold, which run on the calling thread.
+  // (Threaded: 2 N V d >= kHeadMinFlops for the GEMMs, V d >= kDecodeMinElements for decode.)
+  const std::vector<HeadSize> sizes = {{kHeadTokenChunk + 5, 2 * kHeadVocabChunk + 37, 24},
+                                       {1, 5 * kHeadVocabChunk + 1, 64},
+                                       {8, 4 * kHeadVocabChunk + 5, 64},
+                                       {3, kHeadVocabChunk + 300, 33},
+                                       {9, kHeadVocabChunk + 3, 17},
+                                       {1, 1, 1},
+                                       {3, 5, 4},
+                                       {20, 30, 10}};
+  for (const HeadSize& s : sizes) {
+    CAPTURE(s.N, s.V, s.d);
+    const auto one = run_head<S>(1, s), two = run_head<S>(2, s), two_again = run_head<S>(2, s);
+    CHECK(all_bit_identical(one, two));
+    CHECK(all_bit_identical(two, two_again));
+
+    // Inside a parallel region the chunks run in order on one thread, which is also the code
+    // path of a build without OpenMP: same bits.
+    std::vector<RowMatrix<S>> nested;
+#pragma omp parallel num_threads(2)
+    {
+#pragma omp single
+      nested = run_head<S>(2, s);
+    }
+    CHECK(all_bit_identical(one, nested));
+
+    // Eigen's own GEMM threading (setNbThreads) is never used by the head: same bits with it on.
+    Eigen::setNbThreads(2);
+    const auto eigen_threads = run_head<S>(1, s);
+    Eigen::setNbThreads(0);  // back to following OpenMP
+    CHECK(all_bit_identical(one, eigen_threads));
+
+    // And the results are the head's arithmetic: logits against a product in double.
+    embedhead::OutputProjection<S> reference(s.V, s.d);
+    const RowMatrix<double> W = reference.weight().value().template cast<double>();
+    const RowMatrix<double> b = test_support::random_matrix<S>(s.V, 1, 41).template cast<double>();
+    const RowMatrix<double> h = test_support::random_matrix<S>(s.N, s.d, 42).template cast<double>();
+    const RowMatrix<double> expected = (h * W.transpose()).rowwise() + b.col(0).transpose();
+    const double scale = std::sqrt(static_cast<double>(s.d)) * std::numeric_limits<S>::epsilon() * 16;
+    CHECK((one[0].template cast<double>() - expected).cwiseAbs().maxCoeff() <= scale);
+  }
+}
+
+TEST_CASE("threads: parallel_chunks covers every chunk once, with fixed bounds, threaded only when asked",
+          "[threads]") {
+  using embedhead::detail::parallel_chunks;
+  for (const Index count : {Index{0}, Index{1}, Index{63}, Index{64}, Index{65}, Index{1000}}) {
+    for (const bool threaded : {false, true}) {
+      CAPTURE(count, threaded);
+      std::vector<int> seen(static_cast<std::size_t>(count), 0);
+      std::vector<std::pair<Index, Index>> bounds;
+      int in_parallel = 0, calls = 0;
+      with_threads(2, [&] {
+        parallel_chunks(count, 64, threaded, [&](Index begin, Index end) {
+#pragma omp critical
+          {
+            bounds.emplace_back(begin, end);
+            for (Index i = begin; i < end; ++i) ++seen[static_cast<std::size_t>(i)];
+            in_parallel += omp_in_parallel() ? 1 : 0;
+            ++calls;
+          }
+        });
+        return 0;
+      });
+      CHECK(std::all_of(seen.begin(), seen.end(), [](int k) { return k == 1; }));
+      std::sort(bounds.begin(), bounds.end());
+      for (std::size_t k = 0; k < bounds.size(); ++k) {
+        CHECK(bounds[k].first == static_cast<Index>(k) * 64);
+        CHECK(bounds[k].second == std::min(count, static_cast<Index>(k + 1) * 64));
+      }
+      // With two chunks or more and threaded = true, the chunks run inside a parallel region.
+      CHECK(in_parallel == ((threaded && count > 64) ? calls : 0));
+    }
+  }
 }

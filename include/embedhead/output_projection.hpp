@@ -12,6 +12,8 @@
 #define EMBEDHEAD_OUTPUT_PROJECTION_HPP
 
 #include "detail/checks.hpp"
+#include "detail/kernels.hpp"
+#include "detail/parallel.hpp"
 #include "init.hpp"
 #include "parameter.hpp"
 #include "token_embedding.hpp"
@@ -28,10 +30,98 @@ namespace embedhead {
 
 // ---- the arithmetic, as free functions on views ----
 
+namespace detail {
+
+// The head's products as fixed chunks, each one sequential Eigen GEMM (detail::gemm_add), handed
+// to OpenMP threads by parallel_chunks. Every output element is computed inside one chunk whose
+// bounds depend on the shapes and the chunk sizes only, so results are bit-identical for any
+// thread count and with or without OpenMP. The chunk sizes are parameters here so that
+// bench/threads_bench.cpp can tune them; the public functions pass kHeadVocabChunk and
+// kHeadTokenChunk. No checks: the public functions check first.
+
+// logits[:, c] = b[c] + h W[c]^T for each chunk c of vocab_chunk rows of W.
+template <typename Scalar>
+void head_forward_chunked(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                          const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits, Index vocab_chunk) {
+  const Index N = h.rows(), V = W.rows(), d = W.cols();
+  const bool threaded = 2.0 * static_cast<double>(N) * static_cast<double>(V) * static_cast<double>(d) >= kHeadMinFlops;
+  parallel_chunks(V, vocab_chunk, threaded, [&](Index v0, Index v1) {
+    const Index C = v1 - v0;
+    // Start from the bias (or zero) so that the GEMM adds into it: no second pass over logits.
+    for (Index n = 0; n < N; ++n) {
+      if (bias.size() != 0)
+        logits.row(n).segment(v0, C) = bias.col(0).segment(v0, C).transpose();
+      else
+        logits.row(n).segment(v0, C).setZero();
+    }
+    // W[v0:v1]^T is the [d, C] column-major view of the row-major rows v0 .. v1 - 1 of W. (No
+    // product, and no offset from a possibly null data pointer, when h or W is empty.)
+    if (N == 0 || d == 0) return;
+    gemm_add<Scalar, Eigen::RowMajor, Eigen::ColMajor>(N, C, d, h.data(), h.outerStride(),
+                                                       W.data() + v0 * W.outerStride(), W.outerStride(),
+                                                       logits.data() + v0, logits.outerStride());
+  });
+}
+
+// dW[c] += dlogits[:, c]^T h and db[c] += sum_n dlogits[n, c] by chunks c of vocab_chunk rows (each
+// row of dW and db belongs to one chunk); then dh[r] = dlogits[r] W by chunks r of token_chunk
+// rows (dh is a sum over all of V, so it is split by tokens instead, each row of dh in one chunk).
+template <typename Scalar>
+void head_backward_chunked(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                           const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW,
+                           MatrixRef<Scalar> db, Index vocab_chunk, Index token_chunk) {
+  const Index N = h.rows(), V = W.rows(), d = W.cols();
+  const bool threaded = 2.0 * static_cast<double>(N) * static_cast<double>(V) * static_cast<double>(d) >= kHeadMinFlops;
+  parallel_chunks(V, vocab_chunk, threaded, [&](Index v0, Index v1) {
+    const Index C = v1 - v0;
+    // dlogits[:, v0:v1]^T is the [C, N] column-major view of those columns of row-major dlogits.
+    if (N > 0 && d > 0)
+      gemm_add<Scalar, Eigen::ColMajor, Eigen::RowMajor>(C, d, N, dlogits.data() + v0, dlogits.outerStride(), h.data(),
+                                                         h.outerStride(), dW.data() + v0 * dW.outerStride(),
+                                                         dW.outerStride());
+    // db[v] += dlogits[0, v], then dlogits[1, v], ...: in token order, vectorised over v.
+    if (db.size() != 0)
+      for (Index n = 0; n < N; ++n) db.col(0).segment(v0, C) += dlogits.row(n).segment(v0, C).transpose();
+  });
+  // parallel_chunks returns after every chunk is done, so dW has read h before dh is written:
+  // dh may be h itself.
+  parallel_chunks(N, token_chunk, threaded, [&](Index n0, Index n1) {
+    const Index rows = n1 - n0;
+    dh.middleRows(n0, rows).setZero();
+    if (d == 0 || V == 0) return;
+    gemm_add<Scalar, Eigen::RowMajor, Eigen::RowMajor>(rows, d, V, dlogits.data() + n0 * dlogits.outerStride(),
+                                                       dlogits.outerStride(), W.data(), W.outerStride(),
+                                                       dh.data() + n0 * dh.outerStride(), dh.outerStride());
+  });
+}
+
+// logits [N, V] = h W^T + b for 1 <= N <= kDecodeMaxTokens in one pass over W (decode_rows), by
+// chunks of kDecodeVocabChunk rows of W. A logit's arithmetic does not depend on the chunking at
+// all, so this is bit-identical for any thread count too.
+template <typename Scalar>
+void head_decode(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W, const ConstMatrixRef<Scalar>& bias,
+                 MatrixRef<Scalar> logits) {
+  const Index N = h.rows(), V = W.rows(), d = W.cols();
+  const Scalar* b = bias.size() != 0 ? bias.data() : nullptr;
+  const Index ldb = bias.size() != 0 ? bias.outerStride() : 0;  // a column of a wider matrix is strided
+  const bool threaded = V * d >= kDecodeMinElements;
+  parallel_chunks(V, kDecodeVocabChunk, threaded, [&](Index v0, Index v1) {
+    decode_rows<Scalar>(N, h.data(), h.outerStride(), W.data(), W.outerStride(), d, b, ldb, logits.data(),
+                        logits.outerStride(), v0, v1);
+  });
+}
+
+}  // namespace detail
+
 // h [N, d], W [V, d], bias [V, 1] or empty (0 rows: no bias) -> logits [N, V] = h W^T + b.
+// N <= 8 (kDecodeMaxTokens) takes the decode path (output_projection_decode: one pass over W);
+// larger N runs one GEMM per chunk of 1024 rows of W, the chunks spread over the OpenMP threads
+// when built with OpenMP. The result is bit-identical for any thread count, with or without
+// OpenMP; it may differ in the last bits from a single Eigen product h * W^T, and a token's logits
+// from an N <= 8 call may differ in the last bits from the same token's in a larger batch.
 // \pre logits aliases neither h nor W. \throws shape_error on any shape mismatch (nothing written).
-// Cost: one GEMM, 2 N V d flops. Nothing of size N*V is allocated; Eigen's GEMM may allocate its
-// packing buffers (bounded by its cache blocking, independent of V) for large products.
+// Cost: 2 N V d flops. Nothing of size N*V is allocated; Eigen's GEMM may allocate its packing
+// buffers (bounded by its cache blocking, independent of V) for large products.
 template <typename Scalar>
 void output_projection_forward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits,
@@ -40,14 +130,40 @@ void output_projection_forward(const ConstMatrixRef<Scalar>& h, const ConstMatri
   detail::check_shape(where, "h", h, N, d);
   if (bias.size() != 0) detail::check_shape(where, "bias", bias, V, 1);
   detail::check_shape(where, "logits", logits, N, V);
-  logits.noalias() = h * W.transpose();
-  if (bias.size() != 0) logits.rowwise() += bias.col(0).transpose();
+  if (N >= 1 && N <= detail::kDecodeMaxTokens)
+    detail::head_decode<Scalar>(h, W, bias, logits);
+  else
+    detail::head_forward_chunked<Scalar>(h, W, bias, logits, detail::kHeadVocabChunk);
+}
+
+// Decode: h [N, d] with 1 <= N <= 8, W [V, d], bias [V, 1] or empty -> logits [N, V] = h W^T + b,
+// streaming W from memory once. For each row v of W, the N dot products with the rows of h are
+// accumulated together while the row is in registers (a SIMD packet per token), so the cost is one read
+// of W's V d values plus 2 N V d flops: memory-bound, about the time of reading W. Chunks of 1024
+// rows of W go to the OpenMP threads; the result is bit-identical for any thread count.
+// output_projection_forward (and so OutputProjection::forward) calls this for N <= 8 by itself;
+// call it directly to insist on the decode path.
+// \pre logits aliases neither h nor W. \throws value_error if N is outside [1, 8], shape_error on
+// any shape mismatch (nothing written either way). Allocates nothing.
+template <typename Scalar>
+void output_projection_decode(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                              const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits,
+                              const char* where = "output_projection_decode") {
+  const Index N = h.rows(), V = W.rows(), d = W.cols();
+  detail::check_range(where, "N", N, 1, detail::kDecodeMaxTokens);
+  detail::check_shape(where, "h", h, N, d);
+  if (bias.size() != 0) detail::check_shape(where, "bias", bias, V, 1);
+  detail::check_shape(where, "logits", logits, N, V);
+  detail::head_decode<Scalar>(h, W, bias, logits);
 }
 
 // h [N, d], W [V, d], dlogits [N, V] -> dh [N, d] = dlogits W (written); dW [V, d] += dlogits^T h;
 // db [V, 1] += column sums of dlogits (skipped when db is empty).
+// dW and db run by chunks of 1024 rows of W, dh by chunks of 256 tokens, each chunk one GEMM, the
+// chunks spread over the OpenMP threads when built with OpenMP; bit-identical for any thread
+// count, with or without OpenMP.
 // \pre dh aliases neither W, dlogits nor dW; it may be h (dW is computed first).
-// \throws shape_error on any mismatch (nothing written). Cost: two GEMMs, 4 N V d flops.
+// \throws shape_error on any mismatch (nothing written). Cost: 4 N V d flops.
 template <typename Scalar>
 void output_projection_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                 const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW,
@@ -58,10 +174,7 @@ void output_projection_backward(const ConstMatrixRef<Scalar>& h, const ConstMatr
   detail::check_shape(where, "dh", dh, N, d);
   detail::check_shape(where, "dW", dW, V, d);
   if (db.size() != 0) detail::check_shape(where, "db", db, V, 1);
-  // dW reads h, so it goes before dh is written: dh may then be h itself.
-  dW.noalias() += dlogits.transpose() * h;
-  if (db.size() != 0) db.col(0) += dlogits.colwise().sum().transpose();
-  dh.noalias() = dlogits * W;
+  detail::head_backward_chunked<Scalar>(h, W, dlogits, dh, dW, db, detail::kHeadVocabChunk, detail::kHeadTokenChunk);
 }
 
 // ---- the layer ----

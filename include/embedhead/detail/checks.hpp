@@ -36,6 +36,15 @@ inline void check_size(const char* where, const char* what, Index value) {
   }
 }
 
+// Throws value_error unless lo <= value <= hi (token counts of the decode path).
+inline void check_range(const char* where, const char* what, Index value, Index lo, Index hi) {
+  if (value < lo || value > hi) {
+    std::ostringstream message;
+    message << where << ": " << what << " = " << value << " outside [" << lo << ", " << hi << "]";
+    throw value_error(message.str());
+  }
+}
+
 // Throws value_error unless value is finite and > 0 (init standard deviations).
 inline void check_positive(const char* where, const char* what, double value) {
   if (!(value > 0.0) || !std::isfinite(value)) {

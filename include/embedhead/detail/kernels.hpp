@@ -35,6 +35,106 @@ constexpr Index kPrefetchBytes = 512;
 constexpr Index kTokensPerThread = 256;
 constexpr Index kRowsPerThread = 64;
 
+// The LM head's GEMMs run as fixed chunks (see output_projection.hpp), each one sequential Eigen
+// GEMM, so the arithmetic of every output element is fixed by the shapes alone. Tuned on the
+// project's machine at GPT-2 shape (bench/RESULTS.md):
+//   kHeadVocabChunk   rows of W (columns of logits, rows of dW and db) per chunk
+//   kHeadTokenChunk   rows of dh (tokens) per chunk of dh = dlogits W, a sum over all of V
+// and below kHeadMinFlops (2 N V d) the chunks run on the calling thread.
+constexpr Index kHeadVocabChunk = 1024;
+constexpr Index kHeadTokenChunk = 256;
+constexpr double kHeadMinFlops = 4.0e6;
+
+// The decode path (output_projection_decode) handles 1 to kDecodeMaxTokens tokens in one pass
+// over W; kDecodeVocabChunk rows of W per chunk, threaded from kDecodeMinElements = V d.
+constexpr Index kDecodeMaxTokens = 8;
+constexpr Index kDecodeVocabChunk = 1024;
+constexpr Index kDecodeMinElements = Index{1} << 18;
+
+// C [M, N] += A [M, K] B [K, N] on the calling thread, C row-major with row stride ldc; A and B
+// are given by data pointer, outer stride and storage order (AOrder, BOrder: Eigen::RowMajor or
+// Eigen::ColMajor), so transposed operands are views, not copies. This is the product Eigen's own
+// `C.noalias() += A * B` runs, called directly with no parallel info: built with OpenMP, Eigen
+// would otherwise split a large product over its own threads, and both its split and its cache
+// blocking (which fixes the summation order) would then depend on the thread count. Packing
+// buffers go on the stack up to EIGEN_STACK_ALLOCATION_LIMIT and on the heap above, as in Eigen.
+// Uses Eigen 3.3/3.4's internal general_matrix_matrix_product (no API promise from Eigen).
+template <typename Scalar, int AOrder, int BOrder>
+void gemm_add(Index M, Index N, Index K, const Scalar* A, Index lda, const Scalar* B, Index ldb, Scalar* C,
+              Index ldc) {
+  if (M == 0 || N == 0 || K == 0) return;
+  using Product = Eigen::internal::general_matrix_matrix_product<Index, Scalar, AOrder, false, Scalar, BOrder, false,
+                                                                 Eigen::RowMajor, 1>;
+  Eigen::internal::gemm_blocking_space<Eigen::RowMajor, Scalar, Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::Dynamic>
+      blocking(M, N, K, 1, true);
+  Product::run(M, N, K, A, lda, B, ldb, C, 1, ldc, Scalar(1), blocking, nullptr);
+}
+
+// Decode kernel for a fixed number of tokens: for v in [v0, v1),
+//   logits[t * ldl + v] = sum_j h[t * ldh + j] W[v * ldw + j] (+ bias[v * ldb]),  t < kTokens.
+// Each row of W is loaded once, one SIMD packet at a time (16 floats with AVX-512), and multiplied
+// into the kTokens running packet sums while it is in a register (fused multiply-adds with h read
+// from L1), so W streams from memory once for all the tokens. Raw Eigen packets rather than
+// Eigen::Array objects: GCC keeps an array of packets in registers, while an array of 16-float
+// Arrays was spilled to the stack in some inlining contexts (store and reload every step). The
+// summation order -- packet-wide running sums, Eigen's fixed reduction of the packet, the scalar
+// tail, then the bias -- depends on d and the build's packet width only: a logit does not depend
+// on v0, v1, the thread, nor on the other tokens of the call.
+//
+// While reading row v it prefetches row v + kDecodePrefetchRows, one cache line per 64 bytes
+// read, spread over the loop: with 4 or 8 tokens the FMAs leave the hardware prefetcher too little
+// lead. Tried on the project's machine (GFLOP/s over a 154 MB W, 8 tokens): no prefetch 12-14,
+// a whole row prefetched at once 16-29, spread over the loop 36-39 for 1 to 8 rows ahead.
+constexpr Index kDecodePrefetchRows = 4;
+
+template <int kTokens, typename Scalar>
+void decode_tokens(const Scalar* h, Index ldh, const Scalar* W, Index ldw, Index d, const Scalar* bias, Index ldb,
+                   Scalar* logits, Index ldl, Index v0, Index v1) {
+  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
+  constexpr Index kLanes = Eigen::internal::packet_traits<Scalar>::size;
+  constexpr Index kLineStep = std::max<Index>(kLanes, 64 / static_cast<Index>(sizeof(Scalar)));
+  const Index body = d - d % kLanes;
+  for (Index v = v0; v < v1; ++v) {
+    const Scalar* w = W + v * ldw;
+    const Scalar* ahead = W + std::min(v + kDecodePrefetchRows, v1 - 1) * ldw;  // stays inside the chunk
+    Packet acc[kTokens];
+    for (int t = 0; t < kTokens; ++t) acc[t] = Eigen::internal::pset1<Packet>(Scalar(0));
+    for (Index j = 0; j < body; j += kLanes) {
+#if defined(__GNUC__) || defined(__clang__)
+      if (j % kLineStep == 0) __builtin_prefetch(ahead + j);  // once per cache line
+#endif
+      const Packet wj = Eigen::internal::ploadu<Packet>(w + j);
+      for (int t = 0; t < kTokens; ++t)
+        acc[t] = Eigen::internal::pmadd(wj, Eigen::internal::ploadu<Packet>(h + t * ldh + j), acc[t]);
+    }
+    for (int t = 0; t < kTokens; ++t) {
+      Scalar tail(0);
+      for (Index j = body; j < d; ++j) tail += w[j] * h[t * ldh + j];
+      Scalar sum = Eigen::internal::predux(acc[t]) + tail;
+      if (bias) sum += bias[v * ldb];
+      logits[t * ldl + v] = sum;
+    }
+  }
+}
+
+// decode_tokens with the token count as a run-time value in [1, kDecodeMaxTokens].
+template <typename Scalar>
+void decode_rows(Index tokens, const Scalar* h, Index ldh, const Scalar* W, Index ldw, Index d, const Scalar* bias,
+                 Index ldb, Scalar* logits, Index ldl, Index v0, Index v1) {
+  static_assert(kDecodeMaxTokens == 8, "the switch below lists 1 ... kDecodeMaxTokens");
+  switch (tokens) {
+    case 1: return decode_tokens<1>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 2: return decode_tokens<2>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 3: return decode_tokens<3>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 4: return decode_tokens<4>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 5: return decode_tokens<5>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 6: return decode_tokens<6>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 7: return decode_tokens<7>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 8: return decode_tokens<8>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    default: return;  // unreachable: the callers check the range
+  }
+}
+
 // Hints the CPU to start loading the first kPrefetchBytes of a row; no effect on results.
 template <typename Scalar>
 inline void prefetch_row(const Scalar* row, Index d) {

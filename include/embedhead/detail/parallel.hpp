@@ -10,6 +10,8 @@
 
 #include "../types.hpp"
 
+#include <algorithm>
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -36,6 +38,30 @@ void parallel_ranges(Index count, Index min_per_thread, const Body& body) {
   (void)min_per_thread;
 #endif
   body(Index{0}, count);
+}
+
+// Calls body(begin, end) once for every chunk [k * chunk, min((k + 1) * chunk, count)),
+// k = 0, 1, ...: the chunk boundaries depend on count and chunk only, never on the number of
+// threads, so when body's arithmetic for a chunk depends only on that chunk, the result is
+// bit-identical for any thread count and with or without OpenMP. With OpenMP, threaded = true,
+// at least two chunks and more than one thread available, the chunks are handed out to the
+// threads one at a time as they finish (dynamic schedule: a thread slowed by other work on the
+// machine takes fewer chunks); otherwise they run in order on the calling thread. Not threaded
+// again when already inside a parallel region. body must not throw.
+template <typename Body>
+void parallel_chunks(Index count, Index chunk, bool threaded, const Body& body) {
+  const Index chunks = count > 0 ? (count + chunk - 1) / chunk : 0;
+#ifdef _OPENMP
+  const int threads = static_cast<int>(std::min<Index>(omp_get_max_threads(), chunks));
+  if (threaded && threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (Index k = 0; k < chunks; ++k) body(k * chunk, std::min(count, (k + 1) * chunk));
+    return;
+  }
+#else
+  (void)threaded;
+#endif
+  for (Index k = 0; k < chunks; ++k) body(k * chunk, std::min(count, (k + 1) * chunk));
 }
 
 }  // namespace detail
