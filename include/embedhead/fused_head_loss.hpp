@@ -79,19 +79,30 @@ namespace detail {
 constexpr Index kFusedRowPiece = 256;  // rows of a W block per logits / dW GEMM
 constexpr Index kFusedDimPiece = 128;  // columns of d per dh GEMM
 
-// Calls body(i) for i in [0, count), spread over the OpenMP threads (static schedule). With more
-// than one thread the region is entered even for one piece, so Eigen's own GEMM threading (which
-// would change the summation order) never starts inside body.
+// Calls body(i) for i in [0, count), handed out to the OpenMP threads one at a time as they
+// finish (a thread slowed by other work on the machine takes fewer). Which thread runs body(i)
+// does not change what body(i) computes. With more than one thread the region is entered even
+// for one piece, so Eigen's own GEMM threading (which would change the summation order) never
+// starts inside body.
 template <typename Body>
 void parallel_blocks(Index count, const Body& body) {
 #ifdef _OPENMP
   if (omp_get_max_threads() > 1 && !omp_in_parallel()) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)
     for (Index i = 0; i < count; ++i) body(i);
     return;
   }
 #endif
   for (Index i = 0; i < count; ++i) body(i);
+}
+
+// body(r) for every row r in [0, rows), in groups of 32 rows per hand-out.
+template <typename Body>
+void parallel_rows(Index rows, const Body& body) {
+  constexpr Index kGroup = 32;
+  parallel_blocks((rows + kGroup - 1) / kGroup, [&](Index group) {
+    for (Index r = group * kGroup, end = std::min(rows, r + kGroup); r < end; ++r) body(r);
+  });
 }
 
 inline Index fused_vocab_block(Index option, Index classes) {
@@ -208,7 +219,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   for (Index v0 = 0; v0 < classes; v0 += block) {
     const Index width = std::min(block, classes - v0);
     auto logits = block_logits(v0, width);
-    parallel_blocks(count, [&](Index r) {
+    parallel_rows(count, [&](Index r) {
       const std::size_t i = static_cast<std::size_t>(r);
       const Scalar* s = logits.row(r).data();
       const Scalar block_max = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(s, width).maxCoeff();
@@ -245,7 +256,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   for (Index v0 = 0; v0 < classes; v0 += block) {
     const Index width = std::min(block, classes - v0);
     auto logits = block_logits(v0, width);
-    parallel_blocks(count, [&](Index r) {
+    parallel_rows(count, [&](Index r) {
       // dz_j = w (a softmax_j - b - c [j = y]) (1 - (s_j / cap)^2), a = 1 + 2 z_loss lse,
       // b = eps / classes, c = 1 - eps (detail::softmax_loss_row has the derivation).
       const std::size_t i = static_cast<std::size_t>(r);
