@@ -22,6 +22,10 @@
 #include <Eigen/Core>
 #include <oneapi/dnnl/dnnl.hpp>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include <array>
 #include <map>
 #include <unordered_map>
@@ -53,7 +57,8 @@ inline RowMatrix<bfloat16> to_bf16(const ConstMatrixRef<float>& x) {
 // strided bias.
 //
 // Not thread-safe: one object per calling thread. oneDNN itself runs on the OpenMP threads of the
-// process (omp_set_num_threads applies).
+// process: omp_set_num_threads applies (a new primitive is made for a new thread count when this
+// header is compiled with OpenMP; otherwise the count at the first call stays).
 class OneDnnHead {
  public:
   OneDnnHead() : engine_(dnnl::engine::kind::cpu, 0), stream_(engine_) {}
@@ -79,11 +84,11 @@ class OneDnnHead {
     run(h, W, bias, logits);
   }
 
-  // The number of matmul primitives created so far (one per distinct problem).
+  // The number of matmul primitives created so far (one per distinct problem and thread count).
   std::size_t cached_primitives() const { return primitives_.size(); }
 
  private:
-  using Key = std::array<Index, 7>;  // N, d, V, h stride, W stride, logits stride, has bias
+  using Key = std::array<Index, 8>;  // N, d, V, h stride, W stride, logits stride, has bias, threads
 
   static void check(const char* where, Index N, Index d_h, const ConstBf16Ref& W, const ConstMatrixRef<float>& bias,
                     const MatrixRef<float>& logits) {
@@ -122,7 +127,15 @@ class OneDnnHead {
     const Index h_stride = N > 1 ? h.outerStride() : d;
     const Index W_stride = V > 1 ? W.outerStride() : d;
     const Index logits_stride = N > 1 ? logits.outerStride() : V;
-    const Key key{N, d, V, h_stride, W_stride, logits_stride, has_bias ? 1 : 0};
+    // A oneDNN primitive splits its work for the thread count current when it was created, and
+    // keeps that split (measured: a primitive made on 1 thread ran no faster on 2), so the count
+    // is part of the key. Without OpenMP in this translation unit it cannot change at run time.
+#ifdef _OPENMP
+    const Index threads = omp_get_max_threads();
+#else
+    const Index threads = 0;
+#endif
+    const Key key{N, d, V, h_stride, W_stride, logits_stride, has_bias ? 1 : 0, threads};
     auto found = primitives_.find(key);
     if (found == primitives_.end()) {
       // src [N, d] row-major; weights [d, V] with strides {1, W_stride}: W [V, d] row-major read as
