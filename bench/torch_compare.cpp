@@ -134,6 +134,15 @@ std::string openblas_description() {
 void set_threads(int threads) {
   omp_set_num_threads(threads);
   at::set_num_threads(threads);
+  // OpenBLAS's OpenMP build follows omp_get_max_threads(); the pthreads build keeps its own pool.
+  using SetThreads = void (*)(int);
+  if (const auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(threads);
+}
+
+int openblas_threads() {
+  using GetThreads = int (*)();
+  const auto get = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return get ? get() : -1;
 }
 
 // ---- timing and memory ----
@@ -538,8 +547,9 @@ int main(int argc, char** argv) {
   // ---- timing ----
   for (const int threads : kThreadCounts) {
     set_threads(threads);
-    std::printf("\ntiming on %d thread(s) (at::get_num_threads() = %d, omp_get_max_threads() = %d, Eigen %d):\n",
-                threads, at::get_num_threads(), omp_get_max_threads(), Eigen::nbThreads());
+    std::printf("\ntiming on %d thread(s) (at::get_num_threads() = %d, omp_get_max_threads() = %d, Eigen %d, "
+                "OpenBLAS %d):\n",
+                threads, at::get_num_threads(), omp_get_max_threads(), Eigen::nbThreads(), openblas_threads());
     for (const Implementation& impl : bench.implementations) {
       const double t = median_seconds(impl.step, impl.reps);
       bench.seconds[impl.name][threads] = t;
