@@ -1,0 +1,136 @@
+// The LM head's forward GEMM in bf16 through oneDNN (include/embedhead/onednn_head.hpp) beside
+// the fp32 Eigen head, GPT-2 shape N = 1024, d = 768, V = 50257, bias included, in one binary:
+//
+//   EigenHeadFp32/threads:T   OutputProjection::forward: logits = h W^T + b, all fp32 (Eigen GEMM)
+//   OneDnnHeadBf16/threads:T  OneDnnHead::forward: h fp32 (rounded to bf16 inside, included in
+//                             the time), W bf16 [V, d] read in place, fp32 accumulation and logits
+//
+// FLOPS counts 2 N V d per call. T = 1 and 2 OpenMP threads (Eigen and oneDNN both follow
+// omp_set_num_threads); wall-clock time. Before timing, the oneDNN logits are checked against the
+// double product of the bf16 inputs, and the Eigen ones against the fp32 inputs, on probe entries.
+// Set ONEDNN_VERBOSE=1 to see the kernel oneDNN dispatches (e.g. brg:avx512_core_bf16).
+#include "bench_support.hpp"  // first: its pragma must precede every other include
+
+#include "gbench_main.hpp"
+
+#include <embedhead/embedhead.hpp>
+#include <embedhead/onednn_head.hpp>
+
+#include <benchmark/benchmark.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <cmath>
+#include <string>
+#include <utility>
+
+namespace {
+
+using embedhead::Index;
+using embedhead::OutputProjection;
+using embedhead::RowMatrix;
+using bench_support::fail;
+using bench_support::number;
+
+constexpr char kProgram[] = "onednn_head_bench";
+constexpr Index kN = 1024, kD = 768, kV = 50257;
+
+struct Problem {
+  OutputProjection<float> head{kV, kD};
+  RowMatrix<float> h = RowMatrix<float>(kN, kD);
+  RowMatrix<embedhead::bfloat16> W_bf16;
+  RowMatrix<float> logits = RowMatrix<float>(kN, kV);
+  embedhead::OneDnnHead onednn;
+  Problem() {
+    bench_support::fill_uniform(h, 12);
+    bench_support::fill_uniform(head.bias()->value(), 11, 0.1);
+    W_bf16 = embedhead::to_bf16(static_cast<const OutputProjection<float>&>(head).weight().value());
+  }
+};
+
+Problem& problem() {
+  static Problem p;
+  return p;
+}
+
+void set_threads(benchmark::State& state) {
+#ifdef _OPENMP
+  omp_set_num_threads(static_cast<int>(state.range(0)));
+#else
+  if (state.range(0) != 1) state.SkipWithError("built without OpenMP: one thread only");
+#endif
+}
+
+// logits(n, v) against sum_j h(n, j) W(v, j) + b(v) in double, tolerance scale * sum |terms|.
+template <typename HAt, typename WAt>
+void check_probes(const char* what, const HAt& h_at, const WAt& W_at, double scale) {
+  Problem& p = problem();
+  const auto b = static_cast<const OutputProjection<float>&>(p.head).bias()->value();
+  const std::pair<Index, Index> probes[] = {{0, 0}, {0, kV - 1}, {kN - 1, 0}, {kN - 1, kV - 1}, {kN / 3, kV / 2}, {kN / 2, kV / 7}};
+  for (const auto& probe : probes) {
+    const Index n = probe.first, v = probe.second;
+    double exact = b(v, 0), magnitude = std::abs(exact);
+    for (Index j = 0; j < kD; ++j) {
+      const double term = h_at(n, j) * W_at(v, j);
+      exact += term;
+      magnitude += std::abs(term);
+    }
+    if (!(std::abs(p.logits(n, v) - exact) <= scale * magnitude))
+      fail(kProgram, std::string(what) + ": logits(" + std::to_string(n) + ", " + std::to_string(v) + ") = " +
+                         number(p.logits(n, v)) + ", expected " + number(exact));
+  }
+}
+
+void BM_EigenHeadFp32(benchmark::State& state) {
+  Problem& p = problem();
+  set_threads(state);
+  p.head.forward(p.h, p.logits);
+  const auto W = static_cast<const OutputProjection<float>&>(p.head).weight().value();
+  check_probes(
+      "EigenHeadFp32", [&](Index n, Index j) { return double{p.h(n, j)}; },
+      [&](Index v, Index j) { return double{W(v, j)}; }, 16 * std::ldexp(1.0, -24));
+  for (auto _ : state) {
+    p.head.forward(p.h, p.logits);
+    benchmark::DoNotOptimize(p.logits.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] = benchmark::Counter(2.0 * kN * kV * kD, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_OneDnnHeadBf16(benchmark::State& state) {
+  Problem& p = problem();
+  set_threads(state);
+  const auto b = static_cast<const OutputProjection<float>&>(p.head).bias()->value();
+  p.onednn.forward(p.h, p.W_bf16, b, p.logits);
+  const auto as_float = [](embedhead::bfloat16 x) { return double{static_cast<float>(x)}; };
+  check_probes(
+      "OneDnnHeadBf16", [&](Index n, Index j) { return as_float(embedhead::bfloat16(p.h(n, j))); },
+      [&](Index v, Index j) { return as_float(p.W_bf16(v, j)); }, 2.0 * (kD + 2) * std::ldexp(1.0, -24));
+  for (auto _ : state) {
+    p.onednn.forward(p.h, p.W_bf16, b, p.logits);
+    benchmark::DoNotOptimize(p.logits.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] = benchmark::Counter(2.0 * kN * kV * kD, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void register_benchmarks() {
+  for (const int threads : {1, 2}) {
+    benchmark::RegisterBenchmark("EigenHeadFp32", BM_EigenHeadFp32)
+        ->Arg(threads)
+        ->ArgName("threads")
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("OneDnnHeadBf16", BM_OneDnnHeadBf16)
+        ->Arg(threads)
+        ->ArgName("threads")
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return bench_support::run_benchmarks(argc, argv, register_benchmarks); }
