@@ -271,13 +271,10 @@ struct Bench {
 };
 
 // ---------------------------------------------------------------------------------------------
-// FUSED LM-HEAD + LOSS ROW -- to be filled in later (issue 3), with embedhead::fused_head_loss...
-// from <embedhead/fused_head_loss.hpp> (not written yet). Call this from main() where marked
-// "FUSED ROW GOES HERE", after checking the fused step's loss, dh and dW against the unfused
-// embedhead step (agree()/agree_scalar()). `step` runs one full training step (zero_grad,
-// logits + loss + backward) with preallocated buffers; `cold` the same allocating its scratch
-// (for the memory column; empty = step). It is timed against the torch LM-head step with the
-// issue's targets: >= 1.2x torch and extra peak memory <= 5 % of the logits.
+// The fused LM-head + loss row (FusedHeadLoss). `step` runs one full training step (zero_grad,
+// loss + gradients) with a warmed workspace; `cold` the same with a fresh one (for the memory
+// column). It is timed against the torch LM-head step with the issue's targets: >= 1.2x torch and
+// extra peak memory <= 5 % of the logits.
 // ---------------------------------------------------------------------------------------------
 void add_fused_lm_head_step(Bench& bench, std::function<void()> step, std::function<void()> cold = {}) {
   bench.add("embedhead fused LM-head step", std::move(step), 3, std::move(cold));
@@ -481,9 +478,18 @@ int main(int argc, char** argv) {
   bench.add("torch linear+CE+backward", torch_lm_step, 3);
   bench.compare("LM-head step (unfused)", "embedhead LM-head step", "torch linear+CE+backward", 0, 0, true);
 
-  // FUSED ROW GOES HERE: add_fused_lm_head_step(bench, [&] { ...fused step... }, [&] { ...cold... });
-  // (see add_fused_lm_head_step above; check it against embedhead_lm_step first).
-  (void)&add_fused_lm_head_step;
+  // The fused step: the same loss and gradients without the [N, V] logits.
+  embedhead::FusedHeadLoss<float> fused_loss;
+  RowMatrix<float> fused_dh(kHeadTokens, kD);
+  double fused_loss_value = 0;
+  const auto fused_lm_step = [&](embedhead::FusedHeadLoss<float>& loss) {
+    head.zero_grad();
+    fused_loss_value = loss.forward_backward(head, h, targets, fused_dh).loss;
+  };
+  add_fused_lm_head_step(bench, [&] { fused_lm_step(fused_loss); }, [&] {
+    embedhead::FusedHeadLoss<float> fresh;  // its workspace is the step's scratch
+    fused_lm_step(fresh);
+  });
 
   // ---- numerical agreement, 1 thread, before any timing ----
   std::printf("\nnumerical agreement (embedhead vs torch, same inputs):\n");
@@ -532,6 +538,15 @@ int main(int argc, char** argv) {
     agree("LM step dh", view(lm_dh), h_leaf.grad(), 1e-4);
     agree("LM step dW", view(dW), W_leaf.grad(), 1e-4);
     agree("LM step db", view(db).view({kV}), b_leaf.grad(), 1e-4);
+  }
+
+  fused_lm_step(fused_loss);
+  {
+    const RowMatrix<float> dW = head.weight().grad().to_dense(), db = head.bias()->grad().to_dense();
+    agree_scalar("fused LM step loss", fused_loss_value, torch_loss.item<double>(), 1e-4);
+    agree("fused LM step dh", view(fused_dh), h_leaf.grad(), 1e-4);
+    agree("fused LM step dW", view(dW), W_leaf.grad(), 1e-4);
+    agree("fused LM step db", view(db).view({kV}), b_leaf.grad(), 1e-4);
   }
 
   // ---- peak extra memory, one thread, forked children ----
