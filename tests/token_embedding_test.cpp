@@ -715,3 +715,25 @@ TEMPLATE_TEST_CASE("TokenEmbedding backward: reused and merged gradient rows nev
     }
   }
 }
+
+TEMPLATE_TEST_CASE("a large lookup (streaming stores) is the same row gather, on aligned and unaligned outputs",
+                   "[token_embedding][forward][streaming]", float, double) {
+  using Scalar = TestType;
+  // N * d * sizeof(Scalar) >= 16 MiB takes the streaming path; d = 1027 is not a multiple of any
+  // vector width, so every row has an unaligned head and tail.
+  const Index V = 300, d = 1027;
+  const Index N = (Index{16} << 20) / (d * static_cast<Index>(sizeof(Scalar))) + 5;
+  const RowMatrix<Scalar> E = random_matrix<Scalar>(V, d, 4101);
+  const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(1, N, V, 4102);
+  RowMatrix<Scalar> expected(N, d);
+  for (Index n = 0; n < N; ++n) expected.row(n) = E.row(ids(0, n));
+  for (const Index offset : {Index(0), Index(1), Index(3)}) {
+    CAPTURE(offset);
+    // The output starts `offset` scalars into a buffer, so its rows start at every alignment.
+    std::vector<Scalar> buffer(static_cast<std::size_t>(N * d + offset), Scalar(-1));
+    Eigen::Map<RowMatrix<Scalar>> out(buffer.data() + offset, N, d);
+    embedhead::embedding_forward<Scalar, std::int32_t>(E, ids, Scalar(1), out);
+    CHECK(first_difference(out, expected) == "");
+    for (Index i = 0; i < offset; ++i) CHECK(buffer[static_cast<std::size_t>(i)] == Scalar(-1));
+  }
+}

@@ -32,7 +32,8 @@ namespace embedhead {
 // E [V, d], ids [B, T] -> out [B*T, d]: out[b*T + t] = scale * E[ids(b, t)].
 // \pre out does not alias E. \throws index_error for an id outside [0, V) (first one in
 // row-major order, with its (b, t)); shape_error if out is not [B*T, d]. Nothing written on throw.
-// Cost: B*T*d copies (multiplies when scale != 1); no allocation.
+// Cost: B*T*d copies (multiplies when scale != 1); no allocation. Outputs of 16 MiB or more are
+// written with streaming stores (same values; they bypass the caches, as a large memcpy does).
 template <typename Scalar, typename Id>
 void embedding_forward(const ConstMatrixRef<Scalar>& E, const ConstIdRef<Id>& ids, Scalar scale,
                        MatrixRef<Scalar> out, const char* where = "embedding_forward") {
@@ -40,6 +41,8 @@ void embedding_forward(const ConstMatrixRef<Scalar>& E, const ConstIdRef<Id>& id
   detail::check_shape(where, "out", out, N, d);
   detail::check_ids(where, ids, V);
   if (N == 0) return;  // also keeps T = 0 out of the divisions below
+  // A large output is written with streaming stores (see detail::kStreamingBytes): same values.
+  const bool streaming = N * d * static_cast<Index>(sizeof(Scalar)) >= detail::kStreamingBytes;
   // Each thread copies a contiguous range of tokens; every row is written by one thread only.
   detail::parallel_ranges(N, detail::kTokensPerThread, [&](Index begin, Index end) {
     const Index ahead_end = std::min(end + detail::kPrefetchDistance, N);
@@ -56,12 +59,15 @@ void embedding_forward(const ConstMatrixRef<Scalar>& E, const ConstIdRef<Id>& id
         if (++ahead_t == T) ahead_t = 0, ++ahead_b;
       }
       const Index v = static_cast<Index>(ids(b, t));
-      if (scale == Scalar(1))
-        std::copy_n(E.row(v).data(), d, out.row(n).data());  // rows are contiguous
-      else
+      if (scale != Scalar(1))
         out.row(n) = scale * E.row(v);
+      else if (streaming)
+        detail::copy_row_streaming(E.row(v).data(), out.row(n).data(), d);
+      else
+        std::copy_n(E.row(v).data(), d, out.row(n).data());  // rows are contiguous
       if (++t == T) t = 0, ++b;
     }
+    if (streaming) detail::stream_fence();
   });
 }
 

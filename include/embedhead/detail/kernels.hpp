@@ -5,6 +5,12 @@
 #include "../types.hpp"
 
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <utility>
@@ -133,6 +139,64 @@ void decode_rows(Index tokens, const Scalar* h, Index ldh, const Scalar* W, Inde
     case 8: return decode_tokens<8>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
     default: return;  // unreachable: the callers check the range
   }
+}
+
+// Above this many output bytes the lookup writes its rows with non-temporal (streaming) stores:
+// an output that large does not stay in the caches anyway, and ordinary stores would first read
+// every destination line from memory (read-for-ownership), doubling the write traffic. glibc's
+// memcpy makes the same switch at a size of the same order (a fraction of the L3).
+constexpr Index kStreamingBytes = Index{16} << 20;
+
+// dst[0, d) = src[0, d) with streaming stores where the instruction set has them for Scalar
+// (SSE2 / AVX / AVX-512, float and double), ordinary stores for the unaligned head and tail and
+// otherwise. The values written are the same as std::copy_n's; call stream_fence() before another
+// thread may read them.
+template <typename Scalar>
+inline void copy_row_streaming(const Scalar* src, Scalar* dst, Index d) {
+#if defined(__AVX512F__)
+  constexpr std::uintptr_t kAlign = 64;
+#elif defined(__AVX__)
+  constexpr std::uintptr_t kAlign = 32;
+#elif defined(__SSE2__)
+  constexpr std::uintptr_t kAlign = 16;
+#else
+  constexpr std::uintptr_t kAlign = 0;
+#endif
+  if constexpr (kAlign != 0 && (std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>)) {
+    constexpr Index kLanes = static_cast<Index>(kAlign / sizeof(Scalar));
+    Index j = 0;
+    while (j < d && reinterpret_cast<std::uintptr_t>(dst + j) % kAlign != 0) dst[j] = src[j], ++j;
+    for (; j + kLanes <= d; j += kLanes) {
+      if constexpr (std::is_same_v<Scalar, float>) {
+#if defined(__AVX512F__)
+        _mm512_stream_ps(dst + j, _mm512_loadu_ps(src + j));
+#elif defined(__AVX__)
+        _mm256_stream_ps(dst + j, _mm256_loadu_ps(src + j));
+#elif defined(__SSE2__)
+        _mm_stream_ps(dst + j, _mm_loadu_ps(src + j));
+#endif
+      } else {
+#if defined(__AVX512F__)
+        _mm512_stream_pd(dst + j, _mm512_loadu_pd(src + j));
+#elif defined(__AVX__)
+        _mm256_stream_pd(dst + j, _mm256_loadu_pd(src + j));
+#elif defined(__SSE2__)
+        _mm_stream_pd(dst + j, _mm_loadu_pd(src + j));
+#endif
+      }
+    }
+    for (; j < d; ++j) dst[j] = src[j];
+  } else {
+    std::copy_n(src, d, dst);
+  }
+}
+
+// Orders this thread's streaming stores before anything it does next (and before a barrier lets
+// other threads read them).
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 // Hints the CPU to start loading the first kPrefetchBytes of a row; no effect on results.
