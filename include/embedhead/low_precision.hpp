@@ -182,27 +182,13 @@ RowMatrix<float> widen_table(const ConstMatrixRef<Storage>& src) {
 template <typename Storage, typename Id, detail::enable_if_low_precision<Storage> = 0>
 void embedding_forward(const ConstMatrixRef<Storage>& E, const ConstIdRef<Id>& ids, float scale,
                        MatrixRef<float> out, const char* where = "embedding_forward") {
-  const Index V = E.rows(), d = E.cols(), T = ids.cols(), N = ids.size();
+  const Index V = E.rows(), d = E.cols(), N = ids.size();
   detail::check_shape(where, "out", out, N, d);
   detail::check_ids(where, ids, V);
-  if (N == 0) return;  // also keeps T = 0 out of the divisions below
-  detail::parallel_ranges(N, detail::kTokensPerThread, [&](Index begin, Index end) {
-    const Index ahead_end = std::min(end + detail::kPrefetchDistance, N);
-    // (b, t) walks the range; (ahead_b, ahead_t) walks kPrefetchDistance tokens ahead of it.
-    Index b = begin / T, t = begin % T;
-    Index ahead = std::min(begin + detail::kPrefetchDistance, ahead_end);
-    Index ahead_b = ahead / T, ahead_t = ahead % T;
-    for (Index n = begin; n < end; ++n) {
-      if (ahead < ahead_end) {
-        detail::prefetch_row(E.row(static_cast<Index>(ids(ahead_b, ahead_t))).data(), d);
-        ++ahead;
-        if (++ahead_t == T) ahead_t = 0, ++ahead_b;
-      }
-      const Index v = static_cast<Index>(ids(b, t));
-      detail::widen_row(E.row(v).data(), d, scale, out.row(n).data());
-      if (++t == T) t = 0, ++b;
-    }
-  });
+  if (N == 0) return;  // also keeps T = 0 out of gather_tokens' divisions
+  detail::gather_tokens(
+      ids, [&](Index v) { return E.row(v).data(); }, d,
+      [&](Index n, Index v) { detail::widen_row(E.row(v).data(), d, scale, out.row(n).data()); }, [] {});
 }
 
 // ---- the head, on views ----

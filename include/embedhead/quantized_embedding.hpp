@@ -39,30 +39,20 @@ template <typename Id>
 void quantized_embedding_forward(const ConstMatrixRef<std::int8_t>& Q, const ConstMatrixRef<float>& scales,
                                  const ConstIdRef<Id>& ids, MatrixRef<float> out,
                                  const char* where = "quantized_embedding_forward") {
-  const Index V = Q.rows(), d = Q.cols(), T = ids.cols(), N = ids.size();
+  const Index V = Q.rows(), d = Q.cols(), N = ids.size();
   detail::check_shape(where, "scales", scales, V, 1);
   detail::check_shape(where, "out", out, N, d);
   detail::check_ids(where, ids, V);
-  if (N == 0) return;  // also keeps T = 0 out of the divisions below
-  detail::parallel_ranges(N, detail::kTokensPerThread, [&](Index begin, Index end) {
-    const Index ahead_end = std::min(end + detail::kPrefetchDistance, N);
-    Index b = begin / T, t = begin % T;
-    Index ahead = std::min(begin + detail::kPrefetchDistance, ahead_end);
-    Index ahead_b = ahead / T, ahead_t = ahead % T;
-    for (Index n = begin; n < end; ++n) {
-      if (ahead < ahead_end) {
-        detail::prefetch_row(Q.row(static_cast<Index>(ids(ahead_b, ahead_t))).data(), d);
-        ++ahead;
-        if (++ahead_t == T) ahead_t = 0, ++ahead_b;
-      }
-      const Index v = static_cast<Index>(ids(b, t));
-      const std::int8_t* q = Q.row(v).data();
-      const float s = scales(v, 0);
-      float* o = out.row(n).data();
-      for (Index j = 0; j < d; ++j) o[j] = s * static_cast<float>(q[j]);
-      if (++t == T) t = 0, ++b;
-    }
-  });
+  if (N == 0) return;  // also keeps T = 0 out of gather_tokens' divisions
+  detail::gather_tokens(
+      ids, [&](Index v) { return Q.row(v).data(); }, d,
+      [&](Index n, Index v) {
+        const std::int8_t* q = Q.row(v).data();
+        const float s = scales(v, 0);
+        float* o = out.row(n).data();
+        for (Index j = 0; j < d; ++j) o[j] = s * static_cast<float>(q[j]);
+      },
+      [] {});
 }
 
 // ---- the table ----
