@@ -106,6 +106,28 @@ void for_every_row(const RowGradient<Scalar>& g, const Scalar* zero, F&& f) {
   }
 }
 
+// One Adam step's constants at step t (torch.optim's), and the update of one row with them:
+//   m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
+//   x -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+template <typename Scalar>
+struct AdamRowStep {
+  Scalar b1, one_minus_b1, b2, one_minus_b2, step_size, bias2_sqrt, eps;
+  AdamRowStep(double beta1, double beta2, double epsilon, double lr, double t)
+      : b1(static_cast<Scalar>(beta1)),
+        one_minus_b1(static_cast<Scalar>(1.0 - beta1)),
+        b2(static_cast<Scalar>(beta2)),
+        one_minus_b2(static_cast<Scalar>(1.0 - beta2)),
+        step_size(static_cast<Scalar>(lr / (1.0 - std::pow(beta1, t)))),
+        bias2_sqrt(static_cast<Scalar>(std::sqrt(1.0 - std::pow(beta2, t)))),
+        eps(static_cast<Scalar>(epsilon)) {}
+  template <typename X, typename M, typename V, typename G>
+  void apply(X&& x, M&& m, V&& v, const G& grad) const {
+    m = b1 * m + one_minus_b1 * grad;
+    v = b2 * v + one_minus_b2 * grad.square();
+    x -= step_size * m / (v.sqrt() / bias2_sqrt + eps);
+  }
+};
+
 // Calls f(row, gradient row) for the touched rows only. O(touched rows * cols).
 template <typename Scalar, typename F>
 void for_touched_rows(const RowGradient<Scalar>& g, F&& f) {
@@ -376,28 +398,19 @@ class AdamW : public Optimizer<Scalar> {
     auto value = p.value();
     RowMatrix<Scalar>& m = this->buffer(state, "exp_avg", p);
     RowMatrix<Scalar>& v = this->buffer(state, "exp_avg_sq", p);
-    const double t = static_cast<double>(this->step_count());
-    const double bias1 = 1.0 - std::pow(options_.beta1, t), bias2 = 1.0 - std::pow(options_.beta2, t);
-    const Scalar b1 = static_cast<Scalar>(options_.beta1), one_minus_b1 = static_cast<Scalar>(1.0 - options_.beta1);
-    const Scalar b2 = static_cast<Scalar>(options_.beta2), one_minus_b2 = static_cast<Scalar>(1.0 - options_.beta2);
-    const Scalar step_size = static_cast<Scalar>(lr / bias1), bias2_sqrt = static_cast<Scalar>(std::sqrt(bias2));
-    const Scalar eps = static_cast<Scalar>(options_.eps);
+    const detail::AdamRowStep<Scalar> adam(options_.beta1, options_.beta2, options_.eps, lr,
+                                           static_cast<double>(this->step_count()));
     const Scalar decay = static_cast<Scalar>(1.0 - lr * weight_decay), wd = static_cast<Scalar>(weight_decay);
     typename Optimizer<Scalar>::Row coupled(this->scratch_row(p.cols()), p.cols());
     detail::for_every_row(g, this->zero_row(p.cols()), [&](Index r, const auto& grad) {
       auto x = value.row(r).array();
-      auto m_r = m.row(r).array();
-      auto v_r = v.row(r).array();
       if (weight_decay != 0 && options_.decoupled) x *= decay;
       if (weight_decay != 0 && !options_.decoupled) {
         coupled = grad + wd * x;
-        m_r = b1 * m_r + one_minus_b1 * coupled;
-        v_r = b2 * v_r + one_minus_b2 * coupled.square();
+        adam.apply(x, m.row(r).array(), v.row(r).array(), coupled);
       } else {
-        m_r = b1 * m_r + one_minus_b1 * grad;
-        v_r = b2 * v_r + one_minus_b2 * grad.square();
+        adam.apply(x, m.row(r).array(), v.row(r).array(), grad);
       }
-      x -= step_size * m_r / (v_r.sqrt() / bias2_sqrt + eps);
     });
   }
 
@@ -442,18 +455,10 @@ class LazyAdam : public Optimizer<Scalar> {
     auto value = p.value();
     RowMatrix<Scalar>& m = this->buffer(state, "exp_avg", p);
     RowMatrix<Scalar>& v = this->buffer(state, "exp_avg_sq", p);
-    const double t = static_cast<double>(this->step_count());
-    const double bias1 = 1.0 - std::pow(options_.beta1, t), bias2 = 1.0 - std::pow(options_.beta2, t);
-    const Scalar b1 = static_cast<Scalar>(options_.beta1), one_minus_b1 = static_cast<Scalar>(1.0 - options_.beta1);
-    const Scalar b2 = static_cast<Scalar>(options_.beta2), one_minus_b2 = static_cast<Scalar>(1.0 - options_.beta2);
-    const Scalar step_size = static_cast<Scalar>(lr / bias1), bias2_sqrt = static_cast<Scalar>(std::sqrt(bias2));
-    const Scalar eps = static_cast<Scalar>(options_.eps);
+    const detail::AdamRowStep<Scalar> adam(options_.beta1, options_.beta2, options_.eps, lr,
+                                           static_cast<double>(this->step_count()));
     detail::for_touched_rows(g, [&](Index r, const auto& grad) {
-      auto m_r = m.row(r).array();
-      auto v_r = v.row(r).array();
-      m_r = b1 * m_r + one_minus_b1 * grad;
-      v_r = b2 * v_r + one_minus_b2 * grad.square();
-      value.row(r).array() -= step_size * m_r / (v_r.sqrt() / bias2_sqrt + eps);
+      adam.apply(value.row(r).array(), m.row(r).array(), v.row(r).array(), grad);
     });
   }
 
