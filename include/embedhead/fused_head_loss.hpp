@@ -105,6 +105,20 @@ void parallel_rows(Index rows, const Body& body) {
   });
 }
 
+// Throws value_error unless every per-token weight [N, 1] is finite and >= 0 (the first bad one,
+// with its n).
+template <typename Weights>
+void check_token_weights(const char* where, const Weights& weights) {
+  for (Index n = 0; n < weights.size(); ++n) {
+    const double w = static_cast<double>(weights(n, 0));
+    if (!(w >= 0) || !std::isfinite(w)) {
+      std::ostringstream message;
+      message << where << ": weight " << w << " at n=" << n << " outside [0, inf)";
+      throw value_error(message.str());
+    }
+  }
+}
+
 inline Index fused_vocab_block(Index option, Index classes) {
   if (option > 0) return std::min(option, classes);
   const Index rows = (classes / 50 + 63) / 64 * 64;
@@ -137,15 +151,8 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   }
   const Index classes = classes_of(options, V);
   check_targets(where, targets, N, classes, options.ignore_index, V);
+  check_token_weights(where, weights);
   const bool weighted = weights.size() != 0;
-  for (Index n = 0; weighted && n < N; ++n) {
-    const double w = static_cast<double>(weights(n, 0));
-    if (!(w >= 0) || !std::isfinite(w)) {
-      std::ostringstream message;
-      message << where << ": weight " << w << " at n=" << n << " outside [0, inf)";
-      throw value_error(message.str());
-    }
-  }
   const bool gradient = dh != nullptr;
   const bool want_db = gradient && db && db->size() != 0 && bias.size() != 0;
   const bool want_lse = lse && lse->size() != 0;
@@ -421,14 +428,7 @@ class FusedHeadLoss {
       detail::check_loss_options(where, options_, head.vocab_size());
       detail::check_targets(where, targets, h.rows(), detail::classes_of(options_, head.vocab_size()), options_.ignore_index,
                             head.vocab_size());
-      for (Index n = 0; n < extras.weights.size(); ++n) {
-        const double w = static_cast<double>(extras.weights(n, 0));
-        if (!(w >= 0) || !std::isfinite(w)) {
-          std::ostringstream message;
-          message << where << ": weight " << w << " at n=" << n << " outside [0, inf)";
-          throw value_error(message.str());
-        }
-      }
+      detail::check_token_weights(where, extras.weights);
     }
     auto dW = head.weight().grad().dense_accumulator();
     auto db = head.bias() ? head.bias()->grad().dense_accumulator() : no_output;
