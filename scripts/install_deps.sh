@@ -7,7 +7,7 @@
 # run only when something is missing. Needs root only in that case.
 set -euo pipefail
 
-packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev "$@")
+packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev nlohmann-json3-dev "$@")
 
 is_installed() {
   dpkg -s "$1" 2>/dev/null | grep -q '^Status: install ok installed$'

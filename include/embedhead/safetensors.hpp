@@ -1,0 +1,609 @@
+// embedhead: safetensors files, the format Hugging Face models ship, read and written.
+//
+//   file  = u64 N (little-endian) | header: N bytes of JSON | data: raw little-endian tensors
+//   header = { "<name>": {"dtype": "F32", "shape": [V, d], "data_offsets": [begin, end]}, ...,
+//              "__metadata__": {"<key>": "<string>", ...} }          (offsets relative to data)
+//
+// Reading maps the file (mmap) and validates the whole header before anything is returned, so a
+// bad file is rejected before any model sees it; tensors are then converted straight from the
+// mapping into the destination (one copy of a 2 GB table, not two). The checks are those of the
+// format's reference implementation (huggingface/safetensors, lib.rs): the header fits in the
+// file and is at most 100 MB, is a JSON object beginning with '{', every tensor has a known dtype,
+// a shape of non-negative integers and offsets whose length is numel * dtype size, and the
+// tensors tile the data section exactly: no gap, no overlap, nothing after the last one. We also
+// reject duplicate names, unknown fields, nesting deeper than the format allows and
+// sizes that overflow 64 bits.
+//
+// Conversion to the layer's Scalar: F32, F64, F16 and BF16 (every F16/BF16/F32 value is exact in
+// float and double; F64 -> float rounds to nearest-even, as a C++ cast does). Writing float or
+// double to F16/BF16 rounds to nearest-even (Eigen::half / Eigen::bfloat16). The other dtypes of
+// the format (integers, bool, F8) are read and validated but not converted: reading one as a
+// table throws, naming the tensor and its dtype.
+//
+// Needs nlohmann/json (Debian: nlohmann-json3-dev) and POSIX mmap; not part of the umbrella
+// header so that the core layers keep no dependency beyond Eigen. CMake target:
+// embedhead::safetensors.
+#ifndef EMBEDHEAD_SAFETENSORS_HPP
+#define EMBEDHEAD_SAFETENSORS_HPP
+
+#include "errors.hpp"
+#include "types.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "embedhead/safetensors.hpp: safetensors data is little-endian; big-endian hosts are not supported"
+#endif
+
+namespace embedhead {
+
+// A file that is not a valid safetensors file, or a tensor that does not fit where it is asked to
+// go for a reason of format (dtype). Shapes that disagree with a layer are shape_error.
+class format_error : public std::runtime_error {
+ public:
+  explicit format_error(const std::string& message) : std::runtime_error(message) {}
+};
+
+// A file that cannot be opened, mapped, read or written (the message has the path and errno text).
+class io_error : public std::runtime_error {
+ public:
+  explicit io_error(const std::string& message) : std::runtime_error(message) {}
+};
+
+// The dtypes of the safetensors format.
+enum class DType { BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, I64, U64, F64 };
+
+namespace detail {
+
+struct DTypeInfo {
+  DType dtype;
+  const char* name;
+  std::uint64_t bytes;
+};
+inline constexpr DTypeInfo kDTypes[] = {
+    {DType::BOOL, "BOOL", 1}, {DType::U8, "U8", 1},   {DType::I8, "I8", 1},     {DType::F8_E5M2, "F8_E5M2", 1},
+    {DType::F8_E4M3, "F8_E4M3", 1}, {DType::I16, "I16", 2}, {DType::U16, "U16", 2}, {DType::F16, "F16", 2},
+    {DType::BF16, "BF16", 2}, {DType::I32, "I32", 4}, {DType::U32, "U32", 4},   {DType::F32, "F32", 4},
+    {DType::I64, "I64", 8},   {DType::U64, "U64", 8}, {DType::F64, "F64", 8},
+};
+
+// The reference implementation's limit on the header size.
+inline constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;
+
+inline const DTypeInfo& dtype_info(DType dtype) {
+  for (const auto& info : kDTypes)
+    if (info.dtype == dtype) return info;
+  throw value_error("safetensors: unknown DType enumerator");  // unreachable with a valid enum
+}
+
+}  // namespace detail
+
+inline const char* dtype_name(DType dtype) { return detail::dtype_info(dtype).name; }
+inline std::uint64_t dtype_bytes(DType dtype) { return detail::dtype_info(dtype).bytes; }
+// True for the dtypes a table can be read from and written to: F32, F64, F16, BF16.
+inline bool is_convertible(DType dtype) {
+  return dtype == DType::F32 || dtype == DType::F64 || dtype == DType::F16 || dtype == DType::BF16;
+}
+
+// One tensor of a file: its name, dtype, shape and byte range inside the data section.
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::F32;
+  std::vector<std::uint64_t> shape;  // empty for a scalar
+  std::uint64_t begin = 0, end = 0;  // data_offsets, relative to the start of the data section
+
+  std::uint64_t numel() const {
+    std::uint64_t n = 1;
+    for (auto s : shape) n *= s;  // cannot overflow: checked when the header was read
+    return n;
+  }
+  // "[50257, 768]"
+  std::string shape_string() const {
+    std::ostringstream out;
+    out << '[';
+    for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+    out << ']';
+    return out.str();
+  }
+};
+
+// A validated, read-only safetensors file. Opening reads and checks the header only; tensor data
+// is read (through the mapping) when a tensor is converted. Move-only; cheap to move.
+class SafetensorsFile {
+ public:
+  // Maps and validates the file at `path`.
+  // \throws io_error if it cannot be opened or mapped; format_error (naming the path, the tensor
+  // and the rule broken) if it is not a valid safetensors file. Cost: O(header) plus the mapping.
+  static SafetensorsFile open(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw io_error("safetensors: cannot open '" + path + "': " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      const int error = errno;
+      ::close(fd);
+      throw io_error("safetensors: cannot stat '" + path + "': " + std::strerror(error));
+    }
+    const auto size = static_cast<std::size_t>(st.st_size);
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      throw io_error("safetensors: '" + path + "' is not a regular file");
+    }
+    std::shared_ptr<const unsigned char> bytes;
+    if (size > 0) {
+      void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+      const int error = errno;
+      ::close(fd);
+      if (mapped == MAP_FAILED) throw io_error("safetensors: cannot map '" + path + "': " + std::strerror(error));
+      bytes = std::shared_ptr<const unsigned char>(static_cast<const unsigned char*>(mapped),
+                                                   [size](const unsigned char* p) { ::munmap(const_cast<unsigned char*>(p), size); });
+    } else {
+      ::close(fd);
+    }
+    return SafetensorsFile(std::move(bytes), size, path);
+  }
+
+  // Validates a file held in memory (a copy is kept). For tests and fuzzing. \throws format_error.
+  static SafetensorsFile from_bytes(const void* data, std::size_t size, const std::string& label = "<memory>") {
+    std::shared_ptr<unsigned char> copy(new unsigned char[size > 0 ? size : 1], std::default_delete<unsigned char[]>());
+    if (size > 0) std::memcpy(copy.get(), data, size);
+    return SafetensorsFile(std::shared_ptr<const unsigned char>(copy), size, label);
+  }
+
+  const std::string& path() const { return path_; }
+  // The tensors in the order of their data (by begin offset).
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  // The optional "__metadata__" string map.
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  bool contains(const std::string& name) const { return find(name) != nullptr; }
+  // The tensor called `name`, or nullptr.
+  const TensorInfo* find(const std::string& name) const {
+    const auto it = by_name_.find(name);
+    return it == by_name_.end() ? nullptr : &tensors_[it->second];
+  }
+  // The tensor called `name`. \throws format_error naming the file and listing a few names it has.
+  const TensorInfo& at(const std::string& name) const {
+    if (const TensorInfo* t = find(name)) return *t;
+    std::ostringstream message;
+    message << "safetensors: '" << path_ << "' has no tensor '" << name << "' (it has " << tensors_.size() << ": ";
+    for (std::size_t i = 0; i < tensors_.size() && i < 8; ++i) message << (i ? ", " : "") << "'" << tensors_[i].name << "'";
+    if (tensors_.size() > 8) message << ", ...";
+    message << ")";
+    throw format_error(message.str());
+  }
+  // The raw little-endian bytes of tensor t (end - begin of them; not aligned in general).
+  const unsigned char* raw(const TensorInfo& t) const { return data_ + t.begin; }
+
+  // Checks that `name` can be read as a [rows, cols] table: convertible dtype and a shape of
+  // [rows, cols], or [rows] when cols == 1 (a bias). \throws format_error (missing, dtype) or
+  // shape_error (shape), each naming the tensor, the file and `what` (the layer asking).
+  const TensorInfo& expect(const std::string& name, Index rows, Index cols, const std::string& what) const {
+    const TensorInfo& t = at(name);
+    if (!is_convertible(t.dtype)) {
+      throw format_error("safetensors: tensor '" + name + "' in '" + path_ + "' has dtype " + dtype_name(t.dtype) +
+                         "; " + what + " needs F32, F64, F16 or BF16");
+    }
+    const bool matrix = t.shape.size() == 2 && t.shape[0] == static_cast<std::uint64_t>(rows) &&
+                        t.shape[1] == static_cast<std::uint64_t>(cols);
+    const bool vector = cols == 1 && t.shape.size() == 1 && t.shape[0] == static_cast<std::uint64_t>(rows);
+    if (!matrix && !vector) {
+      std::ostringstream message;
+      message << "safetensors: tensor '" << name << "' in '" << path_ << "' is " << t.shape_string() << " but " << what
+              << " is [" << rows << ", " << cols << "]";
+      throw shape_error(message.str());
+    }
+    return t;
+  }
+
+  // The first non-finite value (NaN or +-inf) of tensor t as a flat index, or -1 if all are finite
+  // (or the dtype is not a float). O(numel); reads the mapping only.
+  std::int64_t first_non_finite(const TensorInfo& t) const {
+    const std::uint64_t n = t.numel();
+    const unsigned char* p = raw(t);
+    for (std::uint64_t i = 0; i < n; ++i) {
+      double value = 0;
+      switch (t.dtype) {
+        case DType::F32: value = load<float>(p, i); break;
+        case DType::F64: value = load<double>(p, i); break;
+        case DType::F16: value = static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(load<std::uint16_t>(p, i))); break;
+        case DType::BF16: value = static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(load<std::uint16_t>(p, i))); break;
+        default: return -1;
+      }
+      if (!std::isfinite(value)) return static_cast<std::int64_t>(i);
+    }
+    return -1;
+  }
+
+  // Tensor t, converted element by element into out (row-major, numel entries).
+  // \pre out.size() == t.numel() and the dtype is convertible (checked: format_error / shape_error).
+  template <typename Scalar>
+  void read(const TensorInfo& t, MatrixRef<Scalar> out) const {
+    static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+    check_convertible(t);
+    if (static_cast<std::uint64_t>(out.size()) != t.numel()) {
+      std::ostringstream message;
+      message << "safetensors: tensor '" << t.name << "' " << t.shape_string() << " has " << t.numel()
+              << " elements; the destination is [" << out.rows() << ", " << out.cols() << "]";
+      throw shape_error(message.str());
+    }
+    const unsigned char* p = raw(t);
+    const Index rows = out.rows(), cols = out.cols();
+    for (Index r = 0; r < rows; ++r) {
+      Scalar* dst = out.row(r).data();
+      const std::uint64_t base = static_cast<std::uint64_t>(r) * static_cast<std::uint64_t>(cols);
+      switch (t.dtype) {
+        case DType::F32:
+          if constexpr (std::is_same_v<Scalar, float>) {
+            std::memcpy(dst, p + base * 4, static_cast<std::size_t>(cols) * 4);
+          } else {
+            for (Index c = 0; c < cols; ++c) dst[c] = static_cast<Scalar>(load<float>(p, base + c));
+          }
+          break;
+        case DType::F64:
+          for (Index c = 0; c < cols; ++c) dst[c] = static_cast<Scalar>(load<double>(p, base + c));
+          break;
+        case DType::F16:
+          for (Index c = 0; c < cols; ++c)
+            dst[c] = static_cast<Scalar>(static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(load<std::uint16_t>(p, base + c))));
+          break;
+        case DType::BF16:
+          for (Index c = 0; c < cols; ++c)
+            dst[c] = static_cast<Scalar>(
+                static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(load<std::uint16_t>(p, base + c))));
+          break;
+        default: break;  // excluded above
+      }
+    }
+  }
+
+  // Tensor `name` as a new [rows, cols] matrix (1-D tensors become [n, 1], scalars [1, 1]).
+  template <typename Scalar>
+  RowMatrix<Scalar> read(const std::string& name) const {
+    const TensorInfo& t = at(name);
+    Index rows = 1, cols = 1;
+    if (t.shape.size() == 1) {
+      rows = static_cast<Index>(t.shape[0]);
+    } else if (t.shape.size() == 2) {
+      rows = static_cast<Index>(t.shape[0]);
+      cols = static_cast<Index>(t.shape[1]);
+    } else if (!t.shape.empty()) {
+      throw shape_error("safetensors: tensor '" + name + "' in '" + path_ + "' is " + t.shape_string() +
+                        "; only scalars, vectors and matrices can be read as a table");
+    }
+    check_convertible(t);
+    RowMatrix<Scalar> out(rows, cols);
+    read<Scalar>(t, out);
+    return out;
+  }
+
+ private:
+  void check_convertible(const TensorInfo& t) const {
+    if (!is_convertible(t.dtype))
+      throw format_error("safetensors: tensor '" + t.name + "' in '" + path_ + "' has dtype " + dtype_name(t.dtype) +
+                         ", which cannot be converted to a floating-point table");
+  }
+
+  template <typename T>
+  static T load(const unsigned char* p, std::uint64_t i) {
+    T value;
+    std::memcpy(&value, p + i * sizeof(T), sizeof(T));  // the data need not be aligned
+    return value;
+  }
+
+  SafetensorsFile(std::shared_ptr<const unsigned char> bytes, std::size_t size, std::string path)
+      : bytes_(std::move(bytes)), path_(std::move(path)) {
+    parse(size);
+  }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw format_error("safetensors: '" + path_ + "' is not a valid safetensors file: " + what);
+  }
+
+  void parse(std::size_t size) {
+    const unsigned char* base = bytes_.get();
+    if (size < 8) fail("it has " + std::to_string(size) + " bytes, fewer than the 8 of the header length");
+    std::uint64_t header_bytes = 0;
+    for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | base[i];
+    if (header_bytes > detail::kMaxHeaderBytes)
+      fail("the header length " + std::to_string(header_bytes) + " exceeds the limit of " +
+           std::to_string(detail::kMaxHeaderBytes) + " bytes");
+    if (header_bytes > size - 8)
+      fail("the header length " + std::to_string(header_bytes) + " runs past the end of the file (" +
+           std::to_string(size - 8) + " bytes after the length; truncated?)");
+    if (header_bytes < 2 || base[8] != '{')
+      fail("the header does not begin with '{' (the format requires a JSON object)");
+    const char* header = reinterpret_cast<const char*>(base + 8);
+    data_ = base + 8 + header_bytes;
+    const std::uint64_t data_bytes = size - 8 - header_bytes;
+
+    // Duplicate keys and deep nesting are caught while parsing (nlohmann would keep the last
+    // duplicate silently); the callback sees every key with its depth.
+    std::set<std::string> top_keys;
+    const nlohmann::json::parser_callback_t callback = [&](int depth, nlohmann::json::parse_event_t event,
+                                                           nlohmann::json& parsed) {
+      if (depth > 3) fail("the header nests deeper than the format allows");
+      if (event == nlohmann::json::parse_event_t::key && depth == 1 && !top_keys.insert(parsed.get<std::string>()).second)
+        fail("tensor '" + parsed.get<std::string>() + "' appears twice in the header");
+      return true;
+    };
+    nlohmann::json json;
+    try {
+      json = nlohmann::json::parse(header, header + header_bytes, callback);
+    } catch (const nlohmann::json::exception& e) {
+      fail(std::string("the header is not valid JSON (") + e.what() + ")");
+    }
+    if (!json.is_object()) fail("the header is not a JSON object");
+
+    for (auto it = json.begin(); it != json.end(); ++it) {
+      const std::string& key = it.key();
+      const nlohmann::json& value = it.value();
+      if (key == "__metadata__") {
+        if (!value.is_object()) fail("__metadata__ is not an object of strings");
+        for (auto m = value.begin(); m != value.end(); ++m) {
+          if (!m.value().is_string()) fail("__metadata__ entry '" + m.key() + "' is not a string");
+          metadata_[m.key()] = m.value().get<std::string>();
+        }
+        continue;
+      }
+      tensors_.push_back(parse_tensor(key, value));
+    }
+
+    // The tensors must tile [0, data_bytes) exactly, in offset order.
+    std::sort(tensors_.begin(), tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {
+      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    });
+    std::uint64_t cursor = 0;
+    for (const auto& t : tensors_) {
+      if (t.begin != cursor) {
+        std::ostringstream message;
+        message << "tensor '" << t.name << "' has data_offsets [" << t.begin << ", " << t.end << "] but the previous tensor ends at "
+                << cursor << (t.begin < cursor ? " (overlap)" : " (gap)");
+        fail(message.str());
+      }
+      cursor = t.end;
+    }
+    if (cursor != data_bytes) {
+      std::ostringstream message;
+      message << "the tensors cover " << cursor << " bytes of data but the file has " << data_bytes << " after the header"
+              << (cursor > data_bytes ? " (truncated)" : " (trailing bytes)");
+      fail(message.str());
+    }
+    for (std::size_t i = 0; i < tensors_.size(); ++i) by_name_[tensors_[i].name] = i;
+  }
+
+  TensorInfo parse_tensor(const std::string& name, const nlohmann::json& value) const {
+    const std::string where = "tensor '" + name + "'";
+    if (name.empty()) fail("a tensor has an empty name");
+    if (!value.is_object()) fail(where + " is not an object");
+    for (auto it = value.begin(); it != value.end(); ++it)
+      if (it.key() != "dtype" && it.key() != "shape" && it.key() != "data_offsets")
+        fail(where + " has an unknown field '" + it.key() + "' (expected dtype, shape, data_offsets)");
+    TensorInfo t;
+    t.name = name;
+
+    const auto dtype = value.find("dtype");
+    if (dtype == value.end() || !dtype->is_string()) fail(where + " has no string 'dtype'");
+    const std::string dtype_string = dtype->get<std::string>();
+    bool known = false;
+    for (const auto& info : detail::kDTypes)
+      if (dtype_string == info.name) {
+        t.dtype = info.dtype;
+        known = true;
+      }
+    if (!known) fail(where + " has unknown dtype '" + dtype_string + "'");
+
+    const auto shape = value.find("shape");
+    if (shape == value.end() || !shape->is_array()) fail(where + " has no array 'shape'");
+    std::uint64_t numel = 1;
+    for (const auto& dim : *shape) {
+      if (!dim.is_number_unsigned())
+        fail(where + " has a shape entry " + dim.dump() + " that is not a non-negative integer");
+      const auto s = dim.get<std::uint64_t>();
+      if (s != 0 && numel > std::numeric_limits<std::uint64_t>::max() / s)
+        fail(where + " has shape " + shape->dump() + " whose element count overflows 64 bits");
+      numel *= s;
+      t.shape.push_back(s);
+    }
+    const std::uint64_t element_bytes = dtype_bytes(t.dtype);
+    if (numel > std::numeric_limits<std::uint64_t>::max() / element_bytes)
+      fail(where + " has shape " + shape->dump() + " whose byte size overflows 64 bits");
+
+    const auto offsets = value.find("data_offsets");
+    if (offsets == value.end() || !offsets->is_array() || offsets->size() != 2 || !(*offsets)[0].is_number_unsigned() ||
+        !(*offsets)[1].is_number_unsigned())
+      fail(where + " has no 'data_offsets' pair of non-negative integers");
+    t.begin = (*offsets)[0].get<std::uint64_t>();
+    t.end = (*offsets)[1].get<std::uint64_t>();
+    if (t.end < t.begin)
+      fail(where + " has data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) + "] with end < begin");
+    if (t.end - t.begin != numel * element_bytes) {
+      std::ostringstream message;
+      message << where << " is " << dtype_string << " " << shape->dump() << " = " << numel * element_bytes
+              << " bytes but its data_offsets [" << t.begin << ", " << t.end << "] span " << t.end - t.begin;
+      fail(message.str());
+    }
+    return t;
+  }
+
+  std::shared_ptr<const unsigned char> bytes_;
+  const unsigned char* data_ = nullptr;
+  std::string path_;
+  std::vector<TensorInfo> tensors_;
+  std::map<std::string, std::size_t> by_name_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// ---- writing ----
+
+// Collects tensors (as views: the sources must outlive write()) and writes one safetensors file.
+// Tensors are written in the order they were added; the header is padded with spaces to a
+// multiple of 8 bytes so the data section is 8-byte aligned, as the reference writer does.
+class SafetensorsWriter {
+ public:
+  // Adds `values` [rows, cols] as tensor `name` stored as `dtype` (F32, F64, F16 or BF16), with
+  // shape [rows, cols], or [rows] when `as_vector` (a bias). \throws value_error for an empty or
+  // "__metadata__" name, a name added before, or a dtype that is not a float dtype.
+  template <typename Scalar>
+  SafetensorsWriter& add(const std::string& name, const Eigen::Ref<const RowMatrix<Scalar>>& values, DType dtype,
+                         bool as_vector = false) {
+    static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>, "float or double tables");
+    check_name(name);
+    if (!is_convertible(dtype))
+      throw value_error(std::string("SafetensorsWriter::add: tensor '") + name + "' dtype " + dtype_name(dtype) +
+                        " is not F32, F64, F16 or BF16");
+    if (as_vector && values.cols() != 1)
+      throw shape_error("SafetensorsWriter::add: tensor '" + name + "' as a vector needs one column, it has " +
+                        std::to_string(values.cols()));
+    Entry entry;
+    entry.name = name;
+    entry.dtype = dtype;
+    entry.shape = as_vector ? std::vector<std::uint64_t>{static_cast<std::uint64_t>(values.rows())}
+                            : std::vector<std::uint64_t>{static_cast<std::uint64_t>(values.rows()),
+                                                         static_cast<std::uint64_t>(values.cols())};
+    entry.rows = values.rows();
+    entry.cols = values.cols();
+    entry.stride = values.outerStride();
+    if constexpr (std::is_same_v<Scalar, float>)
+      entry.f32 = values.data();
+    else
+      entry.f64 = values.data();
+    entries_.push_back(std::move(entry));
+    return *this;
+  }
+  SafetensorsWriter& set_metadata(const std::string& key, const std::string& value) {
+    metadata_[key] = value;
+    return *this;
+  }
+  bool contains(const std::string& name) const {
+    return std::any_of(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.name == name; });
+  }
+
+  // Writes the file: to `path`.tmp first, then renamed over `path`, so a crash or a full disk
+  // never leaves a half-written file under the final name. \throws io_error (nothing at `path`
+  // changes then). Cost: one pass over the tensors, converted in rows.
+  void write(const std::string& path) const {
+    nlohmann::json header = nlohmann::json::object();
+    if (!metadata_.empty()) header["__metadata__"] = metadata_;
+    std::uint64_t offset = 0;
+    for (const auto& e : entries_) {
+      const std::uint64_t bytes = static_cast<std::uint64_t>(e.rows) * static_cast<std::uint64_t>(e.cols) * dtype_bytes(e.dtype);
+      header[e.name] = {{"dtype", dtype_name(e.dtype)}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
+      offset += bytes;
+    }
+    std::string text = header.dump();
+    text.append((8 - text.size() % 8) % 8, ' ');
+
+    const std::string temporary = path + ".tmp";
+    {
+      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+      if (!out) throw io_error("SafetensorsWriter::write: cannot create '" + temporary + "': " + std::strerror(errno));
+      unsigned char length[8];
+      std::uint64_t n = text.size();
+      for (int i = 0; i < 8; ++i, n >>= 8) length[i] = static_cast<unsigned char>(n & 0xff);
+      out.write(reinterpret_cast<const char*>(length), 8);
+      out.write(text.data(), static_cast<std::streamsize>(text.size()));
+      std::vector<unsigned char> row;
+      for (const auto& e : entries_) {
+        row.resize(static_cast<std::size_t>(e.cols * static_cast<Index>(dtype_bytes(e.dtype))));
+        for (Index r = 0; r < e.rows; ++r) {
+          encode_row(e, r, row.data());
+          out.write(reinterpret_cast<const char*>(row.data()), static_cast<std::streamsize>(row.size()));
+        }
+      }
+      out.flush();
+      if (!out) {
+        std::remove(temporary.c_str());
+        throw io_error("SafetensorsWriter::write: writing '" + temporary + "' failed (disk full?)");
+      }
+    }
+    if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+      const int error = errno;
+      std::remove(temporary.c_str());
+      throw io_error("SafetensorsWriter::write: cannot rename '" + temporary + "' to '" + path + "': " + std::strerror(error));
+    }
+  }
+
+ private:
+  struct Entry {
+    std::string name;
+    DType dtype = DType::F32;
+    std::vector<std::uint64_t> shape;
+    Index rows = 0, cols = 0, stride = 0;
+    const float* f32 = nullptr;
+    const double* f64 = nullptr;
+  };
+
+  void check_name(const std::string& name) const {
+    if (name.empty() || name == "__metadata__")
+      throw value_error("SafetensorsWriter::add: tensor name '" + name + "' is reserved or empty");
+    if (contains(name)) throw value_error("SafetensorsWriter::add: tensor '" + name + "' was added before");
+  }
+
+  template <typename T>
+  static void store(unsigned char* dst, Index c, T value) {
+    std::memcpy(dst + static_cast<std::size_t>(c) * sizeof(T), &value, sizeof(T));
+  }
+
+  // x rounded to a float whose last mantissa bit is 1 whenever the rounding is inexact
+  // (Boldo & Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using
+  // rounding to odd", IEEE TC 2008): a second rounding to a format with >= 2 fewer bits is then
+  // the correctly rounded result.
+  static float float_round_to_odd(double x) {
+    float f = static_cast<float>(x);
+    if (std::isfinite(f) && static_cast<double>(f) != x && (Eigen::numext::bit_cast<std::uint32_t>(f) & 1u) == 0)
+      f = std::nextafter(f, x > static_cast<double>(f) ? std::numeric_limits<float>::infinity()
+                                                       : -std::numeric_limits<float>::infinity());
+    return f;
+  }
+
+  static void encode_row(const Entry& e, Index r, unsigned char* dst) {
+    for (Index c = 0; c < e.cols; ++c) {
+      const double source = e.f32 ? static_cast<double>(e.f32[r * e.stride + c]) : e.f64[r * e.stride + c];
+      switch (e.dtype) {
+        case DType::F32:
+          // From float, exact; from double, one rounding to nearest-even.
+          store(dst, c, e.f32 ? e.f32[r * e.stride + c] : static_cast<float>(source));
+          break;
+        case DType::F64: store(dst, c, source); break;
+        // Eigen rounds from float; a double goes through float rounded to odd, which makes the
+        // two roundings equal one direct rounding to nearest-even (float has >= 2 more bits).
+        case DType::F16:
+          store(dst, c, Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(e.f32 ? e.f32[r * e.stride + c] : float_round_to_odd(source))));
+          break;
+        case DType::BF16:
+          store(dst, c,
+                Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(e.f32 ? e.f32[r * e.stride + c] : float_round_to_odd(source))));
+          break;
+        default: break;
+      }
+    }
+  }
+
+  std::vector<Entry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_SAFETENSORS_HPP

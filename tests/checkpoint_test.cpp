@@ -1,0 +1,442 @@
+// Tests for include/embedhead/checkpoint.hpp: Hugging Face layouts (GPT-2, Llama, Gemma) saved
+// and loaded, the tied/untied rules in both directions, all-or-nothing loading (every layer
+// compared bit for bit with a snapshot after each failed load, for bad layouts and for corrupted
+// files), and optimizer state restored so that training continues bit-identically.
+#include <embedhead/checkpoint.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+using embedhead::AdamW;
+using embedhead::CheckpointNames;
+using embedhead::DType;
+using embedhead::format_error;
+using embedhead::Index;
+using embedhead::LearnedPositionEmbedding;
+using embedhead::ModelFamily;
+using embedhead::OutputProjection;
+using embedhead::OutputProjectionOptions;
+using embedhead::RowMatrix;
+using embedhead::SafetensorsFile;
+using embedhead::SafetensorsWriter;
+using embedhead::shape_error;
+using embedhead::TokenEmbedding;
+using embedhead::TokenEmbeddingOptions;
+using embedhead::value_error;
+
+namespace {
+
+std::string temp_path(const std::string& name) {
+  return "/tmp/embedhead_checkpoint_test_" + std::to_string(::getpid()) + "_" + name;
+}
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Every value of the layers, to compare before and after a failed load.
+struct Snapshot {
+  RowMatrix<float> table, head, bias, positions;
+  bool operator==(const Snapshot& o) const {
+    return table == o.table && head == o.head && bias == o.bias && positions == o.positions;
+  }
+};
+Snapshot snapshot(const TokenEmbedding<float>& e, const OutputProjection<float>& h, const LearnedPositionEmbedding<float>* p) {
+  Snapshot s;
+  s.table = e.weight().value();
+  s.head = h.weight().value();
+  if (h.bias()) s.bias = h.bias()->value();
+  if (p) s.positions = p->weight().value();
+  return s;
+}
+
+TokenEmbedding<float> table(Index V, Index d, std::uint64_t seed, bool scale = false) {
+  TokenEmbeddingOptions options;
+  options.seed = seed;
+  options.scale_by_sqrt_d = scale;
+  return TokenEmbedding<float>(V, d, options);
+}
+OutputProjection<float> untied_head(Index V, Index d, std::uint64_t seed, bool bias = false) {
+  OutputProjectionOptions options;
+  options.seed = seed;
+  options.bias = bias;
+  return OutputProjection<float>(V, d, options);
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint: GPT-2 layout, tied, with learned positions, round trip", "[checkpoint]") {
+  const Index V = 50, d = 8;
+  auto embedding = table(V, d, 1);
+  OutputProjection<float> head(embedding);
+  LearnedPositionEmbedding<float> positions(16, d);
+  const std::string path = temp_path("gpt2.safetensors");
+  const auto names = embedhead::hugging_face_names(ModelFamily::gpt2);
+  embedhead::save_checkpoint<float>(path, names, embedding, &head, &positions);
+
+  const auto file = SafetensorsFile::open(path);
+  CHECK(file.contains("wte.weight"));
+  CHECK(file.contains("wpe.weight"));
+  CHECK_FALSE(file.contains("lm_head.weight"));  // tied: the table is the head
+  CHECK(file.metadata().at("format") == "pt");
+  CHECK(file.metadata().at("embedhead.tied") == "true");
+  CHECK(embedhead::guess_model_family(file) == ModelFamily::gpt2);
+
+  auto loaded = embedhead::from_pretrained<float>(file, embedhead::hugging_face_names(ModelFamily::gpt2, &file));
+  CHECK(loaded.tied);
+  CHECK(loaded.head.weight_ptr() == loaded.token_embedding.weight_ptr());  // shared, not a copy
+  CHECK(loaded.token_embedding.weight().value() == embedding.weight().value());
+  REQUIRE(loaded.position_embedding.has_value());
+  CHECK(loaded.position_embedding->weight().value() == positions.weight().value());
+  CHECK_FALSE(loaded.head.has_bias());
+  // Tied for real: a change to the table is seen by the head.
+  loaded.token_embedding.weight().value()(3, 4) = 42.0f;
+  CHECK(loaded.head.weight().value()(3, 4) == 42.0f);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("checkpoint: GPT2LMHeadModel's 'transformer.' prefix is found", "[checkpoint]") {
+  auto embedding = table(10, 4, 3);
+  const std::string path = temp_path("prefixed.safetensors");
+  CheckpointNames prefixed = embedhead::hugging_face_names(ModelFamily::gpt2);
+  prefixed.token_embedding = "transformer.wte.weight";
+  embedhead::save_checkpoint<float>(path, prefixed, embedding);
+  const auto file = SafetensorsFile::open(path);
+  CHECK(embedhead::guess_model_family(file) == ModelFamily::gpt2);
+  const auto names = embedhead::hugging_face_names(ModelFamily::gpt2, &file);
+  CHECK(names.token_embedding == "transformer.wte.weight");
+  CHECK(embedhead::from_pretrained<float>(file, names).token_embedding.weight().value() == embedding.weight().value());
+  std::remove(path.c_str());
+}
+
+TEST_CASE("checkpoint: Llama layout, untied, and Gemma's sqrt(d) scale", "[checkpoint]") {
+  const Index V = 40, d = 6;
+  auto embedding = table(V, d, 5);
+  auto head = untied_head(V, d, 6);
+  const std::string path = temp_path("llama.safetensors");
+  embedhead::save_checkpoint<float>(path, embedhead::hugging_face_names(ModelFamily::llama), embedding, &head);
+  const auto file = SafetensorsFile::open(path);
+  CHECK(file.contains("model.embed_tokens.weight"));
+  CHECK(file.contains("lm_head.weight"));
+  CHECK(embedhead::guess_model_family(file) == ModelFamily::llama);
+  auto loaded = embedhead::from_pretrained<float>(file, embedhead::hugging_face_names(ModelFamily::llama));
+  CHECK_FALSE(loaded.tied);
+  CHECK(loaded.head.weight_ptr() != loaded.token_embedding.weight_ptr());
+  CHECK(loaded.head.weight().value() == head.weight().value());
+  CHECK(loaded.token_embedding.weight().value() == embedding.weight().value());
+  CHECK_FALSE(loaded.position_embedding.has_value());
+  std::remove(path.c_str());
+
+  // Gemma: tied, scaled by Scalar(sqrt(d)).
+  auto gemma_table = table(V, 16, 7, /*scale=*/true);
+  OutputProjection<float> gemma_head(gemma_table);
+  const auto gemma_names = embedhead::hugging_face_names(ModelFamily::gemma);
+  embedhead::save_checkpoint<float>(path, gemma_names, gemma_table, &gemma_head);
+  const auto gemma_file = SafetensorsFile::open(path);
+  auto gemma = embedhead::from_pretrained<float>(gemma_file, gemma_names);
+  CHECK(gemma.tied);
+  CHECK(gemma.token_embedding.scale() == 4.0f);
+  // The same file as Llama names but no scale: loading it into a scaled table is refused.
+  auto scaled = table(V, 16, 8, true);
+  CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(gemma_file, embedhead::hugging_face_names(ModelFamily::llama), scaled),
+                    Catch::Contains("sqrt(d)"));
+  std::remove(path.c_str());
+}
+
+TEST_CASE("checkpoint: a tied checkpoint into an untied model, and the reverse, are errors", "[checkpoint]") {
+  const Index V = 30, d = 5;
+  const auto names = embedhead::hugging_face_names(ModelFamily::llama);
+  const std::string tied_path = temp_path("tied.safetensors"), untied_path = temp_path("untied.safetensors");
+  {
+    auto e = table(V, d, 11);
+    OutputProjection<float> h(e);
+    embedhead::save_checkpoint<float>(tied_path, names, e, &h);
+    auto e2 = table(V, d, 12);
+    auto h2 = untied_head(V, d, 13);
+    embedhead::save_checkpoint<float>(untied_path, names, e2, &h2);
+  }
+  const auto tied_file = SafetensorsFile::open(tied_path);
+  const auto untied_file = SafetensorsFile::open(untied_path);
+
+  SECTION("tied checkpoint -> untied head") {
+    auto e = table(V, d, 21);
+    auto h = untied_head(V, d, 22);
+    const auto before = snapshot(e, h, nullptr);
+    CHECK_THROWS_AS(embedhead::load_checkpoint<float>(tied_file, names, e, &h), value_error);
+    CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(tied_file, names, e, &h),
+                      Catch::Contains("untied but the file has no 'lm_head.weight'") && Catch::Contains("tied checkpoint"));
+    CHECK(snapshot(e, h, nullptr) == before);  // not even the table was written
+    // from_pretrained with the config saying untied: the same error.
+    embedhead::PretrainedOptions untied;
+    untied.tie_word_embeddings = false;
+    CHECK_THROWS_WITH(embedhead::from_pretrained<float>(tied_file, names, untied), Catch::Contains("tied checkpoint"));
+  }
+  SECTION("untied checkpoint -> tied head") {
+    auto e = table(V, d, 31);
+    OutputProjection<float> h(e);
+    const auto before = snapshot(e, h, nullptr);
+    CHECK_THROWS_AS(embedhead::load_checkpoint<float>(untied_file, names, e, &h), value_error);
+    CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(untied_file, names, e, &h),
+                      Catch::Contains("differs from 'model.embed_tokens.weight' at (0, 0)") &&
+                          Catch::Contains("untied checkpoint"));
+    CHECK(snapshot(e, h, nullptr) == before);
+    embedhead::PretrainedOptions tie;
+    tie.tie_word_embeddings = true;
+    CHECK_THROWS_WITH(embedhead::from_pretrained<float>(untied_file, names, tie), Catch::Contains("untied checkpoint"));
+  }
+  SECTION("a file with both tensors equal loads into a tied head") {
+    auto e = table(V, d, 41);
+    SafetensorsWriter writer;
+    writer.add<float>("model.embed_tokens.weight", e.weight().value(), DType::F32);
+    writer.add<float>("lm_head.weight", e.weight().value(), DType::BF16);  // equal only after rounding?
+    const std::string both = temp_path("both.safetensors");
+    writer.write(both);
+    auto target = table(V, d, 42);
+    OutputProjection<float> h(target);
+    // F32 and BF16 copies differ (rounding): refused, naming the first differing entry.
+    CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(SafetensorsFile::open(both), names, target, &h),
+                      Catch::Contains("differs"));
+    SafetensorsWriter same;
+    same.add<float>("model.embed_tokens.weight", e.weight().value(), DType::F32);
+    same.add<float>("lm_head.weight", e.weight().value(), DType::F32);
+    same.write(both);
+    embedhead::load_checkpoint<float>(SafetensorsFile::open(both), names, target, &h);
+    CHECK(target.weight().value() == e.weight().value());
+    CHECK(h.weight_ptr() == target.weight_ptr());
+    std::remove(both.c_str());
+  }
+  std::remove(tied_path.c_str());
+  std::remove(untied_path.c_str());
+}
+
+TEST_CASE("checkpoint: loads are all-or-nothing for every layout error", "[checkpoint]") {
+  const Index V = 20, d = 4;
+  const auto names = embedhead::hugging_face_names(ModelFamily::gpt2);
+  auto source = table(V, d, 51);
+  auto source_head = untied_head(V, d, 52, /*bias=*/true);
+  LearnedPositionEmbedding<float> source_positions(8, d);
+  const std::string path = temp_path("all_or_nothing.safetensors");
+  embedhead::save_checkpoint<float>(path, names, source, &source_head, &source_positions);
+  const auto file = SafetensorsFile::open(path);
+
+  auto e = table(V, d, 61);
+  auto h = untied_head(V, d, 62, true);
+  LearnedPositionEmbedding<float> p(8, d, {0.02, 63});
+  const auto before = snapshot(e, h, &p);
+
+  // A position table of the wrong length: checked after the token table, and still nothing written.
+  LearnedPositionEmbedding<float> long_positions(9, d);
+  const auto long_before = long_positions.weight().value().eval();
+  CHECK_THROWS_AS(embedhead::load_checkpoint<float>(file, names, e, &h, &long_positions), shape_error);
+  CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(file, names, e, &h, &long_positions),
+                    Catch::Contains("'wpe.weight'") && Catch::Contains("[8, 4]") && Catch::Contains("[9, 4]"));
+  CHECK(snapshot(e, h, &p) == before);
+  CHECK(long_positions.weight().value() == long_before);
+
+  // A head without the bias the file has.
+  auto no_bias = untied_head(V, d, 64, false);
+  CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(file, names, e, &no_bias, &p), Catch::Contains("has no bias"));
+  CHECK(snapshot(e, h, &p) == before);
+
+  // A vocabulary of another size.
+  auto wrong_v = table(V + 1, d, 65);
+  const auto wrong_v_before = wrong_v.weight().value().eval();
+  CHECK_THROWS_AS(embedhead::load_checkpoint<float>(file, names, wrong_v), shape_error);
+  CHECK(wrong_v.weight().value() == wrong_v_before);
+
+  // Positions asked of a layout without them.
+  CHECK_THROWS_AS(embedhead::load_checkpoint<float>(file, embedhead::hugging_face_names(ModelFamily::llama), e, nullptr, &p),
+                  format_error);  // the Llama table name is not in a GPT-2 file
+  CHECK(snapshot(e, h, &p) == before);
+
+  // A good load writes everything.
+  embedhead::load_checkpoint<float>(file, names, e, &h, &p);
+  CHECK(snapshot(e, h, &p) == snapshot(source, source_head, &source_positions));
+  std::remove(path.c_str());
+}
+
+TEST_CASE("checkpoint: non-finite values and wrong dtypes are refused, naming the entry", "[checkpoint]") {
+  const Index V = 6, d = 3;
+  const auto names = embedhead::hugging_face_names(ModelFamily::llama);
+  auto bad_head = untied_head(V, d, 71);
+  bad_head.weight().value()(4, 2) = std::numeric_limits<float>::infinity();
+  auto good = table(V, d, 72);
+  const std::string path = temp_path("nonfinite.safetensors");
+  embedhead::save_checkpoint<float>(path, names, good, &bad_head);
+  auto e = table(V, d, 73);
+  auto h = untied_head(V, d, 74);
+  const auto before = snapshot(e, h, nullptr);
+  CHECK_THROWS_AS(embedhead::load_checkpoint<float>(SafetensorsFile::open(path), names, e, &h), value_error);
+  CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(SafetensorsFile::open(path), names, e, &h),
+                    Catch::Contains("'lm_head.weight'") && Catch::Contains("non-finite value at (4, 2)"));
+  CHECK(snapshot(e, h, nullptr) == before);  // the (good) table was not written either
+
+  // An integer tensor under the table's name.
+  RowMatrix<float> ids = RowMatrix<float>::Zero(V, d);
+  SafetensorsWriter writer;
+  writer.add<float>("model.embed_tokens.weight", ids, DType::F32);
+  writer.write(path);
+  std::string bytes = read_bytes(path);
+  const auto at = bytes.find("\"F32\"");
+  REQUIRE(at != std::string::npos);
+  bytes.replace(at, 5, "\"I32\"");  // same byte size, other dtype
+  write_bytes(path, bytes);
+  CHECK_THROWS_AS(embedhead::load_checkpoint<float>(SafetensorsFile::open(path), names, e), format_error);
+  CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(SafetensorsFile::open(path), names, e), Catch::Contains("dtype I32"));
+  CHECK(snapshot(e, h, nullptr) == before);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("checkpoint: corrupted copies of a good file never change the model", "[checkpoint]") {
+  const Index V = 12, d = 4;
+  const auto names = embedhead::hugging_face_names(ModelFamily::gpt2);
+  auto source = table(V, d, 81);
+  LearnedPositionEmbedding<float> source_positions(5, d);
+  const std::string path = temp_path("corrupt.safetensors");
+  embedhead::save_checkpoint<float>(path, names, source, nullptr, &source_positions);
+  const std::string good = read_bytes(path);
+
+  auto e = table(V, d, 82);
+  OutputProjection<float> h(e);
+  LearnedPositionEmbedding<float> p(5, d, {0.02, 83});
+  const auto before = snapshot(e, h, &p);
+
+  std::vector<std::string> corrupted;
+  for (std::size_t cut = 0; cut < good.size(); cut += 7) corrupted.push_back(good.substr(0, cut));  // truncations
+  corrupted.push_back(good + "x");                                                                   // trailing byte
+  for (std::size_t i = 0; i < 8; ++i) {                                                              // header length
+    std::string b = good;
+    b[i] = static_cast<char>(b[i] ^ 0x40);
+    corrupted.push_back(b);
+  }
+  const std::size_t header_end = 8 + static_cast<unsigned char>(good[0]) + 256 * static_cast<unsigned char>(good[1]);
+  for (std::size_t i = 8; i < header_end; ++i) {  // every header byte changed to something else
+    std::string b = good;
+    b[i] = b[i] == '1' ? '2' : (b[i] == '"' ? 'x' : '1');
+    corrupted.push_back(b);
+  }
+  Index rejected = 0, accepted = 0;
+  for (const auto& bytes : corrupted) {
+    write_bytes(path, bytes);
+    try {
+      embedhead::load_checkpoint<float>(SafetensorsFile::open(path), names, e, &h, &p);
+      ++accepted;  // a change the format cannot see (e.g. inside a metadata string): loads
+      e.weight().value() = before.table;
+      p.weight().value() = before.positions;
+    } catch (const std::exception& error) {
+      ++rejected;
+      INFO(error.what());
+      REQUIRE(snapshot(e, h, &p) == before);
+    }
+  }
+  CHECK(rejected > 100);
+  CHECK(accepted < rejected / 4);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("checkpoint: BF16 storage halves the file and rounds each value once", "[checkpoint]") {
+  const Index V = 64, d = 16;
+  auto e = table(V, d, 91);
+  const auto names = embedhead::hugging_face_names(ModelFamily::gemma);
+  const std::string f32 = temp_path("f32.safetensors"), bf16 = temp_path("bf16.safetensors");
+  auto scaled = table(V, d, 91, true);
+  embedhead::save_checkpoint<float>(f32, names, scaled, nullptr, nullptr, DType::F32);
+  embedhead::save_checkpoint<float>(bf16, names, scaled, nullptr, nullptr, DType::BF16);
+  const auto size32 = read_bytes(f32).size(), size16 = read_bytes(bf16).size();
+  CHECK(size32 - size16 == static_cast<std::size_t>(V * d * 2));
+  auto loaded = embedhead::from_pretrained<float>(SafetensorsFile::open(bf16), names);
+  for (Index r = 0; r < V; ++r)
+    for (Index c = 0; c < d; ++c) {
+      const float x = scaled.weight().value()(r, c), y = loaded.token_embedding.weight().value()(r, c);
+      CHECK(std::abs(x - y) <= std::abs(x) * (1.0f / 256));  // 8 significant bits
+    }
+  std::remove(f32.c_str());
+  std::remove(bf16.c_str());
+}
+
+TEST_CASE("checkpoint: optimizer state saved beside the model resumes training bit-identically", "[checkpoint]") {
+  const Index V = 24, d = 6, N = 10;
+  const auto names = embedhead::hugging_face_names(ModelFamily::llama);
+  auto embedding = table(V, d, 101);
+  auto head = untied_head(V, d, 102);
+  embedhead::AdamOptions adam;
+  adam.lr = 1e-2;
+  adam.weight_decay = 0.01;
+  AdamW<float> optimizer(adam, {embedding.weight_ptr(), head.weight_ptr()});
+
+  embedhead::IdMatrix<std::int32_t> ids(1, N);
+  for (Index n = 0; n < N; ++n) ids(0, n) = static_cast<std::int32_t>((n * 7) % V);
+  const RowMatrix<float> dlogits = RowMatrix<float>::Random(N, V);
+  auto train_step = [&](TokenEmbedding<float>& e, OutputProjection<float>& h, AdamW<float>& opt) {
+    opt.zero_grad();
+    const RowMatrix<float> x = e.forward(ids);
+    const RowMatrix<float> dh = h.backward(x, dlogits);
+    e.backward(ids, dh);
+    opt.step();
+  };
+  for (int s = 0; s < 3; ++s) train_step(embedding, head, optimizer);
+
+  const std::string path = temp_path("optimizer.safetensors");
+  SafetensorsWriter writer;
+  embedhead::add_checkpoint<float>(writer, names, embedding, &head);
+  const auto state = optimizer.state();
+  embedhead::add_optimizer_state(writer, state);
+  writer.write(path);
+
+  const auto file = SafetensorsFile::open(path);
+  auto resumed = embedhead::from_pretrained<float>(file, names);
+  AdamW<float> resumed_optimizer(adam, {resumed.token_embedding.weight_ptr(), resumed.head.weight_ptr()});
+  resumed_optimizer.load_state(embedhead::read_optimizer_state<float>(file));
+  CHECK(resumed_optimizer.step_count() == 3);
+
+  for (int s = 0; s < 2; ++s) {
+    train_step(embedding, head, optimizer);
+    train_step(resumed.token_embedding, resumed.head, resumed_optimizer);
+  }
+  CHECK(resumed.token_embedding.weight().value() == embedding.weight().value());
+  CHECK(resumed.head.weight().value() == head.weight().value());
+
+  // A file with no optimizer state, and metadata that is malformed.
+  const std::string plain = temp_path("plain.safetensors");
+  embedhead::save_checkpoint<float>(plain, names, embedding, &head);
+  CHECK_THROWS_AS(embedhead::read_optimizer_state<float>(SafetensorsFile::open(plain)), format_error);
+  CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(SafetensorsFile::open(plain)), Catch::Contains("no metadata 'optimizer'"));
+  SafetensorsWriter bad;
+  bad.set_metadata("optimizer", "AdamW").set_metadata("optimizer.step", "three").set_metadata("optimizer.parameters", "[]");
+  bad.write(plain);
+  CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(SafetensorsFile::open(plain)), Catch::Contains("'three'"));
+  // The state of another optimizer kind is refused by load_state.
+  embedhead::SGD<float> sgd({}, {embedding.weight_ptr(), head.weight_ptr()});
+  CHECK_THROWS_AS(sgd.load_state(embedhead::read_optimizer_state<float>(file)), value_error);
+  std::remove(path.c_str());
+  std::remove(plain.c_str());
+}
+
+TEST_CASE("checkpoint: guess_model_family and from_pretrained refuse what they cannot read", "[checkpoint]") {
+  RowMatrix<float> x = RowMatrix<float>::Ones(3, 2);
+  const std::string path = temp_path("other.safetensors");
+  SafetensorsWriter().add<float>("encoder.weight", x, DType::F32).write(path);
+  const auto file = SafetensorsFile::open(path);
+  CHECK_THROWS_AS(embedhead::guess_model_family(file), format_error);
+  CHECK_THROWS_WITH(embedhead::guess_model_family(file), Catch::Contains("wte.weight") && Catch::Contains("model.embed_tokens.weight"));
+  CheckpointNames custom;
+  custom.token_embedding = "encoder.weight";
+  auto layers = embedhead::from_pretrained<float>(file, custom);  // any names work
+  CHECK(layers.token_embedding.vocab_size() == 3);
+  CHECK(layers.tied);
+  SafetensorsWriter().add<float>("encoder.weight", x, DType::F32, false).write(path);
+  RowMatrix<float> v = RowMatrix<float>::Ones(3, 1);
+  SafetensorsWriter().add<float>("encoder.weight", v, DType::F32, true).write(path);
+  CHECK_THROWS_AS(embedhead::from_pretrained<float>(SafetensorsFile::open(path), custom), shape_error);
+  std::remove(path.c_str());
+}

@@ -1,0 +1,421 @@
+// Tests for include/embedhead/safetensors.hpp: the reader's validation (every malformed-file case
+// is a hand-built byte string, not a file made by our writer), dtype conversion against
+// independent references (half and bfloat16 decoded bit by bit here; nearest-value search for
+// rounding), the writer's layout and atomic write, and the errors of both.
+#include <embedhead/safetensors.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <random>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+using embedhead::DType;
+using embedhead::format_error;
+using embedhead::Index;
+using embedhead::io_error;
+using embedhead::RowMatrix;
+using embedhead::SafetensorsFile;
+using embedhead::SafetensorsWriter;
+using embedhead::shape_error;
+using embedhead::value_error;
+
+namespace {
+
+// u64 little-endian length + header + data, as the format's specification describes it.
+std::string file_bytes(const std::string& header, const std::string& data = {}, std::uint64_t length_override = ~0ull) {
+  std::uint64_t n = length_override == ~0ull ? header.size() : length_override;
+  std::string out;
+  for (int i = 0; i < 8; ++i, n >>= 8) out.push_back(static_cast<char>(n & 0xff));
+  return out + header + data;
+}
+
+SafetensorsFile parse(const std::string& bytes) { return SafetensorsFile::from_bytes(bytes.data(), bytes.size(), "test"); }
+
+template <typename T>
+std::string le_bytes(const std::vector<T>& values) {
+  std::string out(values.size() * sizeof(T), '\0');
+  std::memcpy(&out[0], values.data(), out.size());  // the test host is little-endian (checked by the header)
+  return out;
+}
+
+// IEEE binary16, decoded from its bits by the definition (independent of Eigen::half).
+double half_value(std::uint16_t bits) {
+  const int sign = bits >> 15, exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+  double magnitude;
+  if (exponent == 0)
+    magnitude = std::ldexp(mantissa, -24);
+  else if (exponent == 31)
+    magnitude = mantissa ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
+  else
+    magnitude = std::ldexp(1024 + mantissa, exponent - 25);
+  return sign ? -magnitude : magnitude;
+}
+// bfloat16 is the top half of a float's bits.
+double bfloat16_value(std::uint16_t bits) {
+  const std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, 4);
+  return f;
+}
+
+// The finite values of a 16-bit format, sorted, with their bit patterns (+0 before -0 dropped).
+std::vector<std::pair<double, std::uint16_t>> finite_values(double (*decode)(std::uint16_t)) {
+  std::vector<std::pair<double, std::uint16_t>> values;
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    const double v = decode(static_cast<std::uint16_t>(b));
+    if (std::isfinite(v) && !(v == 0 && b != 0)) values.push_back({v, static_cast<std::uint16_t>(b)});
+  }
+  std::sort(values.begin(), values.end());
+  return values;
+}
+
+// Round-to-nearest, ties to the even bit pattern, by search among all finite values; values
+// beyond the largest finite one by half an ulp or more go to infinity (IEEE overflow).
+double nearest(const std::vector<std::pair<double, std::uint16_t>>& values, double x) {
+  auto hi = std::lower_bound(values.begin(), values.end(), std::make_pair(x, std::uint16_t(0)));
+  if (hi != values.end() && hi->first == x) return x;
+  if (hi == values.end() || hi == values.begin()) {
+    const auto& edge = hi == values.end() ? values.back() : values.front();
+    const auto& inner = hi == values.end() ? values[values.size() - 2] : values[1];
+    const double half_ulp = std::abs(edge.first - inner.first) / 2;
+    if (std::abs(x - edge.first) >= half_ulp) return std::copysign(std::numeric_limits<double>::infinity(), x);
+    return edge.first;
+  }
+  const auto lo = hi - 1;
+  const double d_lo = x - lo->first, d_hi = hi->first - x;
+  if (d_lo < d_hi) return lo->first;
+  if (d_hi < d_lo) return hi->first;
+  return (lo->second & 1) == 0 ? lo->first : hi->first;
+}
+
+std::string temp_path(const std::string& name) {
+  return "/tmp/embedhead_safetensors_test_" + std::to_string(::getpid()) + "_" + name;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string error_of(const std::string& bytes) {
+  try {
+    parse(bytes);
+  } catch (const format_error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST_CASE("safetensors: a hand-built file is read value by value for every float dtype", "[safetensors]") {
+  const std::vector<float> f32 = {1.5f, -0.0f, 3.0e38f, 1.0e-45f, -2.25f, 7.0f};
+  const std::vector<double> f64 = {0.1, -1.0e300, 1.0e-300, 2.5};
+  const std::vector<std::uint16_t> f16 = {0x3C00, 0xC000, 0x7BFF, 0x0001, 0x8400, 0x3555};
+  const std::vector<std::uint16_t> bf16 = {0x3F80, 0x4049, 0xFF7F, 0x0001};
+  const std::string header =
+      R"({"a":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},)"
+      R"("b":{"dtype":"F64","shape":[4],"data_offsets":[24,56]},)"
+      R"("c":{"dtype":"F16","shape":[3,2],"data_offsets":[56,68]},)"
+      R"("d":{"dtype":"BF16","shape":[2,2],"data_offsets":[68,76]},)"
+      R"("__metadata__":{"format":"pt","note":"hand-built"}})";
+  const auto file = parse(file_bytes(header, le_bytes(f32) + le_bytes(f64) + le_bytes(f16) + le_bytes(bf16)));
+
+  REQUIRE(file.tensors().size() == 4);
+  CHECK(file.metadata().at("format") == "pt");
+  CHECK(file.metadata().at("note") == "hand-built");
+  CHECK(file.at("a").shape_string() == "[2, 3]");
+  CHECK(file.at("b").dtype == DType::F64);
+
+  const auto a = file.read<float>("a");
+  REQUIRE(a.rows() == 2);
+  REQUIRE(a.cols() == 3);
+  for (int i = 0; i < 6; ++i) CHECK(std::memcmp(&a(i / 3, i % 3), &f32[static_cast<std::size_t>(i)], 4) == 0);
+
+  const auto b_float = file.read<float>("b");
+  const auto b_double = file.read<double>("b");
+  REQUIRE(b_float.rows() == 4);
+  for (int i = 0; i < 4; ++i) {
+    const double x = f64[static_cast<std::size_t>(i)];
+    CHECK(b_double(i, 0) == x);
+    // The float nearest to x: no neighbour of the result is closer.
+    const float r = b_float(i, 0);
+    if (std::isfinite(r)) {
+      CHECK(std::abs(static_cast<double>(r) - x) <= std::abs(static_cast<double>(std::nextafter(r, std::numeric_limits<float>::infinity())) - x));
+      CHECK(std::abs(static_cast<double>(r) - x) <= std::abs(static_cast<double>(std::nextafter(r, -std::numeric_limits<float>::infinity())) - x));
+    }
+  }
+  CHECK(std::isinf(b_float(1, 0)));  // -1e300 overflows float
+  CHECK(b_float(2, 0) == 0.0f);      // 1e-300 underflows
+
+  const auto c = file.read<double>("c");
+  for (int i = 0; i < 6; ++i) CHECK(c(i / 2, i % 2) == half_value(f16[static_cast<std::size_t>(i)]));
+  CHECK(c(0, 0) == 1.0);
+  CHECK(c(1, 0) == 65504.0);
+  const auto d = file.read<float>("d");
+  for (int i = 0; i < 4; ++i) CHECK(static_cast<double>(d(i / 2, i % 2)) == bfloat16_value(bf16[static_cast<std::size_t>(i)]));
+  CHECK(d(0, 1) == 3.140625f);
+}
+
+TEST_CASE("safetensors: writer output follows the specification byte by byte", "[safetensors]") {
+  RowMatrix<float> table(2, 2);
+  table << 1.0f, -2.0f, 0.5f, 4.0f;
+  RowMatrix<float> bias(3, 1);
+  bias << 1.0f, 2.0f, 3.0f;
+  const std::string path = temp_path("layout.safetensors");
+  SafetensorsWriter writer;
+  writer.add<float>("table", table, DType::F32).add<float>("bias", bias, DType::BF16, true).set_metadata("format", "pt");
+  writer.write(path);
+  const std::string bytes = read_file(path);
+  std::remove(path.c_str());
+
+  REQUIRE(bytes.size() >= 8);
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)]);
+  CHECK(n % 8 == 0);  // padded so the data section is 8-byte aligned
+  REQUIRE(bytes.size() == 8 + n + 16 + 6);
+  const std::string header = bytes.substr(8, n);
+  CHECK(header.front() == '{');
+  CHECK(header.find(R"("table":{"data_offsets":[0,16],"dtype":"F32","shape":[2,2]})") != std::string::npos);
+  CHECK(header.find(R"("bias":{"data_offsets":[16,22],"dtype":"BF16","shape":[3]})") != std::string::npos);
+  CHECK(header.find(R"("__metadata__":{"format":"pt"})") != std::string::npos);
+  CHECK(header.find_last_not_of(' ') == header.rfind('}'));  // only spaces after the JSON
+  float first;
+  std::memcpy(&first, bytes.data() + 8 + n, 4);
+  CHECK(first == 1.0f);
+  // bfloat16 of 1, 2, 3: 0x3F80, 0x4000, 0x4040, little-endian.
+  const std::string expected_bias("\x80\x3f\x00\x40\x40\x40", 6);
+  CHECK(bytes.substr(8 + n + 16) == expected_bias);
+}
+
+TEST_CASE("safetensors: writing rounds to nearest-even, from float and from double", "[safetensors]") {
+  const auto half_values = finite_values(half_value);
+  const auto bf16_values = finite_values(bfloat16_value);
+  std::mt19937_64 gen(7);
+  std::uniform_real_distribution<double> mantissa(-1.0, 1.0);
+  std::uniform_int_distribution<int> exponent(-30, 18);
+  const Index n = 4000;
+  RowMatrix<double> x(n, 1);
+  for (Index i = 0; i < n; ++i) x(i, 0) = std::ldexp(mantissa(gen), exponent(gen));
+  // Ties and near-ties that a double -> float -> 16-bit path gets wrong: 1 + 2^-8 + 2^-30 is just
+  // above the bfloat16 tie between 1 and 1 + 2^-7, but rounds to the tie itself in float.
+  x(0, 0) = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -30);
+  x(1, 0) = 1.0 + std::ldexp(1.0, -11) + std::ldexp(1.0, -40);  // the same for half
+  x(2, 0) = 1.0 + std::ldexp(1.0, -8);                           // an exact bfloat16 tie -> 1
+  x(3, 0) = 1.0 + 3 * std::ldexp(1.0, -8);                       // an exact tie -> up to even
+  x(4, 0) = 65520.0;                                             // half overflow boundary -> inf
+  x(5, 0) = 65519.99;                                            // -> 65504
+  const RowMatrix<float> x_float = x.cast<float>();
+
+  const std::string path = temp_path("rounding.safetensors");
+  SafetensorsWriter writer;
+  writer.add<double>("h64", x, DType::F16).add<double>("b64", x, DType::BF16);
+  writer.add<float>("h32", x_float, DType::F16).add<float>("b32", x_float, DType::BF16);
+  writer.add<double>("f64to32", x, DType::F32);
+  writer.write(path);
+  const auto file = SafetensorsFile::open(path);
+  const auto h64 = file.read<double>("h64"), b64 = file.read<double>("b64");
+  const auto h32 = file.read<double>("h32"), b32 = file.read<double>("b32");
+  const auto f32 = file.read<float>("f64to32");
+  std::remove(path.c_str());
+
+  Index mismatches = 0;
+  for (Index i = 0; i < n; ++i) {
+    const double xf = static_cast<double>(x_float(i, 0));
+    mismatches += h64(i, 0) != nearest(half_values, x(i, 0));
+    mismatches += b64(i, 0) != nearest(bf16_values, x(i, 0));
+    mismatches += h32(i, 0) != nearest(half_values, xf);
+    mismatches += b32(i, 0) != nearest(bf16_values, xf);
+    mismatches += f32(i, 0) != x_float(i, 0);
+  }
+  CHECK(mismatches == 0);
+  CHECK(b64(0, 0) == 1.0 + std::ldexp(1.0, -7));
+  CHECK(h64(1, 0) == 1.0 + std::ldexp(1.0, -10));
+  CHECK(b64(2, 0) == 1.0);
+  CHECK(b64(3, 0) == 1.0 + std::ldexp(1.0, -6));
+  CHECK(std::isinf(h64(4, 0)));
+  CHECK(h64(5, 0) == 65504.0);
+}
+
+TEST_CASE("safetensors: round trip of random tables is exact in their own dtype", "[safetensors]") {
+  RowMatrix<float> a = RowMatrix<float>::Random(37, 11);
+  RowMatrix<double> b = RowMatrix<double>::Random(5, 3);
+  const std::string path = temp_path("roundtrip.safetensors");
+  SafetensorsWriter().add<float>("a", a, DType::F32).add<double>("b", b, DType::F64).write(path);
+  const auto file = SafetensorsFile::open(path);
+  CHECK(file.read<float>("a") == a);
+  CHECK(file.read<double>("b") == b);
+  CHECK(file.read<double>("a") == a.cast<double>());
+  // Reading into a strided destination (a block of a larger matrix).
+  RowMatrix<float> big = RowMatrix<float>::Zero(40, 20);
+  file.read<float>(file.at("a"), big.block(1, 2, 37, 11));
+  CHECK(big.block(1, 2, 37, 11) == a);
+  CHECK(big.col(0).isZero());
+  std::remove(path.c_str());
+}
+
+TEST_CASE("safetensors: every malformed file is rejected with a message that names the problem", "[safetensors]") {
+  const std::string ok_tensor = R"("t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  const std::string eight(8, '\0');
+  struct Case {
+    const char* label;
+    std::string bytes;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"empty file", "", "fewer than the 8"},
+      {"7 bytes", std::string(7, '\0'), "fewer than the 8"},
+      {"header length past the end", file_bytes("{" + ok_tensor + "}", eight, 1000), "runs past the end"},
+      {"header length over 100 MB", file_bytes("{}", "", 100'000'001), "exceeds the limit"},
+      {"header length 2^64 - 1", file_bytes("{}", "", ~0ull - 1), "exceeds the limit"},
+      {"header not an object", file_bytes("[1, 2]"), "does not begin with '{'"},
+      {"header with a leading space", file_bytes(" {}"), "does not begin with '{'"},
+      {"truncated JSON", file_bytes(R"({"t":{"dtype":"F32")"), "not valid JSON"},
+      {"garbage after JSON", file_bytes("{}x"), "not valid JSON"},
+      {"binary zeros in the header", file_bytes(std::string("{\0}", 3)), "not valid JSON"},
+      {"duplicate tensor", file_bytes("{" + ok_tensor + "," + ok_tensor + "}", eight), "appears twice"},
+      {"tensor not an object", file_bytes(R"({"t":[1]})"), "is not an object"},
+      {"unknown dtype", file_bytes(R"({"t":{"dtype":"F12","shape":[2],"data_offsets":[0,8]}})", eight), "unknown dtype 'F12'"},
+      {"dtype not a string", file_bytes(R"({"t":{"dtype":4,"shape":[2],"data_offsets":[0,8]}})", eight), "no string 'dtype'"},
+      {"missing shape", file_bytes(R"({"t":{"dtype":"F32","data_offsets":[0,8]}})", eight), "no array 'shape'"},
+      {"negative dimension", file_bytes(R"({"t":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", eight),
+       "not a non-negative integer"},
+      {"fractional dimension", file_bytes(R"({"t":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}})", eight),
+       "not a non-negative integer"},
+      {"dimension beyond 64 bits", file_bytes(R"({"t":{"dtype":"F32","shape":[1e30],"data_offsets":[0,8]}})", eight),
+       "not a non-negative integer"},
+      {"element count overflow",
+       file_bytes(R"({"t":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", eight),
+       "overflows 64 bits"},
+      {"byte size overflow", file_bytes(R"({"t":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,8]}})", eight),
+       "byte size overflows"},
+      {"missing offsets", file_bytes(R"({"t":{"dtype":"F32","shape":[2]}})", eight), "'data_offsets' pair"},
+      {"three offsets", file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,4,8]}})", eight), "'data_offsets' pair"},
+      {"negative offset", file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}})", eight), "'data_offsets' pair"},
+      {"end before begin", file_bytes(R"({"t":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", eight), "end < begin"},
+      {"size disagrees with shape", file_bytes(R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", eight),
+       "span 8"},
+      {"overlapping tensors",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                  std::string(12, '\0')),
+       "(overlap)"},
+      {"gap between tensors",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+                  std::string(12, '\0')),
+       "(gap)"},
+      {"data truncated", file_bytes("{" + ok_tensor + "}", std::string(5, '\0')), "(truncated)"},
+      {"trailing bytes", file_bytes("{" + ok_tensor + "}", std::string(9, '\0')), "(trailing bytes)"},
+      {"metadata not an object", file_bytes(R"({"__metadata__":[1]})"), "__metadata__ is not an object"},
+      {"metadata value not a string", file_bytes(R"({"__metadata__":{"k":1}})"), "entry 'k' is not a string"},
+      {"unknown field", file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}})", eight),
+       "unknown field 'x'"},
+      {"empty tensor name", file_bytes(R"({"":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", eight), "empty name"},
+      {"deep nesting", file_bytes(R"({"t":)" + std::string(5000, '[') + std::string(5000, ']') + "}"), "nests deeper"},
+  };
+  for (const auto& c : cases) {
+    INFO("case: " << c.label);
+    const std::string message = error_of(c.bytes);
+    INFO("message: " << message);
+    CHECK(message.find(c.message) != std::string::npos);
+    CHECK(message.find("'test'") != std::string::npos);  // the file is named
+  }
+  CHECK(cases.size() == 34);
+}
+
+TEST_CASE("safetensors: valid edge cases are accepted", "[safetensors]") {
+  // No tensors at all; a scalar; an empty tensor; header padded with spaces; other dtypes.
+  CHECK(parse(file_bytes("{}")).tensors().empty());
+  CHECK(parse(file_bytes("{}      ")).tensors().empty());
+  const auto file = parse(file_bytes(
+      R"({"s":{"dtype":"F32","shape":[],"data_offsets":[0,4]},"e":{"dtype":"F16","shape":[0,5],"data_offsets":[4,4]},)"
+      R"("i":{"dtype":"I64","shape":[1],"data_offsets":[4,12]}})",
+      le_bytes(std::vector<float>{2.5f}) + le_bytes(std::vector<std::int64_t>{-3})));
+  CHECK(file.read<float>("s")(0, 0) == 2.5f);
+  CHECK(file.at("e").numel() == 0);
+  CHECK(file.read<float>("e").size() == 0);
+  CHECK(file.at("i").dtype == DType::I64);
+  CHECK_THROWS_WITH(file.read<float>("i"), Catch::Contains("'i'") && Catch::Contains("dtype I64"));
+  CHECK_THROWS_AS(file.read<float>("i"), format_error);
+}
+
+TEST_CASE("safetensors: lookups and shape checks name the tensor", "[safetensors]") {
+  const auto file = parse(file_bytes(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},)"
+                                     R"("v":{"dtype":"F32","shape":[2,1,1],"data_offsets":[24,32]}})",
+                                     std::string(32, '\0')));
+  CHECK_THROWS_AS(file.at("missing"), format_error);
+  CHECK_THROWS_WITH(file.at("missing"), Catch::Contains("no tensor 'missing'") && Catch::Contains("'w'"));
+  CHECK_THROWS_AS(file.expect("w", 3, 2, "the thing"), shape_error);
+  CHECK_THROWS_WITH(file.expect("w", 3, 2, "the thing"), Catch::Contains("'w'") && Catch::Contains("[2, 3]") &&
+                                                             Catch::Contains("the thing is [3, 2]"));
+  CHECK(&file.expect("w", 2, 3, "x") == &file.at("w"));
+  CHECK_THROWS_AS(file.read<float>("v"), shape_error);  // 3-D
+  RowMatrix<float> wrong(3, 3);
+  CHECK_THROWS_AS(file.read<float>(file.at("w"), wrong), shape_error);
+}
+
+TEST_CASE("safetensors: first_non_finite finds NaN and infinities in each float dtype", "[safetensors]") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const auto file = parse(file_bytes(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                                     R"("b":{"dtype":"BF16","shape":[3],"data_offsets":[16,22]},)"
+                                     R"("c":{"dtype":"F16","shape":[2],"data_offsets":[22,26]},)"
+                                     R"("d":{"dtype":"F64","shape":[1],"data_offsets":[26,34]}})",
+                                     le_bytes(std::vector<float>{1, 2, nan, 3}) +
+                                         le_bytes(std::vector<std::uint16_t>{0x3F80, 0x3F80, 0xFF80}) +
+                                         le_bytes(std::vector<std::uint16_t>{0x3C00, 0x3C00}) +
+                                         le_bytes(std::vector<double>{-std::numeric_limits<double>::infinity()})));
+  CHECK(file.first_non_finite(file.at("a")) == 2);
+  CHECK(file.first_non_finite(file.at("b")) == 2);
+  CHECK(file.first_non_finite(file.at("c")) == -1);
+  CHECK(file.first_non_finite(file.at("d")) == 0);
+}
+
+TEST_CASE("safetensors: open reports missing files, directories and maps real files", "[safetensors]") {
+  CHECK_THROWS_AS(SafetensorsFile::open("/nonexistent/x.safetensors"), io_error);
+  CHECK_THROWS_WITH(SafetensorsFile::open("/nonexistent/x.safetensors"), Catch::Contains("/nonexistent/x.safetensors"));
+  CHECK_THROWS_AS(SafetensorsFile::open("/tmp"), io_error);
+  const std::string path = temp_path("truncated.safetensors");
+  write_file(path, file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", std::string(4, '\0')));
+  CHECK_THROWS_AS(SafetensorsFile::open(path), format_error);
+  CHECK_THROWS_WITH(SafetensorsFile::open(path), Catch::Contains(path) && Catch::Contains("truncated"));
+  write_file(path, "");
+  CHECK_THROWS_AS(SafetensorsFile::open(path), format_error);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("safetensors: writer errors and the atomic write", "[safetensors]") {
+  RowMatrix<float> a = RowMatrix<float>::Ones(2, 2);
+  SafetensorsWriter writer;
+  writer.add<float>("a", a, DType::F32);
+  CHECK_THROWS_AS(writer.add<float>("a", a, DType::F32), value_error);
+  CHECK_THROWS_WITH(writer.add<float>("a", a, DType::F32), Catch::Contains("'a' was added before"));
+  CHECK_THROWS_AS(writer.add<float>("__metadata__", a, DType::F32), value_error);
+  CHECK_THROWS_AS(writer.add<float>("", a, DType::F32), value_error);
+  CHECK_THROWS_WITH(writer.add<float>("b", a, DType::I32), Catch::Contains("dtype I32"));
+  CHECK_THROWS_AS(writer.add<float>("b", a, DType::F32, true), shape_error);  // a vector needs one column
+
+  // A directory that does not exist: io_error, nothing created.
+  CHECK_THROWS_AS(writer.write("/nonexistent/dir/x.safetensors"), io_error);
+
+  // Overwriting an existing file replaces it whole; the temporary is gone afterwards.
+  const std::string path = temp_path("atomic.safetensors");
+  write_file(path, "old contents");
+  writer.write(path);
+  CHECK(SafetensorsFile::open(path).read<float>("a") == a);
+  CHECK(std::ifstream(path + ".tmp").good() == false);
+  std::remove(path.c_str());
+}
