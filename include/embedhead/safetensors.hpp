@@ -219,20 +219,14 @@ class SafetensorsFile {
   // The first non-finite value (NaN or +-inf) of tensor t as a flat index, or -1 if all are finite
   // (or the dtype is not a float). O(numel); reads the mapping only.
   std::int64_t first_non_finite(const TensorInfo& t) const {
-    const std::uint64_t n = t.numel();
-    const unsigned char* p = raw(t);
-    for (std::uint64_t i = 0; i < n; ++i) {
-      double value = 0;
-      switch (t.dtype) {
-        case DType::F32: value = load<float>(p, i); break;
-        case DType::F64: value = load<double>(p, i); break;
-        case DType::F16: value = static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(load<std::uint16_t>(p, i))); break;
-        case DType::BF16: value = static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(load<std::uint16_t>(p, i))); break;
-        default: return -1;
-      }
-      if (!std::isfinite(value)) return static_cast<std::int64_t>(i);
+    // NaN and +-inf are exactly the values whose exponent field is all ones.
+    switch (t.dtype) {
+      case DType::F32: return first_all_ones<std::uint32_t>(t, 0x7F800000u);
+      case DType::F64: return first_all_ones<std::uint64_t>(t, 0x7FF0000000000000ull);
+      case DType::F16: return first_all_ones<std::uint16_t>(t, 0x7C00u);
+      case DType::BF16: return first_all_ones<std::uint16_t>(t, 0x7F80u);
+      default: return -1;
     }
-    return -1;
   }
 
   // Tensor t, converted element by element into out (row-major, numel entries).
@@ -248,32 +242,26 @@ class SafetensorsFile {
       throw shape_error(message.str());
     }
     const unsigned char* p = raw(t);
-    const Index rows = out.rows(), cols = out.cols();
-    for (Index r = 0; r < rows; ++r) {
-      Scalar* dst = out.row(r).data();
-      const std::uint64_t base = static_cast<std::uint64_t>(r) * static_cast<std::uint64_t>(cols);
-      switch (t.dtype) {
-        case DType::F32:
-          if constexpr (std::is_same_v<Scalar, float>) {
-            std::memcpy(dst, p + base * 4, static_cast<std::size_t>(cols) * 4);
-          } else {
-            for (Index c = 0; c < cols; ++c) dst[c] = static_cast<Scalar>(load<float>(p, base + c));
-          }
-          break;
-        case DType::F64:
-          for (Index c = 0; c < cols; ++c) dst[c] = static_cast<Scalar>(load<double>(p, base + c));
-          break;
-        case DType::F16:
-          for (Index c = 0; c < cols; ++c)
-            dst[c] = static_cast<Scalar>(static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(load<std::uint16_t>(p, base + c))));
-          break;
-        case DType::BF16:
-          for (Index c = 0; c < cols; ++c)
-            dst[c] = static_cast<Scalar>(
-                static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(load<std::uint16_t>(p, base + c))));
-          break;
-        default: break;  // excluded above
-      }
+    switch (t.dtype) {
+      case DType::F32:
+        if constexpr (std::is_same_v<Scalar, float>) {
+          const auto row_bytes = static_cast<std::size_t>(out.cols()) * sizeof(float);
+          for (Index r = 0; r < out.rows(); ++r) std::memcpy(out.row(r).data(), p + static_cast<std::size_t>(r) * row_bytes, row_bytes);
+        } else {
+          convert_rows<float>(p, out, [](float x) { return x; });
+        }
+        break;
+      case DType::F64: convert_rows<double>(p, out, [](double x) { return x; }); break;
+      case DType::F16:
+        convert_rows<std::uint16_t>(p, out, [](std::uint16_t x) { return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(x)); });
+        break;
+      case DType::BF16:
+        // bfloat16 is the top half of a float: a shift, which vectorises.
+        convert_rows<std::uint16_t>(p, out, [](std::uint16_t x) {
+          return Eigen::numext::bit_cast<float>(static_cast<std::uint32_t>(x) << 16);
+        });
+        break;
+      default: break;  // excluded by check_convertible
     }
   }
 
@@ -302,6 +290,35 @@ class SafetensorsFile {
     if (!is_convertible(t.dtype))
       throw format_error("safetensors: tensor '" + t.name + "' in '" + path_ + "' has dtype " + dtype_name(t.dtype) +
                          ", which cannot be converted to a floating-point table");
+  }
+
+  // The first element whose bits have all of `mask` set, or -1; blocks are scanned branch-free
+  // (vectorised) and only a block with a hit is searched again for its position.
+  template <typename Bits>
+  std::int64_t first_all_ones(const TensorInfo& t, Bits mask) const {
+    const std::uint64_t n = t.numel();
+    const unsigned char* p = raw(t);
+    constexpr std::uint64_t kBlock = 4096;
+    for (std::uint64_t begin = 0; begin < n; begin += kBlock) {
+      const std::uint64_t end = std::min(n, begin + kBlock);
+      unsigned hit = 0;
+      for (std::uint64_t i = begin; i < end; ++i) hit |= static_cast<unsigned>((load<Bits>(p, i) & mask) == mask);
+      if (hit)
+        for (std::uint64_t i = begin; i < end; ++i)
+          if ((load<Bits>(p, i) & mask) == mask) return static_cast<std::int64_t>(i);
+    }
+    return -1;
+  }
+
+  // out[r, c] = Scalar(widen(source element r * cols + c)), row by row (out may be strided).
+  template <typename Source, typename Scalar, typename Widen>
+  static void convert_rows(const unsigned char* p, MatrixRef<Scalar>& out, Widen widen) {
+    const Index cols = out.cols();
+    for (Index r = 0; r < out.rows(); ++r) {
+      Scalar* dst = out.row(r).data();
+      const unsigned char* src = p + static_cast<std::size_t>(r) * static_cast<std::size_t>(cols) * sizeof(Source);
+      for (Index c = 0; c < cols; ++c) dst[c] = static_cast<Scalar>(widen(load<Source>(src, static_cast<std::uint64_t>(c))));
+    }
   }
 
   template <typename T>
