@@ -540,12 +540,16 @@ class SafetensorsWriter {
       for (int i = 0; i < 8; ++i, n >>= 8) length[i] = static_cast<unsigned char>(n & 0xff);
       out.write(reinterpret_cast<const char*>(length), 8);
       out.write(text.data(), static_cast<std::streamsize>(text.size()));
-      std::vector<unsigned char> row;
+      // Rows are encoded into a buffer of about 4 MiB and written in one call each.
+      std::vector<unsigned char> buffer;
       for (const auto& e : entries_) {
-        row.resize(static_cast<std::size_t>(e.cols * static_cast<Index>(dtype_bytes(e.dtype))));
-        for (Index r = 0; r < e.rows; ++r) {
-          encode_row(e, r, row.data());
-          out.write(reinterpret_cast<const char*>(row.data()), static_cast<std::streamsize>(row.size()));
+        const auto row_bytes = static_cast<std::size_t>(e.cols) * static_cast<std::size_t>(dtype_bytes(e.dtype));
+        const Index rows_per_write = std::max<Index>(1, static_cast<Index>((std::size_t{4} << 20) / std::max<std::size_t>(row_bytes, 1)));
+        buffer.resize(row_bytes * static_cast<std::size_t>(std::min(rows_per_write, std::max<Index>(e.rows, 1))));
+        for (Index r0 = 0; r0 < e.rows; r0 += rows_per_write) {
+          const Index r1 = std::min(e.rows, r0 + rows_per_write);
+          for (Index r = r0; r < r1; ++r) encode_row(e, r, buffer.data() + static_cast<std::size_t>(r - r0) * row_bytes);
+          out.write(reinterpret_cast<const char*>(buffer.data()), static_cast<std::streamsize>(static_cast<std::size_t>(r1 - r0) * row_bytes));
         }
       }
       out.flush();
@@ -594,26 +598,32 @@ class SafetensorsWriter {
     return f;
   }
 
+  // Row r of e's values, stored as e.dtype at dst. Eigen rounds to F16/BF16 from float; a double
+  // goes through float rounded to odd first, which makes the two roundings equal one direct
+  // rounding to nearest-even (float has >= 2 more bits than either).
   static void encode_row(const Entry& e, Index r, unsigned char* dst) {
-    for (Index c = 0; c < e.cols; ++c) {
-      const double source = e.f32 ? static_cast<double>(e.f32[r * e.stride + c]) : e.f64[r * e.stride + c];
-      switch (e.dtype) {
-        case DType::F32:
-          // From float, exact; from double, one rounding to nearest-even.
-          store(dst, c, e.f32 ? e.f32[r * e.stride + c] : static_cast<float>(source));
-          break;
-        case DType::F64: store(dst, c, source); break;
-        // Eigen rounds from float; a double goes through float rounded to odd, which makes the
-        // two roundings equal one direct rounding to nearest-even (float has >= 2 more bits).
-        case DType::F16:
-          store(dst, c, Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(e.f32 ? e.f32[r * e.stride + c] : float_round_to_odd(source))));
-          break;
-        case DType::BF16:
-          store(dst, c,
-                Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(e.f32 ? e.f32[r * e.stride + c] : float_round_to_odd(source))));
-          break;
-        default: break;
-      }
+    if (e.f32)
+      encode_values(e.f32 + r * e.stride, e.cols, e.dtype, dst, [](float x) { return x; });
+    else
+      encode_values(e.f64 + r * e.stride, e.cols, e.dtype, dst, float_round_to_odd);
+  }
+
+  template <typename Source, typename ToFloatForHalf>
+  static void encode_values(const Source* src, Index cols, DType dtype, unsigned char* dst, ToFloatForHalf to_float) {
+    switch (dtype) {
+      case DType::F32:  // from float exact; from double one rounding to nearest-even
+        for (Index c = 0; c < cols; ++c) store(dst, c, static_cast<float>(src[c]));
+        break;
+      case DType::F64:
+        for (Index c = 0; c < cols; ++c) store(dst, c, static_cast<double>(src[c]));
+        break;
+      case DType::F16:
+        for (Index c = 0; c < cols; ++c) store(dst, c, Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(to_float(src[c]))));
+        break;
+      case DType::BF16:
+        for (Index c = 0; c < cols; ++c) store(dst, c, Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(to_float(src[c]))));
+        break;
+      default: break;  // excluded by add()
     }
   }
 
