@@ -59,19 +59,6 @@
 
 namespace embedhead {
 
-// A file that is not a valid safetensors file, or a tensor that does not fit where it is asked to
-// go for a reason of format (dtype). Shapes that disagree with a layer are shape_error.
-class format_error : public std::runtime_error {
- public:
-  explicit format_error(const std::string& message) : std::runtime_error(message) {}
-};
-
-// A file that cannot be opened, mapped, read or written (the message has the path and errno text).
-class io_error : public std::runtime_error {
- public:
-  explicit io_error(const std::string& message) : std::runtime_error(message) {}
-};
-
 // The dtypes of the safetensors format.
 enum class DType { BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, I64, U64, F64 };
 
