@@ -234,6 +234,9 @@ class SafetensorsFile {
               << " elements; the destination is [" << out.rows() << ", " << out.cols() << "]";
       throw shape_error(message.str());
     }
+    // Nothing to convert. Also required: the rows of an empty matrix ([3, 0]) have a null data(),
+    // which must not reach memcpy (its arguments are declared non-null even for 0 bytes).
+    if (out.size() == 0) return;
     const unsigned char* p = raw(t);
     const Index rows = out.rows(), cols = out.cols();
     for (Index r = 0; r < rows; ++r) {
@@ -268,6 +271,12 @@ class SafetensorsFile {
   template <typename Scalar>
   RowMatrix<Scalar> read(const std::string& name) const {
     const TensorInfo& t = at(name);
+    // A zero-sized tensor may have any other dimension, up to 2^64 - 1 ([0, 2^63] has no data and
+    // is valid); one beyond Index would become a negative matrix size.
+    for (const std::uint64_t s : t.shape)
+      if (s > static_cast<std::uint64_t>(std::numeric_limits<Index>::max()))
+        throw shape_error("safetensors: tensor '" + name + "' in '" + path_ + "' is " + t.shape_string() + "; the dimension " +
+                          std::to_string(s) + " is outside [0, " + std::to_string(std::numeric_limits<Index>::max()) + "]");
     Index rows = 1, cols = 1;
     if (t.shape.size() == 1) {
       rows = static_cast<Index>(t.shape[0]);
