@@ -7,7 +7,10 @@
 # run only when something is missing. Needs root only in that case.
 set -euo pipefail
 
-packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev nlohmann-json3-dev "$@")
+# python3-numpy: the python interop tests (tests/python); clang + libclang-rt-14-dev: the libFuzzer
+# build of fuzz/ (libFuzzer and the sanitizer runtimes are in libclang-rt-14-dev on Debian 12).
+packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev nlohmann-json3-dev
+          python3-numpy clang libclang-rt-14-dev "$@")
 
 is_installed() {
   dpkg -s "$1" 2>/dev/null | grep -q '^Status: install ok installed$'

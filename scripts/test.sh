@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Full embedhead check: Release build with -Werror + all tests, then an
+# Full embedhead check: Release build with -Werror + all tests (the python
+# interop tests must be among them), a clang libFuzzer build that replays the
+# corpus and fuzzes the safetensors reader for a bounded time, then an
 # ASan+UBSan build of the tests.
 #
 # Environment:
-#   EMBEDHEAD_SKIP_ASAN=1   skip the sanitizer phase (fast local iteration)
-#   JOBS=<n>                parallelism for build and ctest (default 2)
+#   EMBEDHEAD_SKIP_ASAN=1       skip the sanitizer phase (fast local iteration)
+#   EMBEDHEAD_SKIP_FUZZ=1       skip the fuzz phase
+#   EMBEDHEAD_FUZZ_SECONDS=<s>  how long to fuzz (default 60)
+#   JOBS=<n>                    parallelism for build and ctest (default 2)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,6 +32,7 @@ cmake -S . -B build/release \
   -DEMBEDHEAD_REQUIRE_SAFETENSORS=ON \
   -DEMBEDHEAD_SANITIZE=OFF \
   -DEMBEDHEAD_BUILD_TESTS=ON \
+  -DEMBEDHEAD_REQUIRE_PYTHON_TESTS=ON \
   -DEMBEDHEAD_CHECK_HEADERS=ON \
   -DEMBEDHEAD_BUILD_BENCHMARKS=ON \
   -DEMBEDHEAD_BUILD_EXAMPLES=ON
@@ -37,6 +42,51 @@ cmake --build build/release -j "$jobs"
 
 phase "Release: ctest"
 ctest --test-dir build/release --output-on-failure -j "$jobs"
+# The python interop tests (label python) must have been registered and run, never skipped.
+python_tests="$(ctest --test-dir build/release -N -L python | sed -n 's/^Total Tests: //p')"
+if [ "${python_tests:-0}" -lt 3 ]; then
+  echo "test.sh: error: expected 3 python interop tests in build/release, found ${python_tests:-0}" >&2
+  exit 1
+fi
+
+if [ "${EMBEDHEAD_SKIP_FUZZ:-0}" = "1" ]; then
+  phase "Fuzz: skipped (EMBEDHEAD_SKIP_FUZZ=1)"
+else
+  # libFuzzer needs clang; a separate build directory (see fuzz/README.md).
+  phase "Fuzz: configure (build/fuzz, clang, -fsanitize=fuzzer,address,undefined)"
+  CC=clang CXX=clang++ cmake -S . -B build/fuzz \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" \
+    -DEMBEDHEAD_BUILD_FUZZERS=ON \
+    -DEMBEDHEAD_WERROR=ON \
+    -DEMBEDHEAD_BUILD_TESTS=OFF \
+    -DEMBEDHEAD_BUILD_BENCHMARKS=OFF \
+    -DEMBEDHEAD_BUILD_EXAMPLES=OFF \
+    -DEMBEDHEAD_INSTALL=OFF
+
+  phase "Fuzz: build"
+  cmake --build build/fuzz -j "$jobs" --target safetensors_fuzz
+
+  phase "Fuzz: replay the corpus (ctest -L fuzz)"
+  ctest --test-dir build/fuzz --output-on-failure -L fuzz
+
+  # Fuzz a scratch copy of the corpus, so fuzz/corpus is never modified.
+  fuzz_seconds="${EMBEDHEAD_FUZZ_SECONDS:-60}"
+  phase "Fuzz: safetensors_fuzz for ${fuzz_seconds} s"
+  fuzz_work="build/fuzz/run"
+  rm -rf "$fuzz_work"
+  mkdir -p "$fuzz_work/corpus" "$fuzz_work/artifacts"
+  cp fuzz/corpus/safetensors/* "$fuzz_work/corpus/"
+  if ! build/fuzz/fuzz/safetensors_fuzz "$fuzz_work/corpus" \
+       -dict=fuzz/safetensors.dict -max_len=4096 -max_total_time="$fuzz_seconds" \
+       -artifact_prefix="$fuzz_work/artifacts/" -print_final_stats=1 > "$fuzz_work/fuzz.log" 2>&1; then
+    tail -n 60 "$fuzz_work/fuzz.log"
+    echo "test.sh: error: safetensors_fuzz found a failing input: $(ls "$fuzz_work/artifacts")" >&2
+    echo "test.sh: reproduce with build/fuzz/fuzz/safetensors_fuzz $fuzz_work/artifacts/<file>; see fuzz/README.md" >&2
+    exit 1
+  fi
+  grep -E '^(#[0-9]+[[:space:]]+INITED|Done [0-9]+ runs|stat::)' "$fuzz_work/fuzz.log"
+fi
 
 if [ "${EMBEDHEAD_SKIP_ASAN:-0}" = "1" ]; then
   phase "ASan+UBSan: skipped (EMBEDHEAD_SKIP_ASAN=1)"
@@ -57,6 +107,7 @@ else
     -DEMBEDHEAD_REQUIRE_SAFETENSORS=ON \
     -DEMBEDHEAD_WERROR=OFF \
     -DEMBEDHEAD_BUILD_TESTS=ON \
+    -DEMBEDHEAD_REQUIRE_PYTHON_TESTS=ON \
     -DEMBEDHEAD_CHECK_HEADERS=OFF \
     -DEMBEDHEAD_BUILD_BENCHMARKS=OFF \
     -DEMBEDHEAD_BUILD_EXAMPLES=OFF

@@ -422,6 +422,34 @@ TEST_CASE("checkpoint: optimizer state saved beside the model resumes training b
   std::remove(plain.c_str());
 }
 
+// fuzz/corpus/safetensors/crash-review-optimizer-*: read_optimizer_state allocated the buffer at
+// the metadata's size before checking the tensor's shape (std::bad_alloc for 2^62 rows) and cast
+// sizes beyond Index to negative ones (Eigen abort). Now: format_error / shape_error, no allocation.
+TEST_CASE("checkpoint: forged optimizer sizes in the metadata are refused before any allocation", "[checkpoint][fuzz]") {
+  const std::string path = temp_path("forged_optimizer.safetensors");
+  const RowMatrix<float> m = RowMatrix<float>::Ones(2, 2);
+  const auto with_sizes = [&](const std::string& parameters) {
+    SafetensorsWriter writer;
+    writer.add<float>("optimizer.0.m", m, DType::F32)
+        .set_metadata("optimizer", "adamw")
+        .set_metadata("optimizer.step", "1")
+        .set_metadata("optimizer.parameters", parameters);
+    writer.write(path);
+    return SafetensorsFile::open(path);
+  };
+  const auto huge = with_sizes(R"([["w",4611686018427387904,2]])");
+  CHECK_THROWS_AS(embedhead::read_optimizer_state<float>(huge), shape_error);
+  CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(huge),
+                    Catch::Contains("optimizer.0.m") && Catch::Contains("[4611686018427387904, 2]"));
+  const auto beyond = with_sizes(R"([["w",9223372036854775808,0]])");
+  CHECK_THROWS_AS(embedhead::read_optimizer_state<float>(beyond), format_error);
+  CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(beyond),
+                    Catch::Contains("entry 0") && Catch::Contains("9223372036854775808") && Catch::Contains("outside [0, 9223372036854775807]"));
+  const auto fine = with_sizes(R"([["w",2,2]])");
+  CHECK(embedhead::read_optimizer_state<float>(fine).parameters.at(0).buffers.at("m") == m);
+  std::remove(path.c_str());
+}
+
 TEST_CASE("checkpoint: guess_model_family and from_pretrained refuse what they cannot read", "[checkpoint]") {
   RowMatrix<float> x = RowMatrix<float>::Ones(3, 2);
   const std::string path = temp_path("other.safetensors");

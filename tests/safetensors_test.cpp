@@ -353,6 +353,46 @@ TEST_CASE("safetensors: valid edge cases are accepted", "[safetensors]") {
   CHECK_THROWS_AS(file.read<float>("i"), format_error);
 }
 
+// Found by fuzz/safetensors_fuzz (fuzz/corpus/safetensors/crash-a12bd6fe...): an F32 tensor with
+// rows but no columns, read as float, passed the null data() of the empty rows to memcpy
+// (undefined behaviour, reported by UBSan's nonnull-attribute check in the sanitizer builds).
+TEST_CASE("safetensors: zero-sized tensors of every float dtype read as empty matrices", "[safetensors][fuzz]") {
+  for (const char* dtype : {"F32", "F64", "F16", "BF16"}) {
+    INFO(dtype);
+    const std::string d(dtype);
+    const auto file = parse(file_bytes(R"({"z":{"dtype":")" + d + R"(","shape":[0,4],"data_offsets":[0,0]},)"
+                                       R"("y":{"dtype":")" + d + R"(","shape":[3,0],"data_offsets":[0,0]},)"
+                                       R"("e":{"dtype":")" + d + R"(","shape":[0],"data_offsets":[0,0]}})"));
+    const RowMatrix<float> y = file.read<float>("y");
+    CHECK(y.rows() == 3);
+    CHECK(y.cols() == 0);
+    CHECK(file.read<double>("y").rows() == 3);
+    CHECK(file.read<float>("z").rows() == 0);
+    CHECK(file.read<float>("z").cols() == 4);
+    CHECK(file.read<double>("e").rows() == 0);
+    RowMatrix<float> view(3, 0);
+    file.read<float>(file.at("y"), view);
+    CHECK(file.first_non_finite(file.at("y")) == -1);
+  }
+}
+
+// fuzz/corpus/safetensors/crash-review-dimension-beyond-index: a zero-sized tensor may have
+// another dimension up to 2^64 - 1 (valid, no data); read<Scalar>(name) cast it to a negative
+// Index and Eigen aborted ("Invalid sizes"). Found by reading the code while writing the fuzzer.
+TEST_CASE("safetensors: a dimension beyond Index is a shape_error, not a negative matrix size", "[safetensors][fuzz]") {
+  const auto file = parse(file_bytes(R"({"a":{"dtype":"F32","shape":[0,9223372036854775808],"data_offsets":[0,0]},)"
+                                     R"("b":{"dtype":"BF16","shape":[18446744073709551615,0],"data_offsets":[0,0]},)"
+                                     R"("c":{"dtype":"F16","shape":[0,9223372036854775807],"data_offsets":[0,0]}})"));
+  CHECK(file.at("a").numel() == 0);
+  CHECK_THROWS_AS(file.read<float>("a"), shape_error);
+  CHECK_THROWS_WITH(file.read<float>("a"), Catch::Contains("'a'") && Catch::Contains("dimension 9223372036854775808") &&
+                                               Catch::Contains("outside [0, 9223372036854775807]"));
+  CHECK_THROWS_AS(file.read<double>("b"), shape_error);
+  const RowMatrix<float> c = file.read<float>("c");  // the largest Index is fine: [0, 2^63 - 1], no storage
+  CHECK(c.rows() == 0);
+  CHECK(c.cols() == std::numeric_limits<Index>::max());
+}
+
 TEST_CASE("safetensors: lookups and shape checks name the tensor", "[safetensors]") {
   const auto file = parse(file_bytes(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},)"
                                      R"("v":{"dtype":"F32","shape":[2,1,1],"data_offsets":[24,32]}})",

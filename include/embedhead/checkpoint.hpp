@@ -27,6 +27,7 @@
 #include "token_embedding.hpp"
 
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -347,14 +348,20 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
       fail("metadata 'optimizer.parameters' entry " + std::to_string(i) + " is not [name, rows, cols]");
     typename OptimizerState<Scalar>::Entry entry;
     entry.name = p[0].get<std::string>();
+    constexpr auto max_index = static_cast<std::uint64_t>(std::numeric_limits<Index>::max());
+    if (p[1].get<std::uint64_t>() > max_index || p[2].get<std::uint64_t>() > max_index)
+      fail("metadata 'optimizer.parameters' entry " + std::to_string(i) + " has a size " + p.dump() + " outside [0, " +
+           std::to_string(max_index) + "]");
     entry.rows = static_cast<Index>(p[1].get<std::uint64_t>());
     entry.cols = static_cast<Index>(p[2].get<std::uint64_t>());
     const std::string prefix = "optimizer." + std::to_string(i) + ".";
     for (const auto& t : file.tensors()) {
       if (t.name.compare(0, prefix.size(), prefix) != 0) continue;
       const std::string key = t.name.substr(prefix.size());
-      RowMatrix<Scalar> buffer(entry.rows, entry.cols);
+      // The shape check first: the metadata's sizes are only trusted once a tensor of that shape,
+      // backed by data in the file, exists; allocating before it let a forged size ask for 2^62.
       file.expect(t.name, entry.rows, entry.cols, "optimizer buffer '" + key + "' of '" + entry.name + "'");
+      RowMatrix<Scalar> buffer(entry.rows, entry.cols);
       file.read<Scalar>(t, buffer);
       entry.buffers.emplace(key, std::move(buffer));
     }

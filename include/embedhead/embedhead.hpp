@@ -10,6 +10,7 @@
 #include "fused_head_loss.hpp"
 #include "init.hpp"
 #include "low_precision.hpp"
+#include "npy.hpp"
 #include "optimizer.hpp"
 #include "output_projection.hpp"
 #include "parameter.hpp"

@@ -30,6 +30,20 @@ class value_error : public std::invalid_argument {
   explicit value_error(const std::string& message) : std::invalid_argument(message) {}
 };
 
+// A file that is not valid in its format (a safetensors or .npy file: bad magic, malformed
+// header, truncated data), or a tensor whose dtype cannot go where it is asked to. Shapes that
+// disagree with a layer are shape_error.
+class format_error : public std::runtime_error {
+ public:
+  explicit format_error(const std::string& message) : std::runtime_error(message) {}
+};
+
+// A file that cannot be opened, mapped, read or written (the message has the path and errno text).
+class io_error : public std::runtime_error {
+ public:
+  explicit io_error(const std::string& message) : std::runtime_error(message) {}
+};
+
 }  // namespace embedhead
 
 #endif  // EMBEDHEAD_ERRORS_HPP

@@ -59,19 +59,6 @@
 
 namespace embedhead {
 
-// A file that is not a valid safetensors file, or a tensor that does not fit where it is asked to
-// go for a reason of format (dtype). Shapes that disagree with a layer are shape_error.
-class format_error : public std::runtime_error {
- public:
-  explicit format_error(const std::string& message) : std::runtime_error(message) {}
-};
-
-// A file that cannot be opened, mapped, read or written (the message has the path and errno text).
-class io_error : public std::runtime_error {
- public:
-  explicit io_error(const std::string& message) : std::runtime_error(message) {}
-};
-
 // The dtypes of the safetensors format.
 enum class DType { BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, I64, U64, F64 };
 
@@ -241,6 +228,9 @@ class SafetensorsFile {
               << " elements; the destination is [" << out.rows() << ", " << out.cols() << "]";
       throw shape_error(message.str());
     }
+    // Nothing to convert. Also required: the rows of an empty matrix ([3, 0]) have a null data(),
+    // which must not reach memcpy (its arguments are declared non-null even for 0 bytes).
+    if (out.size() == 0) return;
     const unsigned char* p = raw(t);
     switch (t.dtype) {
       case DType::F32:
@@ -269,6 +259,12 @@ class SafetensorsFile {
   template <typename Scalar>
   RowMatrix<Scalar> read(const std::string& name) const {
     const TensorInfo& t = at(name);
+    // A zero-sized tensor may have any other dimension, up to 2^64 - 1 ([0, 2^63] has no data and
+    // is valid); one beyond Index would become a negative matrix size.
+    for (const std::uint64_t s : t.shape)
+      if (s > static_cast<std::uint64_t>(std::numeric_limits<Index>::max()))
+        throw shape_error("safetensors: tensor '" + name + "' in '" + path_ + "' is " + t.shape_string() + "; the dimension " +
+                          std::to_string(s) + " is outside [0, " + std::to_string(std::numeric_limits<Index>::max()) + "]");
     Index rows = 1, cols = 1;
     if (t.shape.size() == 1) {
       rows = static_cast<Index>(t.shape[0]);
