@@ -297,6 +297,26 @@ TEST_CASE("checkpoint: non-finite values and wrong dtypes are refused, naming th
   std::remove(path.c_str());
 }
 
+TEST_CASE("checkpoint: F64 values beyond float's range are refused for a float model, kept for double", "[checkpoint]") {
+  const Index V = 4, d = 3;
+  const auto names = embedhead::hugging_face_names(ModelFamily::llama);
+  RowMatrix<double> values = RowMatrix<double>::Constant(V, d, 0.5);
+  values(2, 1) = 1e300;  // finite in F64, infinite as float
+  const std::string path = temp_path("f64range.safetensors");
+  SafetensorsWriter().add<double>("model.embed_tokens.weight", values, DType::F64).write(path);
+  const auto file = SafetensorsFile::open(path);
+  auto e = table(V, d, 111);
+  const auto before = e.weight().value().eval();
+  CHECK_THROWS_AS(embedhead::load_checkpoint<float>(file, names, e), value_error);
+  CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(file, names, e),
+                    Catch::Contains("beyond float's range") && Catch::Contains("at (2, 1)"));
+  CHECK(e.weight().value() == before);
+  TokenEmbedding<double> wide(V, d);
+  embedhead::load_checkpoint<double>(file, names, wide);
+  CHECK(wide.weight().value() == values);
+  std::remove(path.c_str());
+}
+
 TEST_CASE("checkpoint: corrupted copies of a good file never change the model", "[checkpoint]") {
   const Index V = 12, d = 4;
   const auto names = embedhead::hugging_face_names(ModelFamily::gpt2);

@@ -26,6 +26,7 @@
 #include "safetensors.hpp"
 #include "token_embedding.hpp"
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -107,10 +108,21 @@ template <typename Scalar>
 const TensorInfo& check_loadable(const SafetensorsFile& file, const std::string& name, const Parameter<Scalar>& p,
                                  const std::string& what) {
   const TensorInfo& t = file.expect(name, p.rows(), p.cols(), what);
-  const std::int64_t bad = file.first_non_finite(t);
+  std::int64_t bad = file.first_non_finite(t);
+  const char* problem = "a non-finite value";
+  if (bad < 0 && std::is_same_v<Scalar, float> && t.dtype == DType::F64) {
+    // Finite in the file but beyond float's range: it would load as an infinity.
+    const unsigned char* data = file.raw(t);
+    for (std::uint64_t i = 0; i < t.numel() && bad < 0; ++i) {
+      double x;
+      std::memcpy(&x, data + i * sizeof(double), sizeof(double));
+      if (!std::isfinite(static_cast<float>(x))) bad = static_cast<std::int64_t>(i);
+    }
+    problem = "an F64 value beyond float's range (it would become an infinity)";
+  }
   if (bad >= 0) {
     std::ostringstream message;
-    message << "load: tensor '" << name << "' in '" << file.path() << "' has a non-finite value at ";
+    message << "load: tensor '" << name << "' in '" << file.path() << "' has " << problem << " at ";
     if (t.shape.size() == 2)
       message << "(" << static_cast<std::uint64_t>(bad) / t.shape[1] << ", " << static_cast<std::uint64_t>(bad) % t.shape[1] << ")";
     else
