@@ -317,7 +317,8 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
 
 // ... -> loss; dh [N, d] = dz W (written), dW [V, d] += dz^T h, db [V, 1] += sums of dz (each
 // skipped when empty: a frozen W, no bias). Cost: 8 N V d flops in GEMMs (two passes; 6 N V d
-// without dW), about 6 passes over each block's logits; memory in `workspace`: N * vocab_block scalars, plus 2 N d when tokens are ignored.
+// without dW), about 6 passes over each block's logits; memory in `workspace`: N * vocab_block
+// scalars, plus 2 N d when tokens are ignored.
 template <typename Scalar>
 CrossEntropyResult fused_head_loss_forward_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                                     const ConstMatrixRef<Scalar>& bias, const ConstIdRef<std::int32_t>& targets,
