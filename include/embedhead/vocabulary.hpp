@@ -40,7 +40,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <optional>
 #include <sstream>
 #include <type_traits>
 #include <vector>
