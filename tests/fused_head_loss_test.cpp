@@ -523,3 +523,59 @@ TEMPLATE_TEST_CASE("FusedHeadLoss layer leaves the gradients untouched when it t
   CHECK(same_values(emb.weight().grad().to_dense(), before));
   CHECK(same_values(dh, RowMatrix<Scalar>::Constant(3, 4, 3)));
 }
+
+TEMPLATE_TEST_CASE("FusedHeadLoss layer with a frozen W or bias: same loss and dh, no frozen gradient",
+                   "[fused_head_loss][layer][freeze]", float, double) {
+  using Scalar = TestType;
+  const Index N = 9, V = 300, d = 6;  // V over two GEMM pieces of 256 rows
+  IdMatrix<std::int32_t> targets = random_ids<std::int32_t>(1, N, V, 700);
+  targets(0, 4) = -100;
+  const RowMatrix<Scalar> h = random_matrix<Scalar>(N, d, 701);
+  FusedHeadLossOptions options;
+  options.vocab_block = 128;
+  embedhead::OutputProjection<Scalar> reference(V, d), head(V, d);  // same default seed: same W
+  reference.bias()->value() = random_matrix<Scalar>(V, 1, 702);
+  head.bias()->value() = reference.bias()->value();
+  FusedHeadLoss<Scalar> loss(options);
+  RowMatrix<Scalar> dh_expected(N, d), dh(N, d);
+  const auto expected = loss.forward_backward(reference, h, targets, dh_expected);
+
+  SECTION("frozen W: the dW GEMMs are skipped; loss, dh and db bit-identical") {
+    head.weight().set_frozen(true);
+    const auto actual = loss.forward_backward(head, h, targets, dh);
+    CHECK(actual.loss == expected.loss);
+    CHECK(same_values(dh, dh_expected));
+    CHECK(head.weight().grad().num_touched() == 0);
+    CHECK_FALSE(head.weight().grad().is_dense());
+    CHECK(same_values(head.bias()->grad().to_dense(), reference.bias()->grad().to_dense()));
+  }
+  SECTION("frozen bias: dW bit-identical, no db") {
+    head.bias()->set_frozen(true);
+    const auto actual = loss.forward_backward(head, h, targets, dh);
+    CHECK(actual.loss == expected.loss);
+    CHECK(same_values(dh, dh_expected));
+    CHECK(same_values(head.weight().grad().to_dense(), reference.weight().grad().to_dense()));
+    CHECK(head.bias()->grad().num_touched() == 0);
+  }
+  SECTION("tied and frozen through the embedding") {
+    embedhead::TokenEmbedding<Scalar> embedding(V, d), unfrozen_embedding(V, d);
+    embedhead::OutputProjection<Scalar> tied(embedding), unfrozen(unfrozen_embedding);
+    embedding.set_frozen(true);
+    RowMatrix<Scalar> dh_unfrozen(N, d);
+    const auto a = loss.forward_backward(tied, h, targets, dh);
+    const auto b = loss.forward_backward(unfrozen, h, targets, dh_unfrozen);
+    CHECK(a.loss == b.loss);
+    CHECK(same_values(dh, dh_unfrozen));
+    CHECK(embedding.weight().grad().num_touched() == 0);
+  }
+  SECTION("the free function skips an empty dW") {
+    RowMatrix<Scalar> none(0, d), db = RowMatrix<Scalar>::Zero(V, 1), lse(0, 1), losses(0, 1);
+    FusedHeadLossWorkspace<Scalar> workspace;
+    const auto actual = embedhead::fused_head_loss_forward_backward<Scalar>(
+        h, head.weight().value(), head.bias()->value(), targets, RowMatrix<Scalar>(0, 1), dh, none, db, lse, losses, options,
+        workspace);
+    CHECK(actual.loss == expected.loss);
+    CHECK(same_values(dh, dh_expected));
+    CHECK(same_values(db, reference.bias()->grad().to_dense()));
+  }
+}

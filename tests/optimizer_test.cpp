@@ -534,3 +534,203 @@ TEST_CASE("optimizers reject bad hyperparameters with the value and its range", 
   CHECK_THROWS_WITH(lazy.add_group({p}, decay), Contains("LazyAdam: weight_decay = 0.1 is not supported"));
   CHECK(lazy.groups().empty());
 }
+
+// ---- frozen parameters ----
+
+TEMPLATE_TEST_CASE("step skips a frozen parameter: value and state untouched, the step count still advances",
+                   "[optimizer][freeze]", float, double) {
+  using Scalar = TestType;
+  const Index V = 5, d = 3;
+  auto trained = make_parameter<Scalar>(V, d, 120, "W"), frozen = make_parameter<Scalar>(V, d, 121, "E");
+  frozen->set_frozen(true);
+  embedhead::AdamOptions options;
+  options.lr = 0.05;
+  embedhead::AdamW<Scalar> adam(options, {trained, frozen});
+  NaiveAdam naive{0.05, 0.9, 0.999, 1e-8, 0.01, true, false, {}, {}};
+  RowMatrix<double> expected = trained->value().template cast<double>();
+  const RowMatrix<Scalar> frozen_before = frozen->value();
+  const RowMatrix<double> G = random_matrix<double>(V, d, 122);
+  for (int t = 0; t < 2; ++t) {
+    set_gradient(*trained, G, {});
+    set_gradient(*frozen, G, {0, 2});  // written through grad() directly: still ignored
+    adam.step();
+    naive.step(expected, G, {});
+  }
+  CHECK(adam.step_count() == 2);
+  CHECK(close(trained->value(), expected, 20 * tolerance<Scalar>()));
+  CHECK(same_values(frozen->value(), frozen_before));
+  const auto state = adam.state();
+  CHECK(state.parameters[1].buffers.empty());  // never updated, so no buffer was even created
+
+  // Unfrozen, it trains from fresh moments at the global t = 3 (the bias correction of step 3).
+  frozen->set_frozen(false);
+  set_gradient(*frozen, G, {0, 2});
+  set_gradient(*trained, G, {});
+  adam.step();
+  NaiveAdam late{0.05, 0.9, 0.999, 1e-8, 0.01, true, false, {}, {}};
+  late.t = 2;
+  RowMatrix<double> frozen_expected = frozen_before.template cast<double>();
+  late.step(frozen_expected, masked(G, {0, 2}), {});
+  CHECK(close(frozen->value(), frozen_expected, 20 * tolerance<Scalar>()));
+}
+
+TEMPLATE_TEST_CASE("every optimizer leaves a frozen parameter bit-identical", "[optimizer][freeze]", float, double) {
+  using Scalar = TestType;
+  const Index V = 4, d = 2;
+  const RowMatrix<double> G = random_matrix<double>(V, d, 130);
+  auto check = [&](auto make_optimizer) {
+    auto p = make_parameter<Scalar>(V, d, 131);
+    p->set_frozen(true);
+    const RowMatrix<Scalar> before = p->value();
+    auto optimizer = make_optimizer(p);
+    set_gradient(*p, G, {1});
+    optimizer.step();
+    set_gradient(*p, G, {});
+    optimizer.step();
+    CHECK(same_values(p->value(), before));
+    CHECK(optimizer.step_count() == 2);
+  };
+  embedhead::SGDOptions sgd;
+  sgd.momentum = 0.9;
+  sgd.weight_decay = 0.1;
+  check([&](const ParameterPtr<Scalar>& p) { return embedhead::SGD<Scalar>(sgd, {p}); });
+  check([&](const ParameterPtr<Scalar>& p) { return embedhead::AdamW<Scalar>(embedhead::AdamOptions{}, {p}); });
+  check([&](const ParameterPtr<Scalar>& p) { return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p}); });
+  check([&](const ParameterPtr<Scalar>& p) { return embedhead::Adagrad<Scalar>(embedhead::AdagradOptions{}, {p}); });
+}
+
+TEMPLATE_TEST_CASE("clip_grad_norm ignores frozen parameters", "[optimizer][freeze][clip]", float, double) {
+  using Scalar = TestType;
+  auto trained = make_parameter<Scalar>(3, 2, 140, "W"), frozen = make_parameter<Scalar>(3, 2, 141, "E");
+  frozen->set_frozen(true);
+  const RowMatrix<double> G = random_matrix<double>(3, 2, 142);
+  set_gradient(*trained, G, {});
+  set_gradient(*frozen, G, {0, 1});  // written directly: neither counted nor scaled
+  const double norm = embedhead::clip_grad_norm<Scalar>({trained, frozen}, 0.1);
+  CHECK_THAT(norm, WithinRel(G.norm(), 1e-6));
+  CHECK(close(frozen->grad().to_dense(), masked(G, {0, 1}), tolerance<Scalar>()));
+  CHECK(close(trained->grad().to_dense(), RowMatrix<double>(G * (0.1 / (G.norm() + 1e-6))), 10 * tolerance<Scalar>()));
+}
+
+// ---- resize_state ----
+
+TEMPLATE_TEST_CASE("resize_state: kept rows continue bit-identically, new rows start from fresh state",
+                   "[optimizer][resize]", float, double) {
+  using Scalar = TestType;
+  const Index V = 6, d = 4, grown = 9;
+  const Steps steps = make_steps(V, d, 150);
+  const RowMatrix<double> G = random_matrix<double>(grown, d, 151);
+  const std::vector<Index> after_rows = {1, 3, 7};  // two old rows and a new one
+
+  auto run = [&](auto make_optimizer) {
+    // p is resized after three steps; q is the reference that never is.
+    auto p = make_parameter<Scalar>(V, d, 152, "E"), q = make_parameter<Scalar>(V, d, 152, "E");
+    auto op = make_optimizer(p);
+    auto oq = make_optimizer(q);
+    for (std::size_t t = 0; t < 3; ++t) {
+      set_gradient(*p, steps.G[t], steps.rows[t]);
+      set_gradient(*q, steps.G[t], steps.rows[t]);
+      op.step();
+      oq.step();
+    }
+    REQUIRE(same_values(p->value(), q->value()));
+    p->resize_rows(grown);
+    CHECK(op.resize_state(*p));
+    const auto state = op.state(), reference = oq.state();
+    REQUIRE(state.parameters[0].rows == grown);
+    for (const char* key : {"exp_avg", "exp_avg_sq"}) {
+      const RowMatrix<Scalar>& buffer = state.parameters[0].buffers.at(key);
+      REQUIRE(buffer.rows() == grown);
+      CHECK(same_values(buffer.topRows(V), reference.parameters[0].buffers.at(key)));
+      CHECK(buffer.bottomRows(grown - V) == RowMatrix<Scalar>::Zero(grown - V, d));
+    }
+    // One more step: old rows 1 and 3 touched, new row 7 touched, the rest not.
+    set_gradient(*p, G, after_rows);
+    set_gradient(*q, RowMatrix<double>(G.topRows(V)), {1, 3});
+    op.step();
+    oq.step();
+    CHECK(test_support::first_difference(p->value().topRows(V), q->value()).empty());
+    // Row 7 from zero value and zero moments at t = 4: m = (1 - b1) g, v = (1 - b2) g^2.
+    const double lr = 1e-3, b1 = 0.9, b2 = 0.999, eps = 1e-8, t = 4;
+    RowMatrix<double> row7(1, d);
+    for (Index c = 0; c < d; ++c) {
+      const double g = G(7, c), m = (1 - b1) * g, v = (1 - b2) * g * g;
+      row7(0, c) = -lr / (1 - std::pow(b1, t)) * m / (std::sqrt(v) / std::sqrt(1 - std::pow(b2, t)) + eps);
+    }
+    CHECK(close(p->value().row(7), row7, 20 * tolerance<Scalar>()));
+    // Untouched new rows: zero stays zero (AdamW's decay of 0 is 0; LazyAdam does not visit them).
+    CHECK(p->value().row(6) == RowMatrix<Scalar>::Zero(1, d));
+    CHECK(p->value().row(8) == RowMatrix<Scalar>::Zero(1, d));
+
+    // Shrinking to 4 rows: rows 0..3 still follow the reference exactly.
+    p->resize_rows(4);
+    CHECK(op.resize_state(*p));
+    CHECK(op.state().parameters[0].buffers.at("exp_avg").rows() == 4);
+    set_gradient(*p, RowMatrix<double>(G.topRows(4)), {0, 3});
+    set_gradient(*q, RowMatrix<double>(G.topRows(V)), {0, 3});
+    op.step();
+    oq.step();
+    CHECK(test_support::first_difference(p->value(), q->value().topRows(4)).empty());
+  };
+  SECTION("AdamW") {
+    run([](const ParameterPtr<Scalar>& p) { return embedhead::AdamW<Scalar>(embedhead::AdamOptions{}, {p}); });
+  }
+  SECTION("LazyAdam") {
+    run([](const ParameterPtr<Scalar>& p) {
+      return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p});
+    });
+  }
+}
+
+TEMPLATE_TEST_CASE("resize_state: each buffer's initial value; unregistered parameters and absent buffers",
+                   "[optimizer][resize]", float, double) {
+  using Scalar = TestType;
+  const RowMatrix<double> G = random_matrix<double>(3, 2, 160);
+  SECTION("Adagrad's sum starts new rows at initial_accumulator_value") {
+    auto p = make_parameter<Scalar>(3, 2, 161);
+    embedhead::AdagradOptions options;
+    options.initial_accumulator_value = 0.25;
+    embedhead::Adagrad<Scalar> adagrad(options, {p});
+    set_gradient(*p, G, {});
+    adagrad.step();
+    const RowMatrix<Scalar> sum = adagrad.state().parameters[0].buffers.at("sum");
+    p->resize_rows(5);
+    adagrad.resize_state(*p);
+    const RowMatrix<Scalar> resized = adagrad.state().parameters[0].buffers.at("sum");
+    CHECK(same_values(resized.topRows(3), sum));
+    CHECK(resized.bottomRows(2) == RowMatrix<Scalar>::Constant(2, 2, Scalar(0.25)));
+  }
+  SECTION("SGD's momentum buffer starts new rows at zero") {
+    auto p = make_parameter<Scalar>(3, 2, 162);
+    embedhead::SGDOptions options;
+    options.momentum = 0.9;
+    embedhead::SGD<Scalar> sgd(options, {p});
+    set_gradient(*p, G, {});
+    sgd.step();
+    p->resize_rows(4);
+    sgd.resize_state(*p);
+    const RowMatrix<Scalar> buffer = sgd.state().parameters[0].buffers.at("momentum_buffer");
+    CHECK(buffer.rows() == 4);
+    CHECK(buffer.row(3) == RowMatrix<Scalar>::Zero(1, 2));
+  }
+  SECTION("before the first step there is no buffer to resize; one is created at the new size") {
+    auto p = make_parameter<Scalar>(3, 2, 163);
+    embedhead::AdamW<Scalar> adam(embedhead::AdamOptions{}, {p});
+    p->resize_rows(5);
+    CHECK(adam.resize_state(*p));
+    CHECK(adam.state().parameters[0].buffers.empty());
+    set_gradient(*p, random_matrix<double>(5, 2, 164), {4});
+    adam.step();
+    CHECK(adam.state().parameters[0].buffers.at("exp_avg").rows() == 5);
+  }
+  SECTION("a parameter the optimizer does not hold: false, nothing changes") {
+    auto p = make_parameter<Scalar>(3, 2, 165), other = make_parameter<Scalar>(3, 2, 166);
+    embedhead::AdamW<Scalar> adam(embedhead::AdamOptions{}, {p});
+    set_gradient(*p, G, {});
+    adam.step();
+    const auto before = adam.state();
+    other->resize_rows(6);
+    CHECK_FALSE(adam.resize_state(*other));
+    CHECK(same_values(adam.state().parameters[0].buffers.at("exp_avg"), before.parameters[0].buffers.at("exp_avg")));
+  }
+}

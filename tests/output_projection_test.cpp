@@ -903,3 +903,70 @@ TEST_CASE("output_projection free functions accept empty operands (N = 0 with V 
     check_close<float>(db, expected);
   }
 }
+
+TEMPLATE_TEST_CASE("OutputProjection with a frozen W or bias: dh unchanged, the frozen gradient untouched",
+                   "[output_projection][freeze]", float, double) {
+  using Scalar = TestType;
+  const Index N = 5, V = 1030, d = 4;  // V over two chunks of 1024 rows
+  const RowMatrix<Scalar> h = random_matrix<Scalar>(N, d, 500), dlogits = random_matrix<Scalar>(N, V, 501);
+  OutputProjection<Scalar> reference(V, d), head(V, d);
+  head.bias()->value() = random_matrix<Scalar>(V, 1, 502);
+  reference.bias()->value() = head.bias()->value();
+  const RowMatrix<Scalar> dh_expected = reference.backward(h, dlogits);
+  const RowMatrix<Scalar> dW_expected = reference.weight().grad().to_dense();
+  const RowMatrix<Scalar> db_expected = reference.bias()->grad().to_dense();
+
+  SECTION("frozen W: no dW (the gradient stays sparse and empty), db and dh as unfrozen") {
+    head.weight().set_frozen(true);
+    const RowMatrix<Scalar> dh = head.backward(h, dlogits);
+    CHECK(same_values(dh, dh_expected));
+    CHECK(head.weight().grad().num_touched() == 0);
+    CHECK_FALSE(head.weight().grad().is_dense());
+    CHECK(same_values(head.bias()->grad().to_dense(), db_expected));
+  }
+  SECTION("frozen bias: dW and dh as unfrozen, no db") {
+    head.bias()->set_frozen(true);
+    const RowMatrix<Scalar> dh = head.backward(h, dlogits);
+    CHECK(same_values(dh, dh_expected));
+    CHECK(same_values(head.weight().grad().to_dense(), dW_expected));
+    CHECK(head.bias()->grad().num_touched() == 0);
+  }
+  SECTION("both frozen: dh only") {
+    head.weight().set_frozen(true);
+    head.bias()->set_frozen(true);
+    CHECK(same_values(head.backward(h, dlogits), dh_expected));
+    CHECK(head.weight().grad().num_touched() == 0);
+    CHECK(head.bias()->grad().num_touched() == 0);
+  }
+  SECTION("the free function skips an empty dW and an empty db") {
+    RowMatrix<Scalar> dh(N, d), db = RowMatrix<Scalar>::Zero(V, 1);
+    RowMatrix<Scalar> none(0, d), no_bias(0, 1);
+    embedhead::output_projection_backward<Scalar>(h, head.weight().value(), dlogits, dh, none, db);
+    CHECK(same_values(dh, dh_expected));
+    CHECK(same_values(db, db_expected));
+    embedhead::output_projection_backward<Scalar>(h, head.weight().value(), dlogits, dh, none, no_bias);
+    CHECK(same_values(dh, dh_expected));
+  }
+}
+
+TEMPLATE_TEST_CASE("Tied: freezing the embedding freezes the head's W (one Parameter)", "[output_projection][tied][freeze]",
+                   float, double) {
+  using Scalar = TestType;
+  const Index N = 3, V = 6, d = 2;
+  TokenEmbedding<Scalar> embedding(V, d);
+  OutputProjection<Scalar> head(embedding);
+  embedding.set_frozen(true);
+  CHECK(head.weight().frozen());
+  const RowMatrix<Scalar> h = random_matrix<Scalar>(N, d, 510), dlogits = random_matrix<Scalar>(N, V, 511);
+  TokenEmbedding<Scalar> unfrozen_embedding(V, d);  // the same seed: the same table
+  OutputProjection<Scalar> unfrozen(unfrozen_embedding);
+  RowMatrix<Scalar> dh(N, d);
+  head.backward(h, dlogits, dh);
+  CHECK(same_values(dh, unfrozen.backward(h, dlogits)));
+  embedhead::IdMatrix<std::int32_t> ids(1, N);
+  ids << 0, 5, 0;
+  embedding.backward(ids, dh);
+  CHECK(embedding.weight().grad().num_touched() == 0);
+  head.weight().set_frozen(false);  // and unfreezing through the head unfreezes the embedding
+  CHECK_FALSE(embedding.frozen());
+}

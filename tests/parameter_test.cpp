@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 using embedhead::Index;
@@ -448,4 +449,155 @@ TEST_CASE("RowGradient: touch_rows with `fresh` flags new rows and leaves them f
   g.touch_rows(second.data(), 4, slots.data(), fresh.data());
   CHECK(fresh == std::vector<unsigned char>{0, 0, 0, 0});
   CHECK(slots == second);
+}
+
+TEMPLATE_TEST_CASE("Parameter: frozen flag", "[parameter][freeze]", float, double) {
+  using Scalar = TestType;
+  Parameter<Scalar> p(4, 2, "E");
+  CHECK_FALSE(p.frozen());  // trainable by default
+
+  SECTION("freezing clears the gradient and keeps the value; unfreezing keeps the (empty) gradient") {
+    p.value().setConstant(Scalar(1.5));
+    const std::vector<Index> ids = {1, 2};
+    std::vector<Index> slots(2);
+    p.grad().touch_rows(ids.data(), 2, slots.data());
+    p.grad().slot_row(slots[0]).setConstant(Scalar(3));
+    p.set_frozen(true);
+    CHECK(p.frozen());
+    CHECK(p.grad().num_touched() == 0);
+    CHECK(p.value() == RowMatrix<Scalar>::Constant(4, 2, Scalar(1.5)));
+    p.set_frozen(false);
+    CHECK_FALSE(p.frozen());
+    CHECK(p.grad().num_touched() == 0);
+  }
+
+  SECTION("freezing a dense gradient leaves it sparse and zero") {
+    p.grad().dense_accumulator().setConstant(Scalar(1));
+    p.set_frozen(true);
+    CHECK_FALSE(p.grad().is_dense());
+    CHECK(p.grad().to_dense() == RowMatrix<Scalar>::Zero(4, 2));
+  }
+}
+
+namespace {
+
+// A Parameter [rows, cols] with distinct values and a sparse gradient on `ids` (value of row r:
+// 100 r + c + 0.25; gradient of row r: -(r + 1) - c / 8), and the dense reference of that gradient.
+template <typename Scalar>
+std::pair<std::shared_ptr<Parameter<Scalar>>, RowMatrix<Scalar>> filled_parameter(Index rows, Index cols,
+                                                                                   const std::vector<Index>& ids) {
+  auto p = std::make_shared<Parameter<Scalar>>(rows, cols, "E");
+  RowMatrix<Scalar> grad = RowMatrix<Scalar>::Zero(rows, cols);
+  for (Index r = 0; r < rows; ++r)
+    for (Index c = 0; c < cols; ++c) p->value()(r, c) = static_cast<Scalar>(100 * r + c) + Scalar(0.25);
+  std::vector<Index> slots(ids.size());
+  p->grad().touch_rows(ids.data(), static_cast<Index>(ids.size()), slots.data());
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    for (Index c = 0; c < cols; ++c) {
+      const Scalar g = -static_cast<Scalar>(ids[i] + 1) - static_cast<Scalar>(c) / Scalar(8);
+      p->grad().slot_row(slots[i])(c) = g;
+      grad(ids[i], c) = g;
+    }
+  return {p, grad};
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("Parameter::resize_rows changes the row count in place", "[parameter][resize]", float, double) {
+  using Scalar = TestType;
+  const Index rows = 6, d = 3;
+  const std::vector<Index> ids = {0, 2, 4, 5};
+
+  SECTION("growing: same object, old rows bit-exact, new rows zero, gradient rows kept, new rows untouched") {
+    auto [p, grad] = filled_parameter<Scalar>(rows, d, ids);
+    const RowMatrix<Scalar> before = p->value();
+    const Parameter<Scalar>* address = p.get();
+    auto alias = p;  // a second holder, as a tied head
+    p->resize_rows(9);
+    CHECK(p.get() == address);
+    CHECK(alias->rows() == 9);
+    CHECK(alias->cols() == d);
+    CHECK(first_difference(p->value().topRows(rows), before).empty());
+    CHECK(p->value().bottomRows(3) == RowMatrix<Scalar>::Zero(3, d));
+    CHECK(p->grad().rows() == 9);
+    CHECK(p->grad().touched_rows() == ids);
+    RowMatrix<Scalar> expected = RowMatrix<Scalar>::Zero(9, d);
+    expected.topRows(rows) = grad;
+    CHECK(first_difference(p->grad().to_dense(), expected).empty());
+    CHECK_FALSE(p->grad().is_dense());
+    // The resized gradient keeps working: a batch touching an old and a new row merges into it.
+    const std::vector<Index> more = {2, 7};
+    std::vector<Index> slots(2);
+    p->grad().touch_rows(more.data(), 2, slots.data());
+    p->grad().slot_row(slots[1]).setConstant(Scalar(9));
+    CHECK(p->grad().touched_rows() == std::vector<Index>({0, 2, 4, 5, 7}));
+    expected.row(7).setConstant(Scalar(9));
+    CHECK(first_difference(p->grad().to_dense(), expected).empty());
+  }
+
+  SECTION("shrinking: rows from new_rows on are dropped with their gradient") {
+    auto [p, grad] = filled_parameter<Scalar>(rows, d, ids);
+    const RowMatrix<Scalar> before = p->value();
+    p->resize_rows(3);
+    CHECK(p->rows() == 3);
+    CHECK(first_difference(p->value(), before.topRows(3)).empty());
+    CHECK(p->grad().touched_rows() == std::vector<Index>({0, 2}));
+    CHECK(first_difference(p->grad().to_dense(), grad.topRows(3)).empty());
+    // Shrinking to one row, then growing back: the dropped rows come back as zero.
+    p->resize_rows(1);
+    p->resize_rows(4);
+    CHECK(first_difference(p->value().topRows(1), before.topRows(1)).empty());
+    CHECK(p->value().bottomRows(3) == RowMatrix<Scalar>::Zero(3, d));
+    CHECK(p->grad().touched_rows() == std::vector<Index>({0}));
+  }
+
+  SECTION("a dense gradient stays dense: kept rows keep their values, new rows are zero and marked") {
+    auto [p, grad] = filled_parameter<Scalar>(rows, d, ids);
+    p->grad().dense_accumulator().row(1).setConstant(Scalar(5));
+    grad.row(1).setConstant(Scalar(5));
+    p->resize_rows(8);
+    CHECK(p->grad().is_dense());
+    CHECK(p->grad().touched_rows() == range(0, 8));
+    RowMatrix<Scalar> expected = RowMatrix<Scalar>::Zero(8, d);
+    expected.topRows(rows) = grad;
+    CHECK(first_difference(p->grad().to_dense(), expected).empty());
+    p->resize_rows(2);
+    CHECK(p->grad().is_dense());
+    CHECK(first_difference(p->grad().to_dense(), grad.topRows(2)).empty());
+    p->zero_grad();  // clear() keeps its invariant: the buffer is all zero, sparse mode again
+    CHECK_FALSE(p->grad().is_dense());
+    CHECK(p->grad().dense_accumulator() == RowMatrix<Scalar>::Zero(2, d));
+  }
+
+  SECTION("same size, V = 1 and d = 1") {
+    auto [p, grad] = filled_parameter<Scalar>(rows, d, ids);
+    const RowMatrix<Scalar> before = p->value();
+    p->resize_rows(rows);
+    CHECK(first_difference(p->value(), before).empty());
+    CHECK(first_difference(p->grad().to_dense(), grad).empty());
+    Parameter<Scalar> one(1, 1);
+    one.value()(0, 0) = Scalar(7);
+    one.resize_rows(2);
+    CHECK(one.value()(0, 0) == Scalar(7));
+    CHECK(one.value()(1, 0) == Scalar(0));
+  }
+
+  SECTION("a frozen parameter stays frozen") {
+    Parameter<Scalar> q(2, 2);
+    q.set_frozen(true);
+    q.resize_rows(5);
+    CHECK(q.frozen());
+  }
+
+  SECTION("errors: new_rows < 1 throws value_error naming it; nothing changes") {
+    auto [p, grad] = filled_parameter<Scalar>(rows, d, ids);
+    const RowMatrix<Scalar> before = p->value();
+    REQUIRE_THROWS_AS(p->resize_rows(0), embedhead::value_error);
+    REQUIRE_THROWS_WITH(p->resize_rows(0), Catch::Contains("Parameter::resize_rows: new_rows = 0 outside [1, inf)"));
+    REQUIRE_THROWS_WITH(p->resize_rows(-3), Catch::Contains("new_rows = -3 outside [1, inf)"));
+    CHECK(p->rows() == rows);
+    CHECK(first_difference(p->value(), before).empty());
+    CHECK(p->grad().touched_rows() == ids);
+    CHECK(first_difference(p->grad().to_dense(), grad).empty());
+  }
 }

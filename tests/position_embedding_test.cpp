@@ -558,3 +558,17 @@ TEST_CASE("LearnedPositionEmbedding wraps an existing Parameter without copying 
   REQUIRE_THROWS_AS(embedhead::LearnedPositionEmbedding<double>(nullptr), embedhead::value_error);
   REQUIRE_THROWS_WITH(embedhead::LearnedPositionEmbedding<double>(nullptr), Contains("null"));
 }
+
+TEMPLATE_TEST_CASE("LearnedPositionEmbedding: a frozen table takes no gradient; its checks still run",
+                   "[position_embedding][freeze]", float, double) {
+  using Scalar = TestType;
+  embedhead::LearnedPositionEmbedding<Scalar> positions(8, 3);
+  positions.weight().set_frozen(true);
+  const RowMatrix<Scalar> dout = test_support::random_matrix<Scalar>(2 * 4, 3, 400);
+  positions.backward(dout, 2, 4, 1);
+  CHECK(positions.weight().grad().num_touched() == 0);
+  CHECK_THROWS_AS(positions.backward(dout, 2, 4, 5), embedhead::index_error);
+  positions.weight().set_frozen(false);
+  positions.backward(dout, 2, 4, 1);
+  CHECK(positions.weight().grad().touched_rows() == test_support::range(1, 5));
+}

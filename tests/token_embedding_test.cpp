@@ -737,3 +737,32 @@ TEMPLATE_TEST_CASE("a large lookup (streaming stores) is the same row gather, on
     for (Index i = 0; i < offset; ++i) CHECK(buffer[static_cast<std::size_t>(i)] == Scalar(-1));
   }
 }
+
+TEMPLATE_TEST_CASE("a frozen table takes no gradient; its checks still run", "[token_embedding][freeze]", float, double) {
+  using Scalar = TestType;
+  const Index V = 7, d = 3;
+  TokenEmbedding<Scalar> embedding(V, d);
+  CHECK_FALSE(embedding.frozen());
+  IdMatrix<std::int32_t> ids(2, 3);
+  ids << 1, 4, 1, 6, 0, 4;
+  const RowMatrix<Scalar> dout = random_matrix<Scalar>(6, d, 300);
+  embedding.backward(ids, dout);
+  REQUIRE(embedding.weight().grad().num_touched() == 4);
+  embedding.set_frozen(true);
+  CHECK(embedding.frozen());
+  CHECK(embedding.weight().frozen());
+  CHECK(embedding.weight().grad().num_touched() == 0);  // freezing cleared it
+  embedding.backward(ids, dout);
+  CHECK(embedding.weight().grad().num_touched() == 0);
+  // The forward is unaffected, and bad arguments throw as before.
+  const RowMatrix<Scalar> out = embedding.forward(ids);
+  CHECK(first_difference(out.row(1), embedding.weight().value().row(4)).empty());
+  IdMatrix<std::int32_t> bad = ids;
+  bad(1, 2) = 7;
+  CHECK_THROWS_WITH(embedding.backward(bad, dout), Catch::Contains("TokenEmbedding::backward: id 7 at (b=1, t=2) outside [0, 7)"));
+  CHECK_THROWS_AS(embedding.backward(ids, RowMatrix<Scalar>(5, d)), embedhead::shape_error);
+  // Unfrozen, it accumulates again.
+  embedding.set_frozen(false);
+  embedding.backward(ids, dout);
+  CHECK(embedding.weight().grad().num_touched() == 4);
+}

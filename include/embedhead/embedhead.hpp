@@ -19,5 +19,6 @@
 #include "quantized_embedding.hpp"
 #include "token_embedding.hpp"
 #include "types.hpp"
+#include "vocabulary.hpp"
 
 #endif  // EMBEDHEAD_EMBEDHEAD_HPP

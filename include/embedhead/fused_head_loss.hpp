@@ -139,7 +139,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   if (bias.size() != 0) check_shape(where, "bias", bias, V, 1);
   if (weights.size() != 0) check_shape(where, "weights", weights, N, 1);
   if (dh) check_shape(where, "dh", *dh, N, d);
-  if (dW) check_shape(where, "dW", *dW, V, d);
+  if (dW && dW->size() != 0) check_shape(where, "dW", *dW, V, d);
   if (db && db->size() != 0) check_shape(where, "db", *db, V, 1);
   if (lse && lse->size() != 0) check_shape(where, "lse", *lse, N, 1);
   if (losses && losses->size() != 0) check_shape(where, "losses", *losses, N, 1);
@@ -154,6 +154,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   check_token_weights(where, weights);
   const bool weighted = weights.size() != 0;
   const bool gradient = dh != nullptr;
+  const bool want_dW = gradient && dW && dW->size() != 0;  // empty: a frozen W
   const bool want_db = gradient && db && db->size() != 0 && bias.size() != 0;
   const bool want_lse = lse && lse->size() != 0;
   const bool want_losses = losses && losses->size() != 0;
@@ -284,9 +285,9 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
         if (target_here) s(y - v0) -= c;
       }
     });
-    parallel_blocks((width + kFusedRowPiece - 1) / kFusedRowPiece, [&](Index piece) {
+    if (want_dW || want_db) parallel_blocks((width + kFusedRowPiece - 1) / kFusedRowPiece, [&](Index piece) {
       const Index p0 = piece * kFusedRowPiece, p_width = std::min(kFusedRowPiece, width - p0);
-      dW->middleRows(v0 + p0, p_width).noalias() += logits.middleCols(p0, p_width).transpose() * hidden;
+      if (want_dW) dW->middleRows(v0 + p0, p_width).noalias() += logits.middleCols(p0, p_width).transpose() * hidden;
       if (want_db) db->col(0).segment(v0 + p0, p_width) += logits.middleCols(p0, p_width).colwise().sum().transpose();
     });
     parallel_blocks((d + kFusedDimPiece - 1) / kFusedDimPiece, [&](Index piece) {
@@ -314,9 +315,10 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
 // for an option out of range or a negative / non-finite weight. Nothing is written on throw.
 // \pre no output aliases W or the other outputs; dh may be h.
 
-// ... -> loss; dh [N, d] = dz W (written), dW [V, d] += dz^T h, db [V, 1] += sums of dz (skipped
-// when empty). Cost: 8 N V d flops in GEMMs (two passes), about 6 passes over each block's
-// logits; memory in `workspace`: N * vocab_block scalars, plus 2 N d when tokens are ignored.
+// ... -> loss; dh [N, d] = dz W (written), dW [V, d] += dz^T h, db [V, 1] += sums of dz (each
+// skipped when empty: a frozen W, no bias). Cost: 8 N V d flops in GEMMs (two passes; 6 N V d
+// without dW), about 6 passes over each block's logits; memory in `workspace`: N * vocab_block
+// scalars, plus 2 N d when tokens are ignored.
 template <typename Scalar>
 CrossEntropyResult fused_head_loss_forward_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                                     const ConstMatrixRef<Scalar>& bias, const ConstIdRef<std::int32_t>& targets,
@@ -380,8 +382,9 @@ class FusedHeadLoss {
   const FusedHeadLossOptions& options() const { return options_; }
 
   // h [N, d], targets (N ids) -> loss; dh [N, d] written; head.weight().grad() += dz^T h (dense
-  // mode), bias grad += sums of dz. \throws as fused_head_loss_forward_backward; gradients, dh
-  // and extras unchanged on throw.
+  // mode), bias grad += sums of dz. A frozen W or bias takes nothing: a frozen W skips the dW
+  // GEMMs (6 N V d flops instead of 8) and its gradient is left as it was; loss and dh are the
+  // same. \throws as fused_head_loss_forward_backward; gradients, dh and extras unchanged on throw.
   CrossEntropyResult forward_backward(OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
                                       const ConstIdRef<std::int32_t>& targets, MatrixRef<Scalar> dh,
                                       const FusedHeadLossExtras<Scalar>& extras = {}) {
@@ -430,8 +433,8 @@ class FusedHeadLoss {
                             head.vocab_size());
       detail::check_token_weights(where, extras.weights);
     }
-    auto dW = head.weight().grad().dense_accumulator();
-    auto db = head.bias() ? head.bias()->grad().dense_accumulator() : no_output;
+    auto dW = weight.frozen() ? no_output : head.weight().grad().dense_accumulator();
+    auto db = head.bias() && !head.bias()->frozen() ? head.bias()->grad().dense_accumulator() : no_output;
     Eigen::Map<RowMatrix<Scalar>> lse = extras.lse, losses = extras.losses;
     MatrixRef<Scalar> dh_ref(dh), dW_ref(dW), db_ref(db), lse_ref(lse), losses_ref(losses);
     return detail::fused_head_loss_pass<Scalar, Id>(h, weight.value(), bias_of(head), targets, extras.weights, &dh_ref,

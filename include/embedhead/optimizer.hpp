@@ -17,6 +17,11 @@
 // PyTorch's to float rounding. Every optimizer holds parameter groups (a per-group multiplier of
 // the learning rate -- the seeds cite eta_E / eta_W ~ sqrt(d) -- and a per-group weight decay);
 // a parameter may appear once only (pass tied layers' lists through unique_parameters()).
+//
+// A frozen parameter (Parameter::set_frozen) is skipped by step() -- its value and state stay as
+// they are, while the step count still advances for everyone -- and by clip_grad_norm. After a
+// parameter's row count changes (Parameter::resize_rows, resize_vocabulary), resize_state() makes
+// its buffers follow.
 #ifndef EMBEDHEAD_OPTIMIZER_HPP
 #define EMBEDHEAD_OPTIMIZER_HPP
 
@@ -135,6 +140,9 @@ void for_touched_rows(const RowGradient<Scalar>& g, F&& f) {
   for (Index i = 0; i < g.num_touched(); ++i) f(g.touched_rows()[static_cast<std::size_t>(i)], ConstRow(g.touched_row(i).data(), g.cols()));
 }
 
+template <typename Scalar>
+class StateResize;
+
 }  // namespace detail
 
 // The common part: groups, learning rate, step count, state save/restore. Subclasses define
@@ -193,13 +201,28 @@ class Optimizer {
   }
   std::int64_t step_count() const { return step_; }
 
-  // One update of every registered parameter from its current gradient. Cost: see the class.
+  // One update of every registered parameter from its current gradient; frozen parameters are
+  // skipped (value and state untouched), but the step count t advances once for all. Cost: see the
+  // class.
   void step() {
     ++step_;
     std::size_t slot = 0;
     for (const auto& group : groups_)
-      for (const auto& p : group.parameters) update(*p, lr_ * group.lr_multiplier, group.weight_decay, state_[slot++]);
+      for (const auto& p : group.parameters) {
+        auto& state = state_[slot++];
+        if (!p->frozen()) update(*p, lr_ * group.lr_multiplier, group.weight_decay, state);
+      }
   }
+
+  // After p's row count changed (Parameter::resize_rows): resizes each of p's buffers to
+  // [p.rows(), cols]. Rows below both the old and the new count keep their values bit for bit; new
+  // rows start from the buffer's initial value (0 for exp_avg, exp_avg_sq and momentum_buffer;
+  // initial_accumulator_value for Adagrad's sum), as if never updated. The step count is global and
+  // unchanged, so a new row's first Adam update is bias-corrected with the current t, as PyTorch's
+  // SparseAdam treats a row seen for the first time. A buffer not created yet stays absent.
+  // -> false, changing nothing, when p is not registered here. Strong guarantee (new buffers are
+  // built, then swapped in). Cost O(rows * cols) per buffer.
+  bool resize_state(const Parameter<Scalar>& p);
 
   // zero_grad() of every registered parameter.
   void zero_grad() {
@@ -270,6 +293,8 @@ class Optimizer {
   virtual void update(Parameter<Scalar>& p, double lr, double weight_decay, std::map<std::string, RowMatrix<Scalar>>& state) = 0;
   // Throws if this optimizer cannot apply weight_decay (the lazy ones).
   virtual void check_weight_decay(double) const {}
+  // The value the buffer `key` starts from (and a resized buffer's new rows).
+  virtual double initial_buffer_value(const std::string& /*key*/) const { return 0.0; }
 
   // The named buffer of p's state, created [rows, cols] filled with `initial` on first use.
   static RowMatrix<Scalar>& buffer(std::map<std::string, RowMatrix<Scalar>>& state, const char* key,
@@ -291,6 +316,9 @@ class Optimizer {
   const char* name_;
 
  private:
+  template <typename>
+  friend class detail::StateResize;
+
   std::ptrdiff_t slot_of(const Parameter<Scalar>* p) const {
     const auto it = std::find(slots_.begin(), slots_.end(), p);
     return it == slots_.end() ? -1 : it - slots_.begin();
@@ -305,6 +333,50 @@ class Optimizer {
   std::vector<std::map<std::string, RowMatrix<Scalar>>> state_;
   std::vector<Scalar> zero_, scratch_;
 };
+
+namespace detail {
+
+// resize_state in two halves, as detail::RowResize for the values: the constructor builds p's
+// buffers at new_rows rows keeping rows [0, keep) (nothing changed; a parameter not registered
+// gives an empty, no-op resize), commit() swaps them in without throwing.
+template <typename Scalar>
+class StateResize {
+ public:
+  StateResize(Optimizer<Scalar>& optimizer, const Parameter<Scalar>& p, Index new_rows, Index keep)
+      : optimizer_(&optimizer), slot_(optimizer.slot_of(&p)) {
+    if (slot_ < 0) return;
+    for (const auto& [key, buffer] : optimizer.state_[static_cast<std::size_t>(slot_)]) {
+      const Index kept = std::min(keep, buffer.rows());
+      RowMatrix<Scalar> resized(new_rows, buffer.cols());
+      resized.topRows(kept) = buffer.topRows(kept);
+      resized.bottomRows(new_rows - kept).setConstant(static_cast<Scalar>(optimizer.initial_buffer_value(key)));
+      buffers_.emplace(key, std::move(resized));
+    }
+  }
+  bool registered() const { return slot_ >= 0; }
+  void commit() noexcept {
+    if (slot_ >= 0) optimizer_->state_[static_cast<std::size_t>(slot_)].swap(buffers_);
+  }
+
+ private:
+  Optimizer<Scalar>* optimizer_;
+  std::ptrdiff_t slot_;
+  std::map<std::string, RowMatrix<Scalar>> buffers_;
+};
+
+}  // namespace detail
+
+template <typename Scalar>
+bool Optimizer<Scalar>::resize_state(const Parameter<Scalar>& p) {
+  const std::ptrdiff_t slot = slot_of(&p);
+  if (slot < 0) return false;
+  // Kept rows: those below the old row count, which every buffer of p still has.
+  Index old_rows = p.rows();
+  for (const auto& entry : state_[static_cast<std::size_t>(slot)]) old_rows = std::min(old_rows, entry.second.rows());
+  detail::StateResize<Scalar> staged(*this, p, p.rows(), old_rows);
+  staged.commit();
+  return true;
+}
 
 // ---- SGD ----
 
@@ -497,6 +569,7 @@ class Adagrad : public Optimizer<Scalar> {
       throw value_error(message.str());
     }
   }
+  double initial_buffer_value(const std::string&) const override { return options_.initial_accumulator_value; }
   void update(Parameter<Scalar>& p, double lr, double, std::map<std::string, RowMatrix<Scalar>>& state) override {
     const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
     auto value = p.value();
@@ -517,8 +590,9 @@ class Adagrad : public Optimizer<Scalar> {
 
 // ---- gradient clipping ----
 
-// -> the global L2 norm of the gradients of the distinct `parameters` (a tied table listed twice
-// counts once, each touched row once; dense gradients every row), accumulated in double. When it
+// -> the global L2 norm of the gradients of the distinct, not frozen `parameters` (a tied table
+// listed twice counts once, each touched row once; dense gradients every row; frozen parameters
+// are neither counted nor scaled), accumulated in double. When it
 // exceeds max_norm, every gradient is multiplied by max_norm / (norm + 1e-6), as PyTorch's
 // clip_grad_norm_. \throws value_error if max_norm is negative or not finite, or a parameter is
 // null (nothing scaled). Cost O(touched rows * d).
@@ -531,7 +605,8 @@ double clip_grad_norm(const std::vector<std::shared_ptr<Parameter<Scalar>>>& par
       message << "clip_grad_norm: parameter " << i << " is a null pointer";
       throw value_error(message.str());
     }
-  const auto unique = unique_parameters(parameters);
+  auto unique = unique_parameters(parameters);
+  unique.erase(std::remove_if(unique.begin(), unique.end(), [](const auto& p) { return p->frozen(); }), unique.end());
   double squares = 0;
   for (const auto& p : unique) {
     const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(*p).grad();

@@ -72,10 +72,11 @@ void head_backward_chunked(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef
                            MatrixRef<Scalar> db, Index vocab_chunk, Index token_chunk) {
   const Index N = h.rows(), V = W.rows(), d = W.cols();
   const bool threaded = 2.0 * static_cast<double>(N) * static_cast<double>(V) * static_cast<double>(d) >= kHeadMinFlops;
-  parallel_chunks(V, vocab_chunk, threaded, [&](Index v0, Index v1) {
+  // An empty dW (a frozen W) skips its GEMM, an empty db its sums; with neither, the pass is skipped.
+  if (dW.size() != 0 || db.size() != 0) parallel_chunks(V, vocab_chunk, threaded, [&](Index v0, Index v1) {
     const Index C = v1 - v0;
     // dlogits[:, v0:v1]^T is the [C, N] column-major view of those columns of row-major dlogits.
-    if (N > 0 && d > 0)
+    if (N > 0 && d > 0 && dW.size() != 0)
       gemm_add<Scalar, Eigen::ColMajor, Eigen::RowMajor>(C, d, N, dlogits.data() + v0, dlogits.outerStride(), h.data(),
                                                          h.outerStride(), dW.data() + v0 * dW.outerStride(),
                                                          dW.outerStride());
@@ -157,13 +158,13 @@ void output_projection_decode(const ConstMatrixRef<Scalar>& h, const ConstMatrix
   detail::head_decode<Scalar>(h, W, bias, logits);
 }
 
-// h [N, d], W [V, d], dlogits [N, V] -> dh [N, d] = dlogits W (written); dW [V, d] += dlogits^T h;
-// db [V, 1] += column sums of dlogits (skipped when db is empty).
+// h [N, d], W [V, d], dlogits [N, V] -> dh [N, d] = dlogits W (written); dW [V, d] += dlogits^T h
+// and db [V, 1] += column sums of dlogits, each skipped when empty (0 rows: a frozen W, no bias).
 // dW and db run by chunks of 1024 rows of W, dh by chunks of 256 tokens, each chunk one GEMM, the
 // chunks spread over the OpenMP threads when built with OpenMP; bit-identical for any thread
 // count, with or without OpenMP.
 // \pre dh aliases neither W, dlogits nor dW; it may be h (dW is computed first).
-// \throws shape_error on any mismatch (nothing written). Cost: 4 N V d flops.
+// \throws shape_error on any mismatch (nothing written). Cost: 4 N V d flops (2 N V d without dW).
 template <typename Scalar>
 void output_projection_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                 const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW,
@@ -172,7 +173,7 @@ void output_projection_backward(const ConstMatrixRef<Scalar>& h, const ConstMatr
   detail::check_shape(where, "h", h, N, d);
   detail::check_shape(where, "dlogits", dlogits, N, V);
   detail::check_shape(where, "dh", dh, N, d);
-  detail::check_shape(where, "dW", dW, V, d);
+  if (dW.size() != 0) detail::check_shape(where, "dW", dW, V, d);
   if (db.size() != 0) detail::check_shape(where, "db", db, V, 1);
   detail::head_backward_chunked<Scalar>(h, W, dlogits, dh, dW, db, detail::kHeadVocabChunk, detail::kHeadTokenChunk);
 }
@@ -269,7 +270,9 @@ class OutputProjection {
   }
 
   // h [N, d], dlogits [N, V] -> dh [N, d] = dlogits W (written); weight().grad() += dlogits^T h
-  // (switches it to dense mode); bias grad += column sums of dlogits.
+  // (switches it to dense mode); bias grad += column sums of dlogits. A frozen W or bias takes
+  // nothing (dh is still computed, for the layers below): a frozen W skips the dW GEMM, half the
+  // flops, and its gradient stays as it was (sparse, nothing allocated).
   // \throws shape_error on any mismatch; gradients and dh unchanged on throw.
   void backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh) {
     const char* where = "OutputProjection::backward";
@@ -278,8 +281,9 @@ class OutputProjection {
     detail::check_shape(where, "dlogits", dlogits, h.rows(), vocab_size());
     detail::check_shape(where, "dh", dh, h.rows(), dim());
     // The V x d buffer first: if its allocation fails, the bias gradient is still untouched.
-    auto dW = weight_->grad().dense_accumulator();
-    auto db = bias_ ? bias_->grad().dense_accumulator() : Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, 1);
+    const Eigen::Map<RowMatrix<Scalar>> none(nullptr, 0, 1);
+    auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, dim()) : weight_->grad().dense_accumulator();
+    auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : none;
     output_projection_backward<Scalar>(h, weight_->value(), dlogits, dh, dW, db, where);
   }
   RowMatrix<Scalar> backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& dlogits) {

@@ -11,6 +11,11 @@
 // (zero_grad) is O(1) in sparse mode -- stale block rows are zeroed when a later backward reuses
 // them, as part of its O(k * cols) work -- and O(rows * cols) only after a dense contribution,
 // which wrote all rows anyway.
+//
+// A parameter can be frozen (set_frozen(true), PyTorch's from_pretrained(freeze=True)): the layers
+// then accumulate no gradient into it and the optimizers leave it alone. It can also change its row
+// count in place (resize_rows), so every layer sharing it -- a tied embedding and head -- sees the
+// resized table.
 #ifndef EMBEDHEAD_PARAMETER_HPP
 #define EMBEDHEAD_PARAMETER_HPP
 
@@ -27,6 +32,11 @@
 #include <vector>
 
 namespace embedhead {
+
+namespace detail {
+template <typename Scalar>
+class RowResize;
+}  // namespace detail
 
 template <typename Scalar>
 class RowGradient {
@@ -129,6 +139,31 @@ class RowGradient {
   }
 
  private:
+  template <typename>
+  friend class detail::RowResize;
+
+  // -> a new gradient of `rows` rows holding this one's rows [0, keep), keep <= min(rows_, rows);
+  // every other row is zero. Sparse: the touched ids below keep and their block rows, O(touched *
+  // cols) (ids are sorted, so the dropped ones are a tail). Dense: a new [rows, cols] buffer, every
+  // row marked, O(rows * cols).
+  RowGradient resized_copy(Index rows, Index keep) const {
+    RowGradient out(rows, cols_);
+    if (dense_mode_) {
+      out.dense_.resize(rows, cols_);
+      out.dense_.topRows(keep) = dense_.topRows(keep);
+      out.dense_.bottomRows(rows - keep).setZero();
+      out.touched_.resize(static_cast<std::size_t>(rows));
+      std::iota(out.touched_.begin(), out.touched_.end(), Index{0});
+      out.dense_mode_ = true;
+      return out;
+    }
+    const auto end = std::lower_bound(touched_.begin(), touched_.end(), keep);
+    const Index k = static_cast<Index>(end - touched_.begin());
+    out.touched_.assign(touched_.begin(), end);
+    out.block_ = block_.topRows(k);
+    return out;
+  }
+
   Index slot_of_touched(Index i) const { return dense_mode_ ? touched_[i] : i; }
   Scalar* slot_data(Index slot) { return dense_mode_ ? dense_.row(slot).data() : block_.row(slot).data(); }
   const Scalar* slot_data(Index slot) const {
@@ -218,7 +253,37 @@ class Parameter {
   const RowGradient<Scalar>& grad() const { return grad_; }
   void zero_grad() { grad_.clear(); }
 
+  // A frozen parameter takes no gradient and no optimizer update: the layers' backward passes skip
+  // its accumulation (still computing the gradients of their inputs), Optimizer::step and
+  // clip_grad_norm skip it. Freezing clears the gradient (zero_grad), so a frozen parameter's
+  // gradient is always empty unless written through grad() directly. Not frozen by default. A tied
+  // table is one Parameter: freezing the embedding freezes the head's W too.
+  bool frozen() const { return frozen_; }
+  void set_frozen(bool frozen) {
+    if (frozen) zero_grad();
+    frozen_ = frozen;
+  }
+
+  // Changes the row count to new_rows in place: this object stays, so every layer holding it (a
+  // tied embedding and head share one) sees the new table. Rows [0, min(rows(), new_rows)) keep
+  // their values bit for bit; new rows are zero. The gradient follows: touched rows below new_rows
+  // keep their values, touched rows at or beyond it are dropped, new rows are untouched (a dense
+  // gradient stays dense, its new rows zero). Optimizer state lives in the optimizer: call
+  // Optimizer::resize_state(*this) after this (resize_vocabulary does both).
+  // \throws value_error if new_rows < 1. Strong guarantee, allocation failure included: the new
+  // storage is built beside the old one, then swapped in.
+  // Cost: O(new_rows * cols) for the new value (the reallocation copy), plus O(touched * cols) for
+  // a sparse gradient or O(new_rows * cols) for a dense one; the old storage is freed.
+  void resize_rows(Index new_rows) {
+    detail::check_size("Parameter::resize_rows", "new_rows", new_rows);
+    detail::RowResize<Scalar> staged(*this, new_rows, std::min(rows(), new_rows));
+    staged.commit();
+  }
+
  private:
+  template <typename>
+  friend class detail::RowResize;
+
   static int check(Index rows, Index cols) {
     detail::check_size("Parameter", "rows", rows);
     detail::check_size("Parameter", "cols", cols);
@@ -228,7 +293,45 @@ class Parameter {
   RowMatrix<Scalar> value_;
   RowGradient<Scalar> grad_;
   std::string name_;
+  bool frozen_ = false;
 };
+
+namespace detail {
+
+// One Parameter's row-count change in two halves, so that resize_vocabulary can prepare several
+// tables before changing any: the constructor builds the new value [new_rows, cols] and gradient
+// (every allocation happens here; the target is not changed), commit() installs them without
+// throwing. Rows [0, keep) keep their values and gradients, rows [keep, new_rows) are zero with no
+// gradient until the caller writes value() before committing. \pre 0 <= keep <= min(rows, new_rows).
+template <typename Scalar>
+class RowResize {
+ public:
+  RowResize(Parameter<Scalar>& target, Index new_rows, Index keep)
+      : target_(&target), value_(new_rows, target.cols()), grad_(target.grad_.resized_copy(new_rows, keep)) {
+    value_.topRows(keep) = target.value_.topRows(keep);
+    value_.bottomRows(new_rows - keep).setZero();
+  }
+
+  Parameter<Scalar>& target() const { return *target_; }
+  // The new values [new_rows, cols], writable until commit().
+  RowMatrix<Scalar>& value() { return value_; }
+
+  // Installs the new value and gradient; the old ones are freed with this object.
+  void commit() noexcept {
+    static_assert(std::is_nothrow_move_constructible_v<RowGradient<Scalar>> &&
+                      std::is_nothrow_move_assignable_v<RowGradient<Scalar>>,
+                  "commit() must not throw");
+    target_->value_.swap(value_);
+    std::swap(target_->grad_, grad_);
+  }
+
+ private:
+  Parameter<Scalar>* target_;
+  RowMatrix<Scalar> value_;
+  RowGradient<Scalar> grad_;
+};
+
+}  // namespace detail
 
 // Total size of the distinct parameters in `params`; a Parameter listed twice (a tied E) counts
 // once.

@@ -114,11 +114,12 @@ class LearnedPositionEmbedding {
   // dout [B*T, d] -> weight().grad() rows start .. start+T-1 += sum over b of dout[b*T + t].
   // The gradient for x is dout itself. Rows are summed over b in increasing order, so the result
   // is bit-identical to the plain loop `for b, t: dP[start+t] += dout[b*T+t]`.
+  // A frozen table (weight().set_frozen(true)) takes nothing, after the same checks.
   // \throws as forward; the gradient is unchanged on throw. Cost O(B*T*d); touches T rows.
   void backward(const ConstMatrixRef<Scalar>& dout, Index B, Index T, Index start = 0) {
     detail::check_positions("LearnedPositionEmbedding::backward", "dout", dout.rows(), dout.cols(), B, T, start,
                             max_positions(), dim());
-    if (B == 0) return;  // no tokens: no row is touched
+    if (B == 0 || weight_->frozen()) return;  // no tokens, or frozen: no row is touched
     positions_.resize(static_cast<std::size_t>(T));
     slots_.resize(static_cast<std::size_t>(T));
     std::iota(positions_.begin(), positions_.end(), start);

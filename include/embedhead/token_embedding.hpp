@@ -160,11 +160,17 @@ class TokenEmbedding {
   RowMatrix<Scalar> forward(const ConstIdRef<std::int64_t>& ids) const { return forward_new(ids); }
 
   // ids [B, T], dout [B*T, d] -> weight().grad() += scale * one_hot(ids)^T * dout, skipping
-  // padding_idx. See embedding_backward. No allocation once the workspace has grown.
+  // padding_idx. See embedding_backward. No allocation once the workspace has grown. A frozen
+  // table takes no gradient: the arguments are checked as usual (same throws), then nothing is
+  // done, O(N).
   void backward(const ConstIdRef<std::int32_t>& ids, const ConstMatrixRef<Scalar>& dout) { backward_impl(ids, dout); }
   void backward(const ConstIdRef<std::int64_t>& ids, const ConstMatrixRef<Scalar>& dout) { backward_impl(ids, dout); }
 
   void zero_grad() { weight_->zero_grad(); }
+
+  // weight().frozen() / set_frozen(): see Parameter. Tied, this freezes the head's W as well.
+  bool frozen() const { return weight_->frozen(); }
+  void set_frozen(bool frozen) { weight_->set_frozen(frozen); }
 
  private:
   static void check_not_null(const std::shared_ptr<Parameter<Scalar>>& weight) {
@@ -194,6 +200,11 @@ class TokenEmbedding {
   }
   template <typename Id>
   void backward_impl(const ConstIdRef<Id>& ids, const ConstMatrixRef<Scalar>& dout) {
+    if (weight_->frozen()) {
+      detail::check_shape("TokenEmbedding::backward", "dout", dout, ids.size(), dim());
+      detail::check_ids("TokenEmbedding::backward", ids, vocab_size());
+      return;
+    }
     embedding_backward<Scalar, Id>(ids, dout, scale(), options_.padding_idx.value_or(-1), weight_->grad(),
                                    workspace_, "TokenEmbedding::backward");
   }
