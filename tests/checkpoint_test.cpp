@@ -470,6 +470,51 @@ TEST_CASE("checkpoint: forged optimizer sizes in the metadata are refused before
   std::remove(path.c_str());
 }
 
+TEST_CASE("checkpoint: from_pretrained with freeze = true loads frozen layers", "[checkpoint]") {
+  const Index V = 16, d = 4;
+  const auto names = embedhead::hugging_face_names(ModelFamily::gpt2);
+  auto source = table(V, d, 121);
+  auto source_head = untied_head(V, d, 122, /*bias=*/true);
+  LearnedPositionEmbedding<float> source_positions(6, d);
+  const std::string path = temp_path("freeze.safetensors");
+  embedhead::save_checkpoint<float>(path, names, source, &source_head, &source_positions);
+  embedhead::PretrainedOptions options;
+  options.freeze = true;
+  auto layers = embedhead::from_pretrained<float>(SafetensorsFile::open(path), names, options);
+  CHECK_FALSE(layers.tied);
+  CHECK(layers.token_embedding.frozen());
+  CHECK(layers.head.weight().frozen());
+  CHECK(layers.head.bias()->frozen());
+  CHECK(layers.position_embedding->weight().frozen());
+
+  // A training step changes nothing: no gradient is accumulated and the optimizer skips them.
+  embedhead::IdMatrix<std::int32_t> ids(1, 3);
+  ids << 1, 5, 1;
+  const RowMatrix<float> x = layers.token_embedding.forward(ids);
+  const RowMatrix<float> dlogits = RowMatrix<float>::Ones(3, V);
+  embedhead::AdamOptions adam;
+  adam.lr = 0.1;
+  AdamW<float> optimizer(adam, {layers.token_embedding.weight_ptr(), layers.head.weight_ptr(),
+                                layers.position_embedding->weight_ptr()});
+  const RowMatrix<float> dh = layers.head.backward(x, dlogits);
+  layers.token_embedding.backward(ids, dh);
+  layers.position_embedding->backward(dh, 1, 3);
+  CHECK(layers.token_embedding.weight().grad().num_touched() == 0);
+  CHECK(layers.position_embedding->weight().grad().num_touched() == 0);
+  optimizer.step();
+  CHECK(layers.token_embedding.weight().value() == source.weight().value());
+  CHECK(layers.head.weight().value() == source_head.weight().value());
+  CHECK(dh.allFinite());
+  CHECK_FALSE(dh.isZero());  // the input gradient still flows through a frozen head
+
+  // Unfrozen, the same step trains the table.
+  layers.token_embedding.set_frozen(false);
+  layers.token_embedding.backward(ids, dh);
+  optimizer.step();
+  CHECK(layers.token_embedding.weight().value() != source.weight().value());
+  std::remove(path.c_str());
+}
+
 TEST_CASE("checkpoint: guess_model_family and from_pretrained refuse what they cannot read", "[checkpoint]") {
   RowMatrix<float> x = RowMatrix<float>::Ones(3, 2);
   const std::string path = temp_path("other.safetensors");

@@ -242,6 +242,10 @@ struct PretrainedOptions {
   // load_checkpoint).
   std::optional<bool> tie_word_embeddings;
   std::optional<Index> padding_idx;  // passed to the TokenEmbedding
+  // Freeze every loaded parameter (table, head weight and bias, positions), as PyTorch's
+  // Embedding.from_pretrained(freeze=True): no gradient is accumulated, optimizers skip them.
+  // Unfreeze a layer with set_frozen(false).
+  bool freeze = false;
 };
 
 // Builds the token embedding, the head (tied or untied as the file and options say) and, for
@@ -277,6 +281,12 @@ PretrainedLayers<Scalar> from_pretrained(const SafetensorsFile& file, const Chec
     positions.emplace(std::make_shared<Parameter<Scalar>>(static_cast<Index>(p.shape[0]), d, "position_embedding.weight"));
   }
   load_checkpoint<Scalar>(file, names, embedding, &head, positions ? &*positions : nullptr);
+  if (options.freeze) {
+    embedding.weight().set_frozen(true);
+    head.weight().set_frozen(true);
+    if (head.bias()) head.bias()->set_frozen(true);
+    if (positions) positions->weight().set_frozen(true);
+  }
   return PretrainedLayers<Scalar>{std::move(embedding), std::move(head), std::move(positions), tied};
 }
 
