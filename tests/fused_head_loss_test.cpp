@@ -35,22 +35,10 @@ using embedhead::Reduction;
 using embedhead::RowMatrix;
 using test_support::random_ids;
 using test_support::random_matrix;
+using test_support::close;
 using test_support::same_values;
+using test_support::tolerance;
 
-template <typename Scalar>
-double tolerance() {
-  return std::is_same_v<Scalar, float> ? 2e-5 : 1e-12;
-}
-
-// max |a - b| <= tol * max(1, max |b|): the tolerance of a sum of products whose terms are O(1).
-template <typename A, typename B>
-bool close(const A& a, const B& b, double tol) {
-  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
-  if (a.size() == 0) return true;
-  const RowMatrix<double> da = a.template cast<double>(), db = b.template cast<double>();
-  const double scale = std::max(1.0, db.cwiseAbs().maxCoeff());
-  return (da - db).cwiseAbs().maxCoeff() <= tol * scale;
-}
 
 template <typename Scalar>
 struct Problem {

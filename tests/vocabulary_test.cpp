@@ -40,19 +40,10 @@ using test_support::first_difference;
 using test_support::random_ids;
 using test_support::random_matrix;
 using test_support::range;
+using test_support::close;
 using test_support::same_values;
+using test_support::tolerance;
 
-template <typename Scalar>
-double tolerance() {
-  return std::is_same_v<Scalar, float> ? 2e-5 : 1e-12;
-}
-
-template <typename A, typename B>
-bool close(const A& a, const B& b, double tol) {
-  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
-  const RowMatrix<double> da = a.template cast<double>(), db = b.template cast<double>();
-  return (da - db).cwiseAbs().maxCoeff() <= tol * std::max(1.0, db.cwiseAbs().maxCoeff());
-}
 
 // Mean of rows [0, valid) of m, in double.
 template <typename Matrix>

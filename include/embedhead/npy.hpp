@@ -18,6 +18,7 @@
 #ifndef EMBEDHEAD_NPY_HPP
 #define EMBEDHEAD_NPY_HPP
 
+#include "detail/atomic_file.hpp"
 #include "errors.hpp"
 #include "types.hpp"
 
@@ -270,10 +271,7 @@ void save_npy(const std::string& path, const ConstMatrixRef<Scalar>& values) {
   header.append((64 - unpadded % 64) % 64, ' ');
   header.push_back('\n');
 
-  const std::string temporary = path + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    if (!out) throw io_error("save_npy: cannot create '" + temporary + "': " + std::strerror(errno));
+  write_file_atomically(path, "save_npy", [&](std::ofstream& out) {
     const unsigned char preamble[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, static_cast<unsigned char>(header.size() & 0xff),
                                         static_cast<unsigned char>(header.size() >> 8)};
     out.write(reinterpret_cast<const char*>(preamble), 10);
@@ -281,17 +279,7 @@ void save_npy(const std::string& path, const ConstMatrixRef<Scalar>& values) {
     for (Index r = 0; r < values.rows(); ++r)
       out.write(reinterpret_cast<const char*>(values.row(r).data()),
                 static_cast<std::streamsize>(static_cast<std::size_t>(values.cols()) * sizeof(Scalar)));
-    out.flush();
-    if (!out) {
-      std::remove(temporary.c_str());
-      throw io_error("save_npy: writing '" + temporary + "' failed (disk full?)");
-    }
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    const int error = errno;
-    std::remove(temporary.c_str());
-    throw io_error("save_npy: cannot rename '" + temporary + "' to '" + path + "': " + std::strerror(error));
-  }
+  });
 }
 }  // namespace detail
 

@@ -26,6 +26,7 @@
 #ifndef EMBEDHEAD_SAFETENSORS_HPP
 #define EMBEDHEAD_SAFETENSORS_HPP
 
+#include "detail/atomic_file.hpp"
 #include "errors.hpp"
 #include "types.hpp"
 
@@ -527,10 +528,7 @@ class SafetensorsWriter {
     std::string text = header.dump();
     text.append((8 - text.size() % 8) % 8, ' ');
 
-    const std::string temporary = path + ".tmp";
-    {
-      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-      if (!out) throw io_error("SafetensorsWriter::write: cannot create '" + temporary + "': " + std::strerror(errno));
+    detail::write_file_atomically(path, "SafetensorsWriter::write", [&](std::ofstream& out) {
       unsigned char length[8];
       std::uint64_t n = text.size();
       for (int i = 0; i < 8; ++i, n >>= 8) length[i] = static_cast<unsigned char>(n & 0xff);
@@ -548,17 +546,7 @@ class SafetensorsWriter {
           out.write(reinterpret_cast<const char*>(buffer.data()), static_cast<std::streamsize>(static_cast<std::size_t>(r1 - r0) * row_bytes));
         }
       }
-      out.flush();
-      if (!out) {
-        std::remove(temporary.c_str());
-        throw io_error("SafetensorsWriter::write: writing '" + temporary + "' failed (disk full?)");
-      }
-    }
-    if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-      const int error = errno;
-      std::remove(temporary.c_str());
-      throw io_error("SafetensorsWriter::write: cannot rename '" + temporary + "' to '" + path + "': " + std::strerror(error));
-    }
+    });
   }
 
  private:

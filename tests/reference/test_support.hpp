@@ -10,6 +10,7 @@
 
 #include <embedhead/types.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <sstream>
@@ -84,6 +85,22 @@ inline std::vector<Index> range(Index first, Index last) {
   std::vector<Index> v;
   for (Index i = first; i < last; ++i) v.push_back(i);
   return v;
+}
+
+// The tolerance of close() for results that are sums of O(1) products in Scalar.
+template <typename Scalar>
+double tolerance() {
+  return std::is_same_v<Scalar, float> ? 2e-5 : 1e-12;
+}
+
+// max |a - b| <= tol * max(1, max |b|): the tolerance of a sum of products whose terms are O(1).
+template <typename A, typename B>
+bool close(const A& a, const B& b, double tol) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  if (a.size() == 0) return true;
+  using Double = embedhead::RowMatrix<double>;
+  const Double da = a.template cast<double>(), db = b.template cast<double>();
+  return (da - db).cwiseAbs().maxCoeff() <= tol * std::max(1.0, db.cwiseAbs().maxCoeff());
 }
 
 }  // namespace test_support
