@@ -1,0 +1,95 @@
+// Writes the small checkpoints embedhead-inspect's tests read (into the directory argv[1]):
+//
+//   gpt2.safetensors   wte.weight [1000, 48] F32 + wpe.weight [64, 48], tied (no lm_head.weight).
+//                      "Trained" rows: a shared offset (anisotropy) + one of six cluster centres +
+//                      noise. The 24 "under-trained" rows, ids 7 + 41 i (i = 0..23), are the shared
+//                      offset plus 0.6 along one common direction (orthogonal to the clusters)
+//                      plus tiny noise: close to the centroid, as rows training never moved are,
+//                      and aligned with each other, which the Magikarp score looks for.
+//   gpt2.vocab         one token per line, with a tab, a backslash, a control byte, invalid UTF-8
+//                      and an emoji among them (for the escaping test).
+//   llama.safetensors  model.embed_tokens.weight [300, 16] + lm_head.weight [300, 16], BF16, untied.
+//   other.safetensors  encoder.weight [10, 4] only: no known layout.
+#include <embedhead/checkpoint.hpp>
+#include <embedhead/safetensors.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+using namespace embedhead;
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: make_fixture <output directory>\n");
+    return 2;
+  }
+  const std::string dir = argv[1];
+  try {
+    Rng rng(11);
+    {
+      const Index V = 1000, d = 48, clusters = 6;
+      RowMatrix<float> offset(1, d), centres(clusters, d);
+      for (Index j = 0; j < d; ++j) offset(0, j) = static_cast<float>(0.4 + 0.1 * rng.normal());
+      for (Index c = 0; c < clusters; ++c)
+        for (Index j = 0; j < d; ++j) centres(c, j) = static_cast<float>(0.18 * rng.normal());
+      centres.rowwise() -= centres.colwise().mean();  // the clusters average to the offset
+      // The direction the under-trained rows share (as softmax gradients push rows of tokens that
+      // never occur one common way): random, orthogonal to the cluster centres, unit length.
+      Eigen::VectorXd u(d);
+      for (Index j = 0; j < d; ++j) u(j) = rng.normal();
+      for (int pass = 0; pass < 2; ++pass)
+        for (Index c = 0; c < clusters; ++c) {
+          const Eigen::VectorXd w = centres.row(c).cast<double>().transpose();
+          u -= (u.dot(w) / w.squaredNorm()) * w;
+        }
+      u.normalize();
+      RowMatrix<float> E(V, d);
+      for (Index v = 0; v < V; ++v) {
+        const bool undertrained = v % 41 == 7 && v < 7 + 41 * 24;
+        for (Index j = 0; j < d; ++j)
+          E(v, j) = undertrained ? offset(0, j) + static_cast<float>(0.6 * u(j) + 0.01 * rng.normal())
+                                 : offset(0, j) + centres(v % clusters, j) + static_cast<float>(0.12 * rng.normal());
+      }
+      RowMatrix<float> P(64, d);
+      for (Index i = 0; i < P.size(); ++i) P.data()[i] = static_cast<float>(0.02 * rng.normal());
+      SafetensorsWriter w;
+      w.add<float>("wte.weight", E, DType::F32);
+      w.add<float>("wpe.weight", P, DType::F32);
+      w.write(dir + "/gpt2.safetensors");
+
+      std::ofstream vocab(dir + "/gpt2.vocab", std::ios::binary);
+      for (Index v = 0; v < V; ++v) {
+        switch (v) {
+          case 0: vocab << "tab\there"; break;
+          case 1: vocab << "back\\slash"; break;
+          case 2: vocab << "bell\x07"; break;
+          case 3: vocab << "bad\xff" "byte"; break;
+          case 4: vocab << "fish \xf0\x9f\x90\x9f"; break;
+          default: vocab << "tok" << v;
+        }
+        vocab << '\n';
+      }
+    }
+    {
+      const Index V = 300, d = 16;
+      RowMatrix<float> E(V, d), W(V, d);
+      for (Index i = 0; i < E.size(); ++i) E.data()[i] = static_cast<float>(0.5 * rng.normal());
+      for (Index i = 0; i < W.size(); ++i) W.data()[i] = static_cast<float>(0.5 * rng.normal() + 0.2);
+      SafetensorsWriter w;
+      w.add<float>("model.embed_tokens.weight", E, DType::BF16);
+      w.add<float>("lm_head.weight", W, DType::BF16);
+      w.write(dir + "/llama.safetensors");
+    }
+    {
+      RowMatrix<float> X = RowMatrix<float>::Ones(10, 4);
+      SafetensorsWriter w;
+      w.add<float>("encoder.weight", X, DType::F32);
+      w.write(dir + "/other.safetensors");
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "make_fixture: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
