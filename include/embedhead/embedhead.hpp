@@ -8,6 +8,7 @@
 #include "dropout.hpp"
 #include "errors.hpp"
 #include "fused_head_loss.hpp"
+#include "geometry.hpp"
 #include "init.hpp"
 #include "low_precision.hpp"
 #include "npy.hpp"

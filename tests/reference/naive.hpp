@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <vector>
 
 namespace naive {
@@ -163,6 +164,70 @@ inline double max_relative_error(const RowMatrix<double>& analytic, const RowMat
     worst = std::max(worst, std::abs(a - n) / std::max({std::abs(a), std::abs(n), floor}));
   }
   return worst;
+}
+
+// ---- geometry (geometry_test, geometry_bench) ----
+
+// cosine(x, y) in double straight from the definition, 0 when either is the zero vector.
+template <typename RowA, typename RowB>
+double cosine(const RowA& x, const RowB& y) {
+  double dot = 0, xx = 0, yy = 0;
+  for (Index j = 0; j < x.size(); ++j) {
+    dot += double(x[j]) * double(y[j]);
+    xx += double(x[j]) * double(x[j]);
+    yy += double(y[j]) * double(y[j]);
+  }
+  return xx > 0 && yy > 0 ? dot / (std::sqrt(xx) * std::sqrt(yy)) : 0.0;
+}
+
+// queries [Q, d], E [V, d] -> (ids, scores) [Q, k] of the brute-force top-k: every score of the
+// [Q, V] all-pairs matrix in double, fully sorted by (score desc, id asc), excluded ids removed,
+// padded with (-1, -inf).
+template <typename Scalar>
+void top_k(const RowMatrix<Scalar>& E, const RowMatrix<Scalar>& queries, Index k, bool cosine_similarity,
+           const std::vector<std::vector<Index>>& exclude, RowMatrix<Index>& ids, RowMatrix<double>& scores) {
+  ids = RowMatrix<Index>::Constant(queries.rows(), k, -1);
+  scores = RowMatrix<double>::Constant(queries.rows(), k, -INFINITY);
+  for (Index q = 0; q < queries.rows(); ++q) {
+    std::vector<std::pair<double, Index>> all;
+    for (Index v = 0; v < E.rows(); ++v) {
+      if (!exclude.empty() && std::count(exclude[q].begin(), exclude[q].end(), v) > 0) continue;
+      double s = 0;
+      if (cosine_similarity) {
+        s = cosine(queries.row(q), E.row(v));
+      } else {
+        for (Index j = 0; j < E.cols(); ++j) s += double(queries(q, j)) * double(E(v, j));
+      }
+      all.emplace_back(s, v);
+    }
+    std::sort(all.begin(), all.end(), [](const std::pair<double, Index>& a, const std::pair<double, Index>& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    for (Index i = 0; i < k && i < static_cast<Index>(all.size()); ++i) {
+      ids(q, i) = all[static_cast<std::size_t>(i)].second;
+      scores(q, i) = all[static_cast<std::size_t>(i)].first;
+    }
+  }
+}
+
+// E [V, d] -> the mean of cosine(E[i], E[j]) over all V (V - 1) ordered pairs i != j, O(V^2 d).
+template <typename Scalar>
+double mean_pairwise_cosine(const RowMatrix<Scalar>& E) {
+  double sum = 0;
+  for (Index i = 0; i < E.rows(); ++i)
+    for (Index j = 0; j < E.rows(); ++j)
+      if (i != j) sum += cosine(E.row(i), E.row(j));
+  const double V = static_cast<double>(E.rows());
+  return sum / (V * (V - 1));
+}
+
+// E [V, d] -> the population covariance [d, d] = (1/V) sum_v (E[v] - mu)(E[v] - mu)^T in double.
+template <typename Scalar>
+Eigen::MatrixXd covariance(const RowMatrix<Scalar>& E) {
+  const Eigen::MatrixXd X = E.template cast<double>();
+  const Eigen::RowVectorXd mu = X.colwise().mean();
+  const Eigen::MatrixXd C = X.rowwise() - mu;
+  return C.transpose() * C / static_cast<double>(E.rows());
 }
 
 }  // namespace naive
