@@ -3,7 +3,7 @@
 //   gpt2.safetensors   wte.weight [1000, 48] F32 + wpe.weight [64, 48], tied (no lm_head.weight).
 //                      "Trained" rows: a shared offset (anisotropy) + one of six cluster centres +
 //                      noise. The 24 "under-trained" rows, ids 7 + 41 i (i = 0..23), are the shared
-//                      offset plus 0.6 along one common direction (orthogonal to the clusters)
+//                      offset plus 0.7 along one common direction (orthogonal to the clusters)
 //                      plus tiny noise: close to the centroid, as rows training never moved are,
 //                      and aligned with each other, which the Magikarp score looks for.
 //   gpt2.vocab         one token per line, with a tab, a backslash, a control byte, invalid UTF-8
@@ -33,7 +33,12 @@ int main(int argc, char** argv) {
       for (Index j = 0; j < d; ++j) offset(0, j) = static_cast<float>(0.4 + 0.1 * rng.normal());
       for (Index c = 0; c < clusters; ++c)
         for (Index j = 0; j < d; ++j) centres(c, j) = static_cast<float>(0.18 * rng.normal());
-      centres.rowwise() -= centres.colwise().mean();  // the clusters average to the offset
+      centres.rowwise() -= centres.colwise().mean();  // the clusters average to the offset...
+      const Eigen::RowVectorXf o = offset.row(0) / offset.norm();
+      for (Index c = 0; c < clusters; ++c) {
+        centres.row(c) -= centres.row(c).dot(o) * o;  // ...are orthogonal to it...
+        centres.row(c) *= 1.1f / centres.row(c).norm();  // ...and 1.1 away from it
+      }
       // The direction the under-trained rows share (as softmax gradients push rows of tokens that
       // never occur one common way): random, orthogonal to the cluster centres, unit length.
       Eigen::VectorXd u(d);
@@ -48,8 +53,8 @@ int main(int argc, char** argv) {
       for (Index v = 0; v < V; ++v) {
         const bool undertrained = v % 41 == 7 && v < 7 + 41 * 24;
         for (Index j = 0; j < d; ++j)
-          E(v, j) = undertrained ? offset(0, j) + static_cast<float>(0.6 * u(j) + 0.01 * rng.normal())
-                                 : offset(0, j) + centres(v % clusters, j) + static_cast<float>(0.12 * rng.normal());
+          E(v, j) = undertrained ? offset(0, j) + static_cast<float>(0.7 * u(j) + 0.01 * rng.normal())
+                                 : offset(0, j) + centres(v % clusters, j) + static_cast<float>(0.03 * rng.normal());
       }
       RowMatrix<float> P(64, d);
       for (Index i = 0; i < P.size(); ++i) P.data()[i] = static_cast<float>(0.02 * rng.normal());
