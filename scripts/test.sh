@@ -33,6 +33,8 @@ cmake -S . -B build/release \
   -DEMBEDHEAD_SANITIZE=OFF \
   -DEMBEDHEAD_BUILD_TESTS=ON \
   -DEMBEDHEAD_REQUIRE_PYTHON_TESTS=ON \
+  -DEMBEDHEAD_BUILD_TOOLS=ON \
+  -DEMBEDHEAD_REQUIRE_BROWSER_TESTS=ON \
   -DEMBEDHEAD_CHECK_HEADERS=ON \
   -DEMBEDHEAD_BUILD_BENCHMARKS=ON \
   -DEMBEDHEAD_BUILD_EXAMPLES=ON
@@ -46,6 +48,12 @@ ctest --test-dir build/release --output-on-failure -j "$jobs"
 python_tests="$(ctest --test-dir build/release -N -L python | sed -n 's/^Total Tests: //p')"
 if [ "${python_tests:-0}" -lt 3 ]; then
   echo "test.sh: error: expected 3 python interop tests in build/release, found ${python_tests:-0}" >&2
+  exit 1
+fi
+# So must the headless-Chromium check of embedhead-inspect's report (label browser).
+browser_tests="$(ctest --test-dir build/release -N -L browser | sed -n 's/^Total Tests: //p')"
+if [ "${browser_tests:-0}" -lt 1 ]; then
+  echo "test.sh: error: expected the browser test (inspect_report_browser) in build/release, found ${browser_tests:-0}" >&2
   exit 1
 fi
 
