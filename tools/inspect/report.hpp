@@ -209,7 +209,7 @@ inline std::string histogram_svg(const std::string& id, const std::string& title
   const auto ymap = [&](double c) { return f.y0() - yval(c) / ymax * (f.y0() - f.y1()); };
   std::vector<std::pair<double, std::string>> yticks;
   if (log_scale) {
-    yticks.push_back({0.0, "0"});
+    // No "0" label: at the foot of a log axis it would crowd the "1" just above it.
     for (double c = 1; yval(c) <= ymax; c *= 10) yticks.push_back({c, thousands(static_cast<long long>(c))});
   } else {
     const auto t = nice_ticks(0, static_cast<double>(top) * 1.08, 5);
