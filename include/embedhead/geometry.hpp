@@ -294,18 +294,15 @@ Neighbours neighbours_impl(const ConstMatrixRef<Scalar>& E, const ConstMatrixRef
   result.ids.setConstant(Q, k, -1);
   result.scores.setConstant(Q, k, -std::numeric_limits<double>::infinity());
 
-  // Cosine: scores are dot products scaled by 1 / ||q|| and 1 / ||E[v]||, the norms computed once
-  // in double (0 for a zero row: its cosine is 0). This is the dot of the pre-normalised rows
-  // without a normalised copy of E or of the queries.
+  // Cosine: scores are dot products scaled by 1 / ||q|| and 1 / ||E[v]||, the norms computed in
+  // double (1 / 0 taken as 0: a zero row's cosine is 0), the queries' once, a block's rows once
+  // per block while the block is in cache. This is the dot of the pre-normalised rows without a
+  // normalised copy of E or of the queries, and without a separate pass over E for its norms.
   const bool cosine = similarity == Similarity::cosine;
-  Eigen::VectorXd inv_e, inv_q;
+  Eigen::VectorXd inv_q;
   auto inverse = [](double norm) { return norm > 0 ? 1.0 / norm : 0.0; };
   if (cosine) {
-    inv_e.resize(V);
     inv_q.resize(Q);
-    parallel_ranges(V, 4096, [&](Index v0, Index v1) {
-      for (Index v = v0; v < v1; ++v) inv_e[v] = inverse(std::sqrt(E.row(v).template cast<double>().squaredNorm()));
-    });
     for (Index q = 0; q < Q; ++q) inv_q[q] = inverse(std::sqrt(queries.row(q).template cast<double>().squaredNorm()));
   }
 
@@ -319,6 +316,7 @@ Neighbours neighbours_impl(const ConstMatrixRef<Scalar>& E, const ConstMatrixRef
   const Index slots = geometry_slots();
   const Index Qb = std::min(kGeometryQueryBlock, Qg);
   std::vector<std::vector<Scalar>> buffers(slots);
+  std::vector<std::vector<double>> inv_e(slots, std::vector<double>(cosine ? kGeometryVocabBlock : 0));
   std::vector<std::vector<Candidate>> heaps(slots);
   std::vector<std::vector<Index>> sizes(slots);
   const bool threaded = 2.0 * static_cast<double>(std::min(Q, Qg)) * static_cast<double>(V) * static_cast<double>(d) >=
@@ -336,6 +334,10 @@ Neighbours neighbours_impl(const ConstMatrixRef<Scalar>& E, const ConstMatrixRef
       std::vector<Scalar>& buffer = buffers[slot];
       if (buffer.size() < static_cast<std::size_t>(Qb * kGeometryVocabBlock))
         buffer.resize(static_cast<std::size_t>(Qb * kGeometryVocabBlock));
+      double* inv_block = inv_e[slot].data();
+      if (cosine)
+        for (Index j = 0; j < C; ++j)
+          inv_block[j] = inverse(std::sqrt(E.row(v0 + j).template cast<double>().squaredNorm()));
       for (Index b0 = g0; b0 < g1; b0 += Qb) {
         const Index b1 = std::min(g1, b0 + Qb), B = b1 - b0;
         // scores [B, C] = queries[b0:b1] E[v0:v1]^T: E's rows v0 .. v1 - 1 seen as a [d, C]
@@ -365,7 +367,7 @@ Neighbours neighbours_impl(const ConstMatrixRef<Scalar>& E, const ConstMatrixRef
               continue;
             }
             double score = static_cast<double>(row[j]);
-            if (cosine) score = score * scale_q * inv_e[v];
+            if (cosine) score = score * scale_q * inv_block[j];
             if (std::isnan(score)) continue;
             const Candidate candidate{score, v};
             if (size < kk) {
@@ -593,7 +595,7 @@ double row_similarity(const ConstMatrixRef<Scalar>& E, Index a, Index b, Similar
 // per-thread lists merged by (score, id): identical results for any thread count.
 // \throws value_error if V, d or k < 1; shape_error if queries has a column count other than d or
 // exclude has a size other than 0 or Q; index_error for an excluded id outside [0, V).
-// Cost: 2 Q V d flops; memory O(V + threads (256 x 1024 + min(Q, 2^20 / k) k)) beyond the result.
+// Cost: 2 Q V d flops; memory O(threads (256 x 1024 + min(Q, 2^20 / k) k)) beyond the result.
 template <typename Scalar>
 Neighbours nearest_neighbours(const ConstMatrixRef<Scalar>& E, const ConstMatrixRef<Scalar>& queries, Index k,
                               Similarity similarity = Similarity::cosine,
