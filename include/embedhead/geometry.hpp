@@ -414,8 +414,10 @@ Neighbours neighbours_impl(const ConstMatrixRef<Scalar>& E, const ConstMatrixRef
 //   Z += (T^T E_b)^T                [d, p]    (GEMM in Scalar, accumulated in double per block)
 // and finally Z = (Z - mu (sum_v T_v)^T) / V, which equals C Y exactly in exact arithmetic since
 // sum_v (E[v] - mu) T_v = sum_v E[v] T_v - mu sum_v T_v. So centring is implicit (no centred copy
-// of E), and subtracting mu^T Y inside T keeps the rounding of T at the scale of the centred
-// rows even when the mean is large (anisotropic tables). Never forms a d x d matrix.
+// of E). Subtracting mu^T Y from T before the second product, rather than forming
+// E^T E Y - V mu mu^T Y, avoids two large terms that nearly cancel when the mean is large
+// (anisotropic tables): the error stays at the scale of one rounded projection. Never forms a
+// d x d matrix.
 template <typename Scalar>
 PrincipalComponents pca_impl(const ConstMatrixRef<Scalar>& E, const Eigen::VectorXd& mean, double total_variance,
                              Index k, int iterations, std::uint64_t seed, ProgressReporter& progress, Index base,
