@@ -107,6 +107,10 @@ namespace detail {
 constexpr Index kGeometryVocabBlock = 1024;
 constexpr Index kGeometryQueryBlock = 256;
 constexpr Index kGeometryGroups = 32;
+// Rows of E per pair of GEMMs in the PCA's passes (a parameter of pca_impl for tuning). At
+// d = 2048, p = 16 on the project's machine: 128-256 rows 55 GFLOP/s, 512 rows 54, 1024 rows 46
+// (a 2 MB float block stays in L2 between its two products).
+constexpr Index kGeometryPcaBlock = 256;
 // Candidates kept per thread (queries in flight x k); more queries are handled in several groups.
 constexpr Index kGeometryHeapBudget = Index{1} << 20;
 
@@ -405,16 +409,19 @@ Neighbours neighbours_impl(const ConstMatrixRef<Scalar>& E, const ConstMatrixRef
 
 // Subspace iteration on the covariance C = (1/V) sum_v (E[v] - mu)(E[v] - mu)^T with p = k +
 // max(k, 8) columns (at most d), `iterations` applications of C, the last one followed by
-// Rayleigh-Ritz. Each application is one pass over E in blocks of kGeometryVocabBlock rows:
+// Rayleigh-Ritz. Each application is one pass over E in blocks of kGeometryPcaBlock rows:
 //   T  = E_b Y - 1 (mu^T Y)        [Vb, p]   projections of the centred rows (GEMM in Scalar)
-//   Z += E_b^T T                    [d, p]    (GEMM in Scalar, accumulated in double per block)
+//   Z += (T^T E_b)^T                [d, p]    (GEMM in Scalar, accumulated in double per block)
 // and finally Z = (Z - mu (sum_v T_v)^T) / V, which equals C Y exactly in exact arithmetic since
 // sum_v (E[v] - mu) T_v = sum_v E[v] T_v - mu sum_v T_v. So centring is implicit (no centred copy
-// of E), and subtracting mu^T Y inside T keeps the rounding of T at the scale of the centred
-// rows even when the mean is large (anisotropic tables). Never forms a d x d matrix.
+// of E). Subtracting mu^T Y from T before the second product, rather than forming
+// E^T E Y - V mu mu^T Y, avoids two large terms that nearly cancel when the mean is large
+// (anisotropic tables): the error stays at the scale of one rounded projection. Never forms a
+// d x d matrix.
 template <typename Scalar>
 PrincipalComponents pca_impl(const ConstMatrixRef<Scalar>& E, const Eigen::VectorXd& mean, double total_variance,
-                             Index k, int iterations, std::uint64_t seed, ProgressReporter& progress, Index base) {
+                             Index k, int iterations, std::uint64_t seed, ProgressReporter& progress, Index base,
+                             Index block = kGeometryPcaBlock) {
   const Index V = E.rows(), d = E.cols(), G = geometry_groups(V);
   const Index p = std::min(d, k + std::max<Index>(k, 8));
   using ColMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
@@ -441,8 +448,8 @@ PrincipalComponents pca_impl(const ConstMatrixRef<Scalar>& E, const Eigen::Vecto
     geometry_chunks(G, 1, geometry_threaded(V, d), progress, base + it * G, [&](Index g, Index, Index slot) {
       Zg[g].setZero(d, p);
       Tsum[g].setZero(p);
-      for (Index r0 = V * g / G, end = V * (g + 1) / G; r0 < end; r0 += kGeometryVocabBlock) {
-        const Index rows = std::min(kGeometryVocabBlock, end - r0);
+      for (Index r0 = V * g / G, end = V * (g + 1) / G; r0 < end; r0 += block) {
+        const Index rows = std::min(block, end - r0);
         RowMatrix<Scalar>& t = T[slot];
         RowMatrix<Scalar>& zb = Zb[slot];
         t.setZero(rows, p);
@@ -453,11 +460,13 @@ PrincipalComponents pca_impl(const ConstMatrixRef<Scalar>& E, const Eigen::Vecto
           t.row(i) = centred.cast<Scalar>();
           Tsum[g] += t.row(i).template cast<double>();
         }
-        zb.setZero(d, p);
-        // E_b^T is the [d, rows] column-major view of the row-major block.
-        gemm_add<Scalar, Eigen::ColMajor, Eigen::RowMajor>(d, p, rows, E.data() + r0 * E.outerStride(),
-                                                           E.outerStride(), t.data(), p, zb.data(), p);
-        Zg[g] += zb.template cast<double>();
+        // Z_b^T [p, d] = T^T E_b: T^T is the [p, rows] column-major view of the row-major T. In this
+        // orientation (a wide [p, d] result) Eigen's GEMM runs ~1.7x faster than as Z_b = E_b^T T
+        // (measured at rows = 1024, d = 2048, p = 16 on the project's machine: 55 vs 32 GFLOP/s).
+        zb.setZero(p, d);
+        gemm_add<Scalar, Eigen::ColMajor, Eigen::RowMajor>(p, d, rows, t.data(), p, E.data() + r0 * E.outerStride(),
+                                                           E.outerStride(), zb.data(), d);
+        Zg[g] += zb.transpose().template cast<double>();
       }
     });
     Z.setZero();
@@ -683,7 +692,7 @@ Neighbours analogy(const ConstMatrixRef<Scalar>& E, Index a, Index b, Index c, I
 // covariance (divided by V); total_variance = sum_v ||E[v] - mu||^2 / V. Directions are fixed in
 // sign (largest-magnitude component positive); with a spectral gap lambda_k > lambda_{p+1} the
 // error shrinks like (lambda_{p+1} / lambda_k)^iterations. The start is seeded (seed): the result
-// is reproducible and independent of the thread count. Memory: O(d p (32 + threads) + 1024 p
+// is reproducible and independent of the thread count. Memory: O(d p (32 + threads) + 256 p
 // threads) doubles; never a d x d matrix nor a copy of E.
 // \throws value_error if V or d < 1, k outside [1, d] or iterations < 1.
 template <typename Scalar>
