@@ -664,6 +664,10 @@ Neighbours nearest_neighbours_of_rows(const ConstMatrixRef<Scalar>& E, const std
 // 2013): the cosine neighbours of u_b - u_a + u_c, u = E[row] / ||E[row]|| (a zero row stays zero),
 // formed in double and rounded to Scalar, with a, b and c excluded. Normalising first, as
 // word2vec's and gensim's analogy do, keeps a long row from dominating the query.
+// Caveat (the seeds' own): the famous answers need that exclusion. Without it the nearest row to
+// u_king - u_man + u_woman is usually "king" itself (Nissim, van Noord & van der Goot 2020, "Fair
+// is better than sensational"); queen's cosine there was only about 0.57, and LLM token tables
+// solve such analogies far less reliably than word2vec did. Treat a hit as a hint, not a proof.
 // \throws value_error if V, d or k < 1, index_error unless 0 <= a, b, c < V.
 template <typename Scalar>
 Neighbours analogy(const ConstMatrixRef<Scalar>& E, Index a, Index b, Index c, Index k) {
