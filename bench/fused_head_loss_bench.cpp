@@ -51,14 +51,7 @@ Problem& problem() {
   return p;
 }
 
-void set_threads(benchmark::State& state, int threads) {
-#ifdef _OPENMP
-  (void)state;
-  omp_set_num_threads(threads);
-#else
-  if (threads != 1) state.SkipWithError("built without OpenMP");
-#endif
-}
+using bench_support::set_threads;
 
 double unfused_step(Problem& p) {
   p.head.forward(p.h, p.logits);
@@ -130,11 +123,7 @@ void BM_FusedEval(benchmark::State& state) {
 
 void register_benchmarks() {
   check_fused_against_unfused();
-#ifdef _OPENMP
-  const std::vector<std::int64_t> threads = {1, 2};
-#else
-  const std::vector<std::int64_t> threads = {1};
-#endif
+  const std::vector<std::int64_t> threads = bench_support::thread_counts();
   for (const std::int64_t t : threads) {
     benchmark::RegisterBenchmark("UnfusedStep", BM_UnfusedStep)->Arg(t)->ArgName("threads")->Unit(benchmark::kMillisecond)
         ->UseRealTime();

@@ -13,10 +13,34 @@
 
 #include <Eigen/Core>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <cstdint>
 #include <string>
 #include <vector>
 
 namespace bench_support {
+
+// The thread counts a suite registers: 1 and 2 when built with OpenMP, else 1.
+inline std::vector<std::int64_t> thread_counts() {
+#ifdef _OPENMP
+  return {1, 2};
+#else
+  return {1};
+#endif
+}
+
+// Sets the OpenMP thread count for a benchmark; without OpenMP only 1 is possible.
+inline void set_threads(benchmark::State& state, int threads) {
+#ifdef _OPENMP
+  (void)state;
+  omp_set_num_threads(threads);
+#else
+  if (threads != 1) state.SkipWithError("built without OpenMP");
+#endif
+}
 
 // Registers the suite's benchmarks, then runs those selected on the command line. Defaults to
 // --benchmark_min_time=0.2 (0.2 s per benchmark, so each suite takes a few minutes); the default

@@ -50,14 +50,7 @@ constexpr Index kV = 50257, kD = 768, kQ = 1000, kK = 10;
 constexpr Index kBigV = 256000, kBigD = 2048;
 constexpr double kFlops = 2.0 * kQ * kV * kD;
 
-void set_threads(benchmark::State& state, int threads) {
-#ifdef _OPENMP
-  (void)state;
-  omp_set_num_threads(threads);
-#else
-  if (threads != 1) state.SkipWithError("built without OpenMP");
-#endif
-}
+using bench_support::set_threads;
 
 struct Problem {
   RowMatrix<float> E = RowMatrix<float>(kV, kD);
@@ -223,11 +216,7 @@ void BM_Summary(benchmark::State& state) {
 
 void register_benchmarks() {
   check_neighbours();
-#ifdef _OPENMP
-  const std::vector<std::int64_t> threads = {1, 2};
-#else
-  const std::vector<std::int64_t> threads = {1};
-#endif
+  const std::vector<std::int64_t> threads = bench_support::thread_counts();
   for (const std::int64_t t : threads) {
     benchmark::RegisterBenchmark("EigenGemm", BM_EigenGemm)->Arg(t)->ArgName("threads")->Unit(benchmark::kMillisecond)
         ->UseRealTime();
