@@ -138,13 +138,13 @@ template <typename Scalar>
 bool same_values(const SafetensorsFile& file, const TensorInfo& a, const TensorInfo& b, Index rows, Index cols,
                  std::pair<Index, Index>& where) {
   RowMatrix<Scalar> row_a(1, cols), row_b(1, cols);
+  // Row r of each is read through a one-row view of the file, set up once (no allocation per row).
+  TensorInfo slice_a = a, slice_b = b;
+  slice_a.shape = {1, static_cast<std::uint64_t>(cols)};
+  slice_b.shape = slice_a.shape;
+  const std::uint64_t bytes_a = static_cast<std::uint64_t>(cols) * dtype_bytes(a.dtype);
+  const std::uint64_t bytes_b = static_cast<std::uint64_t>(cols) * dtype_bytes(b.dtype);
   for (Index r = 0; r < rows; ++r) {
-    // Read row r of each through a one-row view of the file (numel must match the view).
-    TensorInfo slice_a = a, slice_b = b;
-    const std::uint64_t bytes_a = static_cast<std::uint64_t>(cols) * dtype_bytes(a.dtype);
-    const std::uint64_t bytes_b = static_cast<std::uint64_t>(cols) * dtype_bytes(b.dtype);
-    slice_a.shape = {1, static_cast<std::uint64_t>(cols)};
-    slice_b.shape = slice_a.shape;
     slice_a.begin = a.begin + static_cast<std::uint64_t>(r) * bytes_a;
     slice_b.begin = b.begin + static_cast<std::uint64_t>(r) * bytes_b;
     file.read<Scalar>(slice_a, row_a);
