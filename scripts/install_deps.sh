@@ -9,9 +9,10 @@ set -euo pipefail
 
 # python3-numpy: the python interop tests (tests/python); clang + libclang-rt-14-dev: the libFuzzer
 # build of fuzz/ (libFuzzer and the sanitizer runtimes are in libclang-rt-14-dev on Debian 12);
-# chromium: the headless-browser check of embedhead-inspect's HTML report (ctest label browser).
+# chromium: the headless-browser check of embedhead-inspect's HTML report (ctest label browser);
+# libopenmpi-dev + openmpi-bin: embedhead::mpi and the parallel tests under mpirun (label mpi).
 packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev nlohmann-json3-dev
-          python3-numpy clang libclang-rt-14-dev chromium "$@")
+          python3-numpy clang libclang-rt-14-dev chromium libopenmpi-dev openmpi-bin "$@")
 
 is_installed() {
   dpkg -s "$1" 2>/dev/null | grep -q '^Status: install ok installed$'

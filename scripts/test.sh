@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Full embedhead check: Release build with -Werror + all tests (the python
-# interop tests must be among them), a clang libFuzzer build that replays the
+# interop tests and the parallel tests under mpirun must be among them), a clang libFuzzer build that replays the
 # corpus and fuzzes the safetensors reader for a bounded time, then an
 # ASan+UBSan build of the tests.
 #
@@ -30,6 +30,7 @@ cmake -S . -B build/release \
   -DCMAKE_BUILD_TYPE=Release \
   -DEMBEDHEAD_WERROR=ON \
   -DEMBEDHEAD_REQUIRE_SAFETENSORS=ON \
+  -DEMBEDHEAD_REQUIRE_MPI=ON \
   -DEMBEDHEAD_SANITIZE=OFF \
   -DEMBEDHEAD_BUILD_TESTS=ON \
   -DEMBEDHEAD_REQUIRE_PYTHON_TESTS=ON \
@@ -54,6 +55,14 @@ fi
 browser_tests="$(ctest --test-dir build/release -N -L browser | sed -n 's/^Total Tests: //p')"
 if [ "${browser_tests:-0}" -lt 1 ]; then
   echo "test.sh: error: expected the browser test (inspect_report_browser) in build/release, found ${browser_tests:-0}" >&2
+  exit 1
+fi
+
+# So must the parallel tests under mpirun with 1, 2 and 3 ranks (label mpi): 4 test programs x 3
+# rank counts, plus the installed-package consumer under mpirun -np 2.
+mpi_tests="$(ctest --test-dir build/release -N -L mpi | sed -n 's/^Total Tests: //p')"
+if [ "${mpi_tests:-0}" -lt 13 ]; then
+  echo "test.sh: error: expected 13 MPI tests (label mpi) in build/release, found ${mpi_tests:-0}" >&2
   exit 1
 fi
 
@@ -113,6 +122,7 @@ else
     "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" \
     -DEMBEDHEAD_SANITIZE=ON \
     -DEMBEDHEAD_REQUIRE_SAFETENSORS=ON \
+    -DEMBEDHEAD_REQUIRE_MPI=ON \
     -DEMBEDHEAD_WERROR=OFF \
     -DEMBEDHEAD_BUILD_TESTS=ON \
     -DEMBEDHEAD_REQUIRE_PYTHON_TESTS=ON \
