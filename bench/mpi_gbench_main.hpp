@@ -41,9 +41,14 @@ inline int run_mpi_benchmarks(int argc, char** argv, void (*register_benchmarks)
   embedhead::MpiEnvironment mpi(argc, argv);
   embedhead::Communicator& comm = world();
   register_benchmarks();
-  int args_count = argc;
-  benchmark::Initialize(&args_count, argv);
-  if (benchmark::ReportUnrecognizedArguments(args_count, argv)) return 1;
+  // Ranks other than 0 drop --benchmark_out*: they must not open (and truncate) rank 0's file.
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i)
+    if (comm.rank() == 0 || i == 0 || std::string(argv[i]).rfind("--benchmark_out", 0) != 0) args.push_back(argv[i]);
+  int args_count = static_cast<int>(args.size());
+  args.push_back(nullptr);
+  benchmark::Initialize(&args_count, args.data());
+  if (benchmark::ReportUnrecognizedArguments(args_count, args.data())) return 1;
   benchmark::AddCustomContext("mpi ranks", std::to_string(comm.size()));
   benchmark::AddCustomContext("eigen", std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) +
                                            "." + std::to_string(EIGEN_MINOR_VERSION) + ", " +
@@ -51,8 +56,8 @@ inline int run_mpi_benchmarks(int argc, char** argv, void (*register_benchmarks)
   if (comm.rank() == 0) {
     benchmark::RunSpecifiedBenchmarks();
   } else {
-    SilentReporter display, file;
-    benchmark::RunSpecifiedBenchmarks(&display, &file);
+    SilentReporter display;
+    benchmark::RunSpecifiedBenchmarks(&display);
   }
   benchmark::Shutdown();
   return 0;
