@@ -20,6 +20,7 @@
 #include "quantized_embedding.hpp"
 #include "token_embedding.hpp"
 #include "types.hpp"
+#include "vocab_parallel_fused_head_loss.hpp"
 #include "vocabulary.hpp"
 
 #endif  // EMBEDHEAD_EMBEDHEAD_HPP
