@@ -21,6 +21,7 @@
 #include "token_embedding.hpp"
 #include "types.hpp"
 #include "vocab_parallel.hpp"
+#include "vocab_parallel_fused_head_loss.hpp"
 #include "vocabulary.hpp"
 
 #endif  // EMBEDHEAD_EMBEDHEAD_HPP

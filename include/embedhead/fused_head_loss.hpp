@@ -24,6 +24,10 @@
 // w_n >= 0 (mean divides by their sum over counted tokens), the log-sum-exp of every row as an
 // output (for z-loss monitoring), and per-token losses (Reduction::none).
 //
+// Vocabulary-parallel (vocab_parallel_fused_head_loss.hpp): the same pass runs on one rank's
+// shard of W's rows, with the per-row statistics and dh combined across ranks in three
+// all-reduces (detail::fused_head_loss_pass's VocabSlice).
+//
 // Threads (when built with OpenMP): each GEMM is cut into fixed pieces -- 256 rows of the block
 // for the logits and dW, 128 columns of d for dh -- and each row's softmax is one thread's, so
 // the result is bit-identical for any thread count and across runs. The idea of never
@@ -32,6 +36,7 @@
 #ifndef EMBEDHEAD_FUSED_HEAD_LOSS_HPP
 #define EMBEDHEAD_FUSED_HEAD_LOSS_HPP
 
+#include "communicator.hpp"
 #include "cross_entropy.hpp"
 #include "detail/checks.hpp"
 #include "detail/kernels.hpp"
@@ -70,6 +75,7 @@ struct FusedHeadLossWorkspace {
   std::vector<Index> tokens;    // token index n of each counted row
   std::vector<double> row_max, row_sum, row_target, row_logit_sum;  // pass 1's running statistics
   std::vector<double> lse;      // each counted row's log-sum-exp
+  std::vector<double> reduced;  // vocabulary-parallel: the per-row sums all-reduced in one call
 };
 
 namespace detail {
@@ -125,22 +131,53 @@ inline Index fused_vocab_block(Index option, Index classes) {
   return std::min(classes, std::clamp<Index>(rows, 256, 4096));
 }
 
+// After pass 1 on every rank's shard: each counted row's (max, sum_exp, target logit, sum of
+// logits) over the local columns -> the same over all V columns, on every rank. A rank with no
+// local class has max -inf and sum 0, and contributes 0 after the rescale (exp(-inf) = 0).
+template <typename Scalar>
+void combine_vocab_slices(Communicator& comm, FusedHeadLossWorkspace<Scalar>& ws, Index count, bool logit_sums) {
+  const std::size_t rows = static_cast<std::size_t>(count);
+  std::copy_n(ws.row_max.data(), rows, ws.lse.data());  // ws.lse: this rank's maxima, for the rescale
+  comm.all_reduce_max(ws.row_max.data(), count);
+  const std::size_t parts = logit_sums ? 3 : 2;
+  ws.reduced.resize(parts * rows);
+  for (std::size_t i = 0; i < rows; ++i) {
+    const double local_sum = ws.row_sum[i];
+    ws.reduced[i] = local_sum == 0.0 ? 0.0 : local_sum * std::exp(ws.lse[i] - ws.row_max[i]);
+    ws.reduced[rows + i] = ws.row_target[i];
+    if (logit_sums) ws.reduced[2 * rows + i] = ws.row_logit_sum[i];
+  }
+  comm.all_reduce_sum(ws.reduced.data(), static_cast<Index>(parts * rows));
+  std::copy_n(ws.reduced.data(), rows, ws.row_sum.data());
+  std::copy_n(ws.reduced.data() + rows, rows, ws.row_target.data());
+  if (logit_sums) std::copy_n(ws.reduced.data() + 2 * rows, rows, ws.row_logit_sum.data());
+}
+
+// A vocabulary shard for fused_head_loss_pass: W holds rows [begin, begin + W.rows()) of the
+// global [V, d] head, and the other rows live on the other ranks of comm.
+struct VocabSlice {
+  Index begin = 0;               // global row of W's row 0
+  Index V = 0;                   // the global vocabulary
+  Communicator* comm = nullptr;  // the ranks holding the other shards
+};
+
+// Every check of fused_head_loss_pass, in its order, before anything is written: W_rows is W's
+// row count (a shard's with a VocabSlice), V the global vocabulary (= W_rows single-process);
+// null or empty outputs are not checked. The vocabulary-parallel callers run it inside
+// check_on_every_rank, with dW and db null (a Parameter's gradient has its value's shape).
 template <typename Scalar, typename Id>
-CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                        const ConstMatrixRef<Scalar>& bias, const ConstIdRef<Id>& targets,
-                                        const ConstMatrixRef<Scalar>& weights, MatrixRef<Scalar>* dh,
-                                        MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db, MatrixRef<Scalar>* lse,
-                                        MatrixRef<Scalar>* losses, const FusedHeadLossOptions& options,
-                                        FusedHeadLossWorkspace<Scalar>& ws, const char* where) {
-  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
-  const Index N = h.rows(), V = W.rows(), d = W.cols(), T = targets.cols();
-  // ---- every check before anything is written ----
+void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, Index W_rows, Index d,
+                           const ConstMatrixRef<Scalar>& bias, const ConstIdRef<Id>& targets,
+                           const ConstMatrixRef<Scalar>& weights, const MatrixRef<Scalar>* dh, const MatrixRef<Scalar>* dW,
+                           const MatrixRef<Scalar>* db, const MatrixRef<Scalar>* lse, const MatrixRef<Scalar>* losses,
+                           const FusedHeadLossOptions& options, Index V) {
+  const Index N = h.rows();
   check_shape(where, "h", h, N, d);
-  if (bias.size() != 0) check_shape(where, "bias", bias, V, 1);
+  if (bias.size() != 0) check_shape(where, "bias", bias, W_rows, 1);
   if (weights.size() != 0) check_shape(where, "weights", weights, N, 1);
   if (dh) check_shape(where, "dh", *dh, N, d);
-  if (dW && dW->size() != 0) check_shape(where, "dW", *dW, V, d);
-  if (db && db->size() != 0) check_shape(where, "db", *db, V, 1);
+  if (dW && dW->size() != 0) check_shape(where, "dW", *dW, W_rows, d);
+  if (db && db->size() != 0) check_shape(where, "db", *db, W_rows, 1);
   if (lse && lse->size() != 0) check_shape(where, "lse", *lse, N, 1);
   if (losses && losses->size() != 0) check_shape(where, "losses", *losses, N, 1);
   check_loss_options(where, options, V);
@@ -149,9 +186,42 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
     message << where << ": vocab_block = " << options.vocab_block << " outside [0, inf) (0: automatic)";
     throw value_error(message.str());
   }
-  const Index classes = classes_of(options, V);
-  check_targets(where, targets, N, classes, options.ignore_index, V);
+  check_targets(where, targets, N, classes_of(options, V), options.ignore_index, V);
   check_token_weights(where, weights);
+}
+
+// The fused pass (see the top of this file); dh == nullptr: the loss alone (pass 1).
+//
+// slice == nullptr: W is the whole head [V, d]. With a slice, W is one rank's shard of rows
+// [begin, end) and every rank calls the pass with its own shard and the same h, targets, weights
+// and options: targets stay global ids and the classes are the global valid_vocab, of which the
+// shard holds the local columns [0, clamp(classes - begin, 0, rows)) (a shard wholly in the
+// padding holds none). Pass 1 runs on the local columns; then each row's running maximum is
+// all-reduced (max), every rank rescales its local sum of exponentials to the global maximum, and
+// one all-reduce sums [sum_exp, target logit, (sum of logits)] -- the target logit is one rank's
+// value plus zeros, so exact. From there the loss is computed from identical numbers on every
+// rank. Pass 2 writes dz for the local columns only (dW and db are the shard's rows) and dh, a
+// partial sum over the local columns, is all-reduced at the end (count * d values). With one rank
+// the arithmetic is the single-process pass's, bit for bit (the rescale factor is exp(0) = 1).
+// \pre with a slice, the caller has agreed check_fused_head_loss across the ranks
+// (check_on_every_rank) before calling: the local checks here then cannot fail on one rank alone.
+template <typename Scalar, typename Id>
+CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                        const ConstMatrixRef<Scalar>& bias, const ConstIdRef<Id>& targets,
+                                        const ConstMatrixRef<Scalar>& weights, MatrixRef<Scalar>* dh,
+                                        MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db, MatrixRef<Scalar>* lse,
+                                        MatrixRef<Scalar>* losses, const FusedHeadLossOptions& options,
+                                        FusedHeadLossWorkspace<Scalar>& ws, const char* where,
+                                        const VocabSlice* slice = nullptr) {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+  // rows: W's rows; V: the global vocabulary; begin: the global id of W's row 0.
+  const Index N = h.rows(), rows = W.rows(), d = W.cols(), T = targets.cols();
+  const Index V = slice ? slice->V : rows, begin = slice ? slice->begin : 0;
+  // ---- every check before anything is written ----
+  check_fused_head_loss<Scalar, Id>(where, h, rows, d, bias, targets, weights, dh, dW, db, lse, losses, options, V);
+  const Index classes = classes_of(options, V);
+  // The classes among W's rows, in W's local numbering.
+  const Index local_classes = slice ? std::clamp<Index>(classes - begin, 0, rows) : classes;
   const bool weighted = weights.size() != 0;
   const bool gradient = dh != nullptr;
   const bool want_dW = gradient && dW && dW->size() != 0;  // empty: a frozen W
@@ -188,7 +258,9 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   // The counted rows of h, gathered only when some tokens are ignored or dh is h itself (dh is
   // then accumulated apart and copied out at the end); otherwise h and dh are used in place.
   const bool dh_overlaps_h = gradient && dh->data() < h.data() + h.size() && h.data() < dh->data() + dh->size();
-  const bool gather = count < N || dh_overlaps_h;
+  // Vocabulary-parallel, dh is all-reduced in place at the end, so it must be contiguous.
+  const bool dh_strided = gradient && slice && dh->outerStride() != d;
+  const bool gather = count < N || dh_overlaps_h || dh_strided;
   if (gather) {
     ws.hidden.resize(static_cast<std::size_t>(count * d));
     for (Index r = 0; r < count; ++r) std::copy_n(h.row(ws.tokens[static_cast<std::size_t>(r)]).data(), d, ws.hidden.data() + r * d);
@@ -201,11 +273,14 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
                                                                  Eigen::OuterStride<>(gather || !gradient ? d : dh->outerStride()));
   if (gradient) dhidden.setZero();
 
-  const Index block = fused_vocab_block(options.vocab_block, classes);
+  // The block is chosen from the global classes, so that one rank uses the single-process block.
+  const Index block = slice ? std::min(fused_vocab_block(options.vocab_block, classes), local_classes)
+                            : fused_vocab_block(options.vocab_block, classes);
   ws.logits.resize(static_cast<std::size_t>(count * block));
   for (auto* v : {&ws.row_max, &ws.row_sum, &ws.row_target, &ws.row_logit_sum, &ws.lse}) v->resize(static_cast<std::size_t>(count));
   std::fill(ws.row_max.begin(), ws.row_max.end(), -std::numeric_limits<double>::infinity());
   std::fill(ws.row_sum.begin(), ws.row_sum.end(), 0.0);
+  std::fill(ws.row_target.begin(), ws.row_target.end(), 0.0);  // a shard without the target adds 0
   std::fill(ws.row_logit_sum.begin(), ws.row_logit_sum.end(), 0.0);
   const double smoothing = options.label_smoothing, softcap = options.softcap;
   const Scalar cap = static_cast<Scalar>(softcap);
@@ -224,8 +299,8 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   };
 
   // ---- pass 1: each row's max, sum of exponentials, target logit and sum of logits ----
-  for (Index v0 = 0; v0 < classes; v0 += block) {
-    const Index width = std::min(block, classes - v0);
+  for (Index v0 = 0; v0 < local_classes; v0 += block) {
+    const Index width = std::min(block, local_classes - v0);
     auto logits = block_logits(v0, width);
     parallel_rows(count, [&](Index r) {
       const std::size_t i = static_cast<std::size_t>(r);
@@ -238,12 +313,13 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
         running_max = static_cast<double>(block_max);
       }
       running_sum += static_cast<double>(sum_exp_shifted(s, width, static_cast<Scalar>(running_max), static_cast<Scalar*>(nullptr)));
-      const Index y = target_of(ws.tokens[i]);
+      const Index y = target_of(ws.tokens[i]) - begin;  // in W's local numbering
       if (y >= v0 && y < v0 + width) ws.row_target[i] = static_cast<double>(s[y - v0]);
       if (smoothing > 0)
         ws.row_logit_sum[i] += Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(s, width).template cast<double>().sum();
     });
   }
+  if (slice) combine_vocab_slices(*slice->comm, ws, count, smoothing > 0);
   // lse and the loss of each row, summed in token order.
   for (Index r = 0; r < count; ++r) {
     const std::size_t i = static_cast<std::size_t>(r);
@@ -261,8 +337,8 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   if (!gradient) return result;
 
   // ---- pass 2: dz block by block, then dW, db and dh from it ----
-  for (Index v0 = 0; v0 < classes; v0 += block) {
-    const Index width = std::min(block, classes - v0);
+  for (Index v0 = 0; v0 < local_classes; v0 += block) {
+    const Index width = std::min(block, local_classes - v0);
     auto logits = block_logits(v0, width);
     parallel_rows(count, [&](Index r) {
       // dz_j = w (a softmax_j - b - c [j = y]) (1 - (s_j / cap)^2), a = 1 + 2 z_loss lse,
@@ -274,7 +350,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
       const Scalar c = static_cast<Scalar>(w * (1.0 - smoothing));
       const Scalar shift = static_cast<Scalar>(lse_n);
       Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> s(logits.row(r).data(), width);
-      const Index y = target_of(ws.tokens[i]);
+      const Index y = target_of(ws.tokens[i]) - begin;  // in W's local numbering
       const bool target_here = y >= v0 && y < v0 + width;
       if (softcap > 0) {
         const Scalar t_y = target_here ? s(y - v0) / cap : Scalar(0);
@@ -295,6 +371,9 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
       dhidden.middleCols(c0, c_width).noalias() += logits * W.middleRows(v0, width).middleCols(c0, c_width);
     });
   }
+  // Vocabulary-parallel: each rank's dhidden is the sum over its own columns; dh is the sum
+  // over all of them (dhidden is contiguous: the gathered buffer, or dh itself with all N rows).
+  if (slice) slice->comm->all_reduce_sum(dh_base, count * d);
   if (gather) {
     for (Index n = 0; n < N; ++n)
       if (target_of(n) == options.ignore_index) dh->row(n).setZero();

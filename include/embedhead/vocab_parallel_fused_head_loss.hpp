@@ -1,0 +1,234 @@
+// embedhead: the fused LM head + cross-entropy (fused_head_loss.hpp) over a vocabulary shard.
+//
+// Each of R ranks holds rows [begin, end) = vocab_shard(V, rank, R) of the head W [V, d] (and of
+// its bias), and every rank passes the same hidden states h [N, d] and global targets. One call
+// gives, on every rank, the loss that FusedHeadLoss computes on the whole head, dh [N, d], and the
+// shard's rows of dW and db; neither the [N, V] logits nor the whole W exist anywhere. Per rank
+// it costs the single-process pass on V / R rows (8 N (V / R) d flops with dW) plus three
+// all-reduces: the N_count row maxima (max), 2 N_count doubles (3 with label smoothing: sums of
+// exponentials rescaled to the global maximum, target logits, sums of logits) and dh's N_count d
+// partial sums, where N_count counts the tokens whose target is not ignore_index.
+//
+// The shard's pass is detail::fused_head_loss_pass with a VocabSlice, the same code as the
+// single-process loss: with one rank the result is FusedHeadLoss's bit for bit; with more, the
+// sums over the vocabulary are split differently, so it agrees to rounding.
+//
+// Errors: every check runs on every rank through check_on_every_rank before the first collective,
+// together with a fingerprint of what must be replicated (the targets, the per-token weights, N, d,
+// V, the loss options and whether a bias is given), so a bad input on one rank -- or ranks fed
+// different targets -- makes every rank throw the same exception instead of hanging. h itself is
+// not fingerprinted (hashing it would cost a pass over N d values each call): it must be the same
+// on every rank.
+#ifndef EMBEDHEAD_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP
+#define EMBEDHEAD_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP
+
+#include "communicator.hpp"
+#include "cross_entropy.hpp"
+#include "fused_head_loss.hpp"
+#include "parameter.hpp"
+#include "types.hpp"
+
+#include <cstdint>
+#include <sstream>
+#include <type_traits>
+
+namespace embedhead {
+
+// One call per training step on every rank of the communicator:
+//   VocabParallelFusedHeadLoss<float> loss(options);
+//   auto r = loss.forward_backward_shard(comm, V, W_shard, &b_shard, h, targets, dh);
+// or, on a head that knows its shard (a VocabParallelOutputProjection), loss.forward_backward(head,
+// h, targets, dh). Holds the options and the workspace (so the steady state allocates nothing but
+// Eigen's GEMM packing buffers).
+template <typename Scalar>
+class VocabParallelFusedHeadLoss {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+
+ public:
+  explicit VocabParallelFusedHeadLoss(const FusedHeadLossOptions& options = {}) : options_(options) {}
+  const FusedHeadLossOptions& options() const { return options_; }
+
+  // h [N, d], targets (N global ids), both replicated -> the loss FusedHeadLoss gives on the whole
+  // head (replicated); dh [N, d] written (replicated, one all-reduce); weight_shard.grad() += the
+  // shard's rows of dz^T h (dense mode); bias_shard's gradient += its columns' sums of dz. A
+  // frozen weight or bias shard takes nothing. extras (per-token weights in, lse and losses out)
+  // as FusedHeadLoss's, replicated.
+  // weight_shard [shard.rows(), d] and bias_shard [shard.rows(), 1] (or null) hold rows
+  // [shard.begin, shard.end) of the global head, shard = vocab_shard(V, comm.rank(), comm.size()).
+  // Collective: every rank of comm calls it with the same V, h, targets, weights and options.
+  // \throws value_error for V < comm.size(), an option out of range, a negative or non-finite
+  //   weight, or targets / weights / shapes / options that differ across ranks; shape_error for a
+  //   shard of the wrong shape or any other shape mismatch; index_error for a target outside
+  //   [0, classes) that is not ignore_index. On every rank alike (the message of the lowest
+  //   failing rank, ending "[on rank r of R]" when R > 1); nothing is changed on throw.
+  // \pre dh does not alias W, the gradients or the extras (it may be h).
+  CrossEntropyResult forward_backward_shard(Communicator& comm, Index V, Parameter<Scalar>& weight_shard,
+                                            Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                                            const ConstIdRef<std::int32_t>& targets, MatrixRef<Scalar> dh,
+                                            const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return forward_backward_impl<std::int32_t>(comm, V, weight_shard, bias_shard, h, targets, dh, extras,
+                                               "VocabParallelFusedHeadLoss::forward_backward_shard");
+  }
+  CrossEntropyResult forward_backward_shard(Communicator& comm, Index V, Parameter<Scalar>& weight_shard,
+                                            Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                                            const ConstIdRef<std::int64_t>& targets, MatrixRef<Scalar> dh,
+                                            const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return forward_backward_impl<std::int64_t>(comm, V, weight_shard, bias_shard, h, targets, dh, extras,
+                                                "VocabParallelFusedHeadLoss::forward_backward_shard");
+  }
+
+  // h [N, d], targets (N global ids), replicated -> the loss only (evaluation): pass 1 and the
+  // two all-reduces of the row statistics, the same loss bit for bit as forward_backward_shard.
+  // Collective. \throws as forward_backward_shard.
+  CrossEntropyResult forward_shard(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
+                                   const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                                   const ConstIdRef<std::int32_t>& targets, const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return forward_impl<std::int32_t>(comm, V, weight_shard, bias_shard, h, targets, extras,
+                                      "VocabParallelFusedHeadLoss::forward_shard");
+  }
+  CrossEntropyResult forward_shard(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
+                                   const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                                   const ConstIdRef<std::int64_t>& targets, const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return forward_impl<std::int64_t>(comm, V, weight_shard, bias_shard, h, targets, extras,
+                                      "VocabParallelFusedHeadLoss::forward_shard");
+  }
+
+  // The same on a head that holds its shard: any type with communicator() (Communicator&),
+  // vocab_size() (the global V), weight() (the shard Parameter) and bias() (the bias shard's
+  // Parameter pointer, or null), such as VocabParallelOutputProjection. Tied or untied alike (a
+  // tied head's weight() is the embedding's shard, so dW lands in its gradient).
+  // h [N, d], targets (N global ids) -> loss; dh [N, d]; the head's shard gradients +=.
+  // \throws as forward_backward_shard.
+  template <typename Head>
+  CrossEntropyResult forward_backward(Head& head, const ConstMatrixRef<Scalar>& h, const ConstIdRef<std::int32_t>& targets,
+                                      MatrixRef<Scalar> dh, const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return forward_backward_impl<std::int32_t>(head.communicator(), head.vocab_size(), head.weight(), head.bias(), h,
+                                               targets, dh, extras, "VocabParallelFusedHeadLoss::forward_backward");
+  }
+  template <typename Head>
+  CrossEntropyResult forward_backward(Head& head, const ConstMatrixRef<Scalar>& h, const ConstIdRef<std::int64_t>& targets,
+                                      MatrixRef<Scalar> dh, const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return forward_backward_impl<std::int64_t>(head.communicator(), head.vocab_size(), head.weight(), head.bias(), h,
+                                               targets, dh, extras, "VocabParallelFusedHeadLoss::forward_backward");
+  }
+
+  // h [N, d], targets (N global ids) -> loss only, on a head as above. \throws as forward_shard.
+  template <typename Head>
+  CrossEntropyResult forward(const Head& head, const ConstMatrixRef<Scalar>& h, const ConstIdRef<std::int32_t>& targets,
+                             const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return forward_impl<std::int32_t>(head.communicator(), head.vocab_size(), head.weight(), head.bias(), h, targets,
+                                      extras, "VocabParallelFusedHeadLoss::forward");
+  }
+  template <typename Head>
+  CrossEntropyResult forward(const Head& head, const ConstMatrixRef<Scalar>& h, const ConstIdRef<std::int64_t>& targets,
+                             const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return forward_impl<std::int64_t>(head.communicator(), head.vocab_size(), head.weight(), head.bias(), h, targets,
+                                      extras, "VocabParallelFusedHeadLoss::forward");
+  }
+
+ private:
+  using OutputMap = Eigen::Map<RowMatrix<Scalar>>;
+
+  static Eigen::Map<const RowMatrix<Scalar>> bias_of(const Parameter<Scalar>* bias_shard) {
+    if (bias_shard) return bias_shard->value();
+    return {nullptr, 0, 1};
+  }
+
+  // Every check, agreed across the ranks (one small all-gather), then this rank's slice. Nothing
+  // is written before it returns. dh is null for the loss alone.
+  template <typename Id>
+  detail::VocabSlice agree(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
+                           const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                           const ConstIdRef<Id>& targets, const MatrixRef<Scalar>* dh,
+                           const FusedHeadLossExtras<Scalar>& extras, const char* where) const {
+    const int R = comm.size(), rank = comm.rank();
+    VocabShard shard;
+    auto checks = [&] {
+      if (V < R) {
+        std::ostringstream message;
+        message << where << ": V = " << V << " outside [" << R << ", inf): each of the " << R
+                << " ranks must own at least one row";
+        throw value_error(message.str());
+      }
+      shard = vocab_shard(V, rank, R);
+      auto shape_of = [&](const char* what, const Parameter<Scalar>& p, Index cols) {
+        if (p.rows() == shard.rows() && p.cols() == cols) return;
+        std::ostringstream message;
+        message << where << ": " << what << " is [" << p.rows() << ", " << p.cols() << "], expected [" << shard.rows()
+                << ", " << cols << "] (rows [" << shard.begin << ", " << shard.end << ") of V = " << V << " on rank "
+                << rank << " of " << R << ")";
+        throw shape_error(message.str());
+      };
+      shape_of("weight_shard", weight_shard, h.cols());
+      if (bias_shard) shape_of("bias_shard", *bias_shard, 1);
+      OutputMap lse = extras.lse, losses = extras.losses;
+      MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
+      detail::check_fused_head_loss<Scalar, Id>(where, h, shard.rows(), weight_shard.cols(), bias_of(bias_shard), targets,
+                                                extras.weights, dh, nullptr, nullptr, &lse_ref, &losses_ref, options_, V);
+    };
+    check_on_every_rank(comm, where, checks, fingerprint(V, h, bias_shard != nullptr, targets, extras),
+                        "the targets, per-token weights, shapes (N, d, V, bias) or loss options");
+    return detail::VocabSlice{shard.begin, V, &comm};
+  }
+
+  // What must be the same on every rank, hashed: N, d, V, whether there is a bias, the loss
+  // options (all but vocab_block, which only orders this rank's sums), the targets and weights.
+  template <typename Id>
+  std::uint64_t fingerprint(Index V, const ConstMatrixRef<Scalar>& h, bool has_bias, const ConstIdRef<Id>& targets,
+                            const FusedHeadLossExtras<Scalar>& extras) const {
+    const std::int64_t sizes[6] = {static_cast<std::int64_t>(h.rows()), static_cast<std::int64_t>(h.cols()),
+                                   static_cast<std::int64_t>(V), has_bias ? 1 : 0,
+                                   static_cast<std::int64_t>(options_.ignore_index),
+                                   static_cast<std::int64_t>(options_.valid_vocab)};
+    const double values[5] = {static_cast<double>(static_cast<int>(options_.reduction)), options_.label_smoothing,
+                              options_.z_loss, options_.softcap, options_.gradient_scale};
+    std::uint64_t hash = detail::fingerprint_bytes(sizes, sizeof(sizes));
+    hash = detail::fingerprint_bytes(values, sizeof(values), hash);
+    hash = detail::fingerprint_ids(targets, hash);
+    const std::int64_t weight_count = static_cast<std::int64_t>(extras.weights.size());
+    hash = detail::fingerprint_bytes(&weight_count, sizeof(weight_count), hash);
+    for (Index n = 0; n < extras.weights.size(); ++n) {
+      const Scalar w = extras.weights.data()[n];
+      hash = detail::fingerprint_bytes(&w, sizeof(w), hash);
+    }
+    return hash;
+  }
+
+  template <typename Id>
+  CrossEntropyResult forward_backward_impl(Communicator& comm, Index V, Parameter<Scalar>& weight_shard,
+                                           Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                                           const ConstIdRef<Id>& targets, MatrixRef<Scalar> dh,
+                                           const FusedHeadLossExtras<Scalar>& extras, const char* where) {
+    const detail::VocabSlice slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, &dh, extras, where);
+    // Only now, with every rank's checks passed: dense_accumulator() switches the gradient to
+    // dense mode, which must not happen for a call that throws.
+    OutputMap no_output(nullptr, 0, 1);
+    OutputMap dW = weight_shard.frozen() ? no_output : weight_shard.grad().dense_accumulator();
+    OutputMap db = bias_shard && !bias_shard->frozen() ? bias_shard->grad().dense_accumulator() : no_output;
+    OutputMap lse = extras.lse, losses = extras.losses;
+    MatrixRef<Scalar> dW_ref(dW), db_ref(db), lse_ref(lse), losses_ref(losses);
+    return detail::fused_head_loss_pass<Scalar, Id>(h, weight_shard.value(), bias_of(bias_shard), targets, extras.weights,
+                                                    &dh, &dW_ref, &db_ref, &lse_ref, &losses_ref, options_, workspace_,
+                                                    where, &slice);
+  }
+
+  template <typename Id>
+  CrossEntropyResult forward_impl(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
+                                  const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                                  const ConstIdRef<Id>& targets, const FusedHeadLossExtras<Scalar>& extras,
+                                  const char* where) {
+    const detail::VocabSlice slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, nullptr, extras, where);
+    OutputMap lse = extras.lse, losses = extras.losses;
+    MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
+    return detail::fused_head_loss_pass<Scalar, Id>(h, weight_shard.value(), bias_of(bias_shard), targets, extras.weights,
+                                                    nullptr, nullptr, nullptr, &lse_ref, &losses_ref, options_, workspace_,
+                                                    where, &slice);
+  }
+
+  FusedHeadLossOptions options_;
+  FusedHeadLossWorkspace<Scalar> workspace_;
+};
+
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP
