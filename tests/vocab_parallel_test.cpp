@@ -448,7 +448,7 @@ TEST_CASE("vocab_parallel_cross_entropy: central differences in double on every 
 // The whole chain
 // ---------------------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("vocabulary-parallel chain equals the single-process chain, tied and untied", "[vocab_parallel]",
+TEMPLATE_TEST_CASE("vocabulary-parallel chain (unfused and fused loss) equals the single-process chain, tied and untied", "[vocab_parallel]",
                    float, double) {
   using S = TestType;
   Communicator& comm = world();
@@ -518,6 +518,36 @@ TEMPLATE_TEST_CASE("vocabulary-parallel chain equals the single-process chain, t
       const RowMatrix<S> dW = head.weight().grad().to_dense();
       CHECK(close(vhead.weight().grad().to_dense(), dW.middleRows(shard.begin, shard.rows()), tol));
       CHECK(close(vhead.bias()->grad().to_dense(), head.bias()->grad().to_dense().middleRows(shard.begin, shard.rows()), tol));
+    }
+
+    // The same chain with the fused head and loss (VocabParallelFusedHeadLoss on the real head,
+    // blocks of 4 rows so that every shard spans several): the same single-process references.
+    VocabParallelEmbedding<S> fE(kV, d, comm, eopt);
+    LearnedPositionEmbedding<S> fP(T_max, d, popt);
+    Dropout<S> fdrop(0.25, 77);
+    VocabParallelOutputProjection<S> fhead = tied ? VocabParallelOutputProjection<S>(fE)
+                                                  : VocabParallelOutputProjection<S>(kV, d, comm, hopt);
+    if (!tied) fhead.bias()->value() = random_matrix<S>(kV, 1, 102).middleRows(shard.begin, shard.rows());
+    FusedHeadLossOptions fopt;
+    static_cast<CrossEntropyOptions&>(fopt) = lopt;
+    fopt.vocab_block = 4;
+    VocabParallelFusedHeadLoss<S> floss(fopt);
+    const RowMatrix<S> fh = fdrop.forward(fP.forward(fE.forward(ids), B, T));
+    RowMatrix<S> fdh(N, d);
+    const CrossEntropyResult fl = floss.forward_backward(fhead, fh, targets, fdh);
+    const RowMatrix<S> fdx = fdrop.backward(fdh);
+    fP.backward(fdx, B, T);
+    fE.backward(ids, fdx);
+    CHECK(fl.count == N - 2);
+    CHECK(close_scalar(fl.loss, loss.loss, ltol));
+    CHECK(same_on_every_rank(comm, fl.loss));
+    CHECK(close(fdx, dx, tol));
+    CHECK(close(fP.weight().grad().to_dense(), P.weight().grad().to_dense(), tol));
+    CHECK(close(fE.weight().grad().to_dense(), dE.middleRows(shard.begin, shard.rows()), tol));
+    if (!tied) {
+      const RowMatrix<S> dW = head.weight().grad().to_dense();
+      CHECK(close(fhead.weight().grad().to_dense(), dW.middleRows(shard.begin, shard.rows()), tol));
+      CHECK(close(fhead.bias()->grad().to_dense(), head.bias()->grad().to_dense().middleRows(shard.begin, shard.rows()), tol));
     }
   }
 }
