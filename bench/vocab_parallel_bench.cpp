@@ -113,8 +113,7 @@ void BM_LookupForward(benchmark::State& state) {
   state.counters["ranks"] = bench_support::world().size();
   state.counters["shard_MiB"] = static_cast<double>(embedding.shard().rows() * d) * sizeof(float) / kMiB;
   state.counters["allreduce_MiB"] = static_cast<double>(N * d) * sizeof(float) / kMiB;
-  state.counters["GB/s"] = benchmark::Counter(static_cast<double>(N * d) * sizeof(float) * state.iterations(),
-                                              benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+  state.SetBytesProcessed(static_cast<std::int64_t>(N * d) * static_cast<std::int64_t>(sizeof(float)) * state.iterations());
 }
 
 void register_benchmarks() {
