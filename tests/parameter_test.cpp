@@ -261,6 +261,28 @@ TEMPLATE_TEST_CASE("RowGradient: dense mode", "[parameter][row_gradient]", float
   }
 }
 
+TEMPLATE_TEST_CASE("RowGradient: touched_values is the touched rows as one block, sparse and dense",
+                   "[parameter][row_gradient]", float, double) {
+  using S = TestType;
+  RowGradient<S> g(9, 3);
+  CHECK(g.touched_values().rows() == 0);
+  // Two batches, the second merged in front of and between the first's rows.
+  const Index first[] = {4, 7}, second[] = {1, 5, 7};
+  Index slots[3];
+  g.touch_rows(first, 2, slots);
+  for (Index j = 0; j < 2; ++j) g.slot_row(slots[j]).setConstant(static_cast<S>(first[j]));
+  g.touch_rows(second, 3, slots);
+  for (Index j = 0; j < 3; ++j) g.slot_row(slots[j]).array() += static_cast<S>(second[j]);
+  const auto sparse = g.touched_values();
+  REQUIRE(sparse.rows() == 4);
+  REQUIRE(sparse.cols() == 3);
+  for (Index i = 0; i < 4; ++i) CHECK(first_difference(sparse.row(i), g.touched_row(i)) == "");
+  const RowMatrix<S> dense_values = g.to_dense();
+  g.dense_accumulator();
+  const auto dense = g.touched_values();
+  CHECK(first_difference(dense, dense_values) == "");  // [rows, cols]: every row touched
+}
+
 TEST_CASE("RowGradient: zero_grad forgets touched rows without ever going dense", "[parameter][row_gradient]") {
   // V * d = 12.8M entries: a per-step memset of a full gradient would be the cost zero_grad must
   // avoid. We assert the behaviour (no dense buffer, empty touched set), not timings.

@@ -5,6 +5,7 @@
 #include "version.hpp"
 
 #include "cross_entropy.hpp"
+#include "data_parallel.hpp"
 #include "dropout.hpp"
 #include "errors.hpp"
 #include "fused_head_loss.hpp"

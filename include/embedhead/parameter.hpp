@@ -63,6 +63,14 @@ class RowGradient {
   ConstRowMap touched_row(Index i) const { return ConstRowMap(slot_data(slot_of_touched(i)), cols_); }
   RowMap touched_row(Index i) { return RowMap(slot_data(slot_of_touched(i)), cols_); }
 
+  // -> the touched rows' values [num_touched(), cols], row i = touched_row(i), one contiguous
+  // row-major block (the compact block in sparse mode, the full buffer in dense mode): what a
+  // data-parallel exchange sends without copying it first. Valid until the next change.
+  Eigen::Map<const RowMatrix<Scalar>> touched_values() const {
+    const Scalar* data = dense_mode_ ? dense_.data() : block_.data();
+    return Eigen::Map<const RowMatrix<Scalar>>(data, num_touched(), cols_);
+  }
+
   // -> out [rows, cols], zeros where untouched. Costs O(rows * cols); for tests and export.
   // \throws shape_error if out is not [rows, cols] (nothing written).
   void to_dense(MatrixRef<Scalar> out) const {
