@@ -24,6 +24,8 @@
 #include "bench_support.hpp"
 
 #include <embedhead/data_parallel.hpp>
+#include "mpi_gbench_main.hpp"
+
 #include <embedhead/mpi_communicator.hpp>
 
 #include <benchmark/benchmark.h>
@@ -50,7 +52,6 @@ constexpr char kProgram[] = "data_parallel_bench";
 constexpr Index kV = 256000, kD = 2048;
 constexpr int kIterations = 3;
 
-embedhead::Communicator* g_comm = nullptr;
 
 // Rank r's k touched rows: a random sample without replacement, sorted (seeded by r).
 std::vector<Index> sample_rows(int r, Index k) {
@@ -77,7 +78,7 @@ void refill(Parameter<float>& p, const std::vector<Index>& ids, std::vector<Inde
 
 // After an exchange: every row v must hold the sum of (r + 1) over the ranks touching v.
 void check_sums(const Parameter<float>& p, Index k) {
-  const int R = g_comm->size();
+  const int R = bench_support::world().size();
   std::vector<float> expected(static_cast<std::size_t>(kV), 0.0f);
   for (int r = 0; r < R; ++r)
     for (Index v : sample_rows(r, k)) expected[static_cast<std::size_t>(v)] += static_cast<float>(r + 1);
@@ -98,17 +99,17 @@ void check_sums(const Parameter<float>& p, Index k) {
 // The slowest rank's seconds since `start` (a collective).
 double slowest(std::chrono::steady_clock::time_point start) {
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  g_comm->all_reduce_max(&seconds, 1);
+  bench_support::world().all_reduce_max(&seconds, 1);
   return seconds;
 }
 
 void barrier() {
   std::int64_t token = 0;
-  g_comm->all_reduce_sum(&token, 1);
+  bench_support::world().all_reduce_sum(&token, 1);
 }
 
 void BM_exchange(benchmark::State& state, GradientExchange mode) {
-  const int me = g_comm->rank(), R = g_comm->size();
+  const int me = bench_support::world().rank(), R = bench_support::world().size();
   const Index k = rows_for(state.range(0));
   const std::vector<Index> ids = sample_rows(me, k);
   std::vector<Index> slots(ids.size());
@@ -117,13 +118,13 @@ void BM_exchange(benchmark::State& state, GradientExchange mode) {
   options.mode = mode;
   refill(*p, ids, slots, me);
   embedhead::GradientExchangeWorkspace<float> work;  // kept across steps, as a training loop would
-  GradientExchangeResult result = embedhead::all_reduce_gradient(*p, *g_comm, options, &work);  // warm-up
+  GradientExchangeResult result = embedhead::all_reduce_gradient(*p, bench_support::world(), options, &work);  // warm-up
   check_sums(*p, k);
   for (auto _ : state) {
     refill(*p, ids, slots, me);
     barrier();
     const auto start = std::chrono::steady_clock::now();
-    result = embedhead::all_reduce_gradient(*p, *g_comm, options, &work);
+    result = embedhead::all_reduce_gradient(*p, bench_support::world(), options, &work);
     benchmark::ClobberMemory();
     state.SetIterationTime(slowest(start));
   }
@@ -164,29 +165,6 @@ void register_benchmarks() {
   }
 }
 
-// Ranks other than 0 run the same benchmarks silently.
-class SilentReporter : public benchmark::BenchmarkReporter {
- public:
-  bool ReportContext(const Context&) override { return true; }
-  void ReportRuns(const std::vector<Run>&) override {}
-};
-
 }  // namespace
 
-int main(int argc, char** argv) {
-  embedhead::MpiEnvironment mpi(argc, argv);
-  embedhead::MpiCommunicator world;
-  g_comm = &world;
-  register_benchmarks();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::AddCustomContext("ranks", std::to_string(world.size()));
-  if (world.rank() == 0) {
-    benchmark::RunSpecifiedBenchmarks();
-  } else {
-    SilentReporter silent;
-    benchmark::RunSpecifiedBenchmarks(&silent);
-  }
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return bench_support::run_mpi_benchmarks(argc, argv, register_benchmarks); }
