@@ -82,7 +82,7 @@ void BM_FusedStep(benchmark::State& state) {
     benchmark::DoNotOptimize(loss.forward_backward(p.head, p.h, p.targets, p.dh).loss);
   }
   const Index rows = p.head.shard().rows();
-  const Index block = embedhead::detail::fused_vocab_block(0, rows);
+  const Index block = embedhead::detail::fused_vocab_block(0, rows);  // as the loss picks it on a shard
   set_memory_counters(state, p, static_cast<double>(p.N * block) * sizeof(float),
                       static_cast<double>(p.N * p.d) * sizeof(float) + 3.0 * p.N * sizeof(double));
   state.counters["GFLOP/s"] = benchmark::Counter(8.0 * p.N * rows * p.d * 1e-9 * state.iterations(), benchmark::Counter::kIsRate);

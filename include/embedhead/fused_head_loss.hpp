@@ -273,9 +273,10 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
                                                                  Eigen::OuterStride<>(gather || !gradient ? d : dh->outerStride()));
   if (gradient) dhidden.setZero();
 
-  // The block is chosen from the global classes, so that one rank uses the single-process block.
-  const Index block = slice ? std::min(fused_vocab_block(options.vocab_block, classes), local_classes)
-                            : fused_vocab_block(options.vocab_block, classes);
+  // The block is chosen from this rank's classes (all of them on one process), so the buffer stays
+  // about 2 % of the logits this rank would otherwise hold, whatever the number of ranks; one rank
+  // uses the single-process block. (A shard that is all padding has no block and no pass.)
+  const Index block = fused_vocab_block(options.vocab_block, slice ? local_classes : classes);
   ws.logits.resize(static_cast<std::size_t>(count * block));
   for (auto* v : {&ws.row_max, &ws.row_sum, &ws.row_target, &ws.row_logit_sum, &ws.lse}) v->resize(static_cast<std::size_t>(count));
   std::fill(ws.row_max.begin(), ws.row_max.end(), -std::numeric_limits<double>::infinity());

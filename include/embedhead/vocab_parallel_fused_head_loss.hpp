@@ -7,7 +7,10 @@
 // it costs the single-process pass on V / R rows (8 N (V / R) d flops with dW) plus three
 // all-reduces: the N_count row maxima (max), 2 N_count doubles (3 with label smoothing: sums of
 // exponentials rescaled to the global maximum, target logits, sums of logits) and dh's N_count d
-// partial sums, where N_count counts the tokens whose target is not ignore_index.
+// partial sums, where N_count counts the tokens whose target is not ignore_index. Memory per rank:
+// one [N_count, vocab_block] block of logits, with vocab_block = 0 (automatic) chosen from this
+// rank's V / R classes as FusedHeadLoss chooses it from V: about 2 % of the [N, V / R] logits the
+// unfused path would hold on this rank.
 //
 // The shard's pass is detail::fused_head_loss_pass with a VocabSlice, the same code as the
 // single-process loss: with one rank the result is FusedHeadLoss's bit for bit; with more, the
