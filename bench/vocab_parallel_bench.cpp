@@ -10,7 +10,8 @@
 // Counters (per rank): GFLOP/s over this rank's GEMM flops (fused 8 N (V/R) d, unfused 6 N (V/R) d);
 // shard_MiB, the W shard; logits_MiB, what the loss holds beyond inputs and gradients (unfused: the
 // local [N, V/R] logits; fused: one [N, vocab_block] block); full_logits_MiB, the [N, V] logits a
-// single process would hold unfused, for comparison; allreduce_MiB, the bytes each step all-reduces.
+// single process would hold unfused, for comparison; allreduce_MiB, the bytes each step all-reduces
+// (fused: N row maxima and 2N sums in double, and dh's N d floats; unfused: the maxima in float).
 // Every rank runs the same fixed number of iterations (bench/mpi_gbench_main.hpp). Before timing,
 // the fused loss is checked against the unfused one on every rank.
 #include "bench_support.hpp"  // first: its pragma must precede every other include
@@ -84,7 +85,7 @@ void BM_FusedStep(benchmark::State& state) {
   const Index rows = p.head.shard().rows();
   const Index block = embedhead::detail::fused_vocab_block(0, rows);  // as the loss picks it on a shard
   set_memory_counters(state, p, static_cast<double>(p.N * block) * sizeof(float),
-                      static_cast<double>(p.N * p.d) * sizeof(float) + 3.0 * p.N * sizeof(double));
+                      static_cast<double>(p.N * p.d) * sizeof(float) + 3.0 * static_cast<double>(p.N) * sizeof(double));
   state.counters["GFLOP/s"] = benchmark::Counter(8.0 * p.N * rows * p.d * 1e-9 * state.iterations(), benchmark::Counter::kIsRate);
 }
 
@@ -97,7 +98,7 @@ void BM_UnfusedStep(benchmark::State& state) {
     benchmark::DoNotOptimize(unfused_step(p));
   }
   set_memory_counters(state, p, static_cast<double>(p.N * rows) * sizeof(float),
-                      static_cast<double>(p.N * p.d) * sizeof(float) + 3.0 * p.N * sizeof(double));
+                      static_cast<double>(p.N * p.d) * sizeof(float) + static_cast<double>(p.N) * (sizeof(float) + 2 * sizeof(double)));
   state.counters["GFLOP/s"] = benchmark::Counter(6.0 * p.N * rows * p.d * 1e-9 * state.iterations(), benchmark::Counter::kIsRate);
 }
 

@@ -118,3 +118,43 @@ TEST_CASE("check_on_every_rank: one rank's failure is every rank's, with the sam
   comm.all_reduce_sum(&one, 1);
   CHECK(one == R);
 }
+
+TEST_CASE("detail::gather_unit: a divisor of every byte count that fits MPI's int counts") {
+  const Index row = 2048 * 4;  // a row of d = 2048 floats
+  {
+    const Index counts[3] = {3 * row, 0, 5 * row};
+    CHECK(detail::gather_unit(counts, 3) == row);  // whole rows: one unit per row
+  }
+  {
+    const Index counts[2] = {0, 0};
+    CHECK(detail::gather_unit(counts, 2) == 1);
+  }
+  {
+    // Equal blocks of 2^31 bytes (262,144 rows of 2048 floats): the gcd, 2^31, does not fit an
+    // int; 2^30 does, so each rank sends 2 units.
+    const Index counts[2] = {Index(1) << 31, Index(1) << 31};
+    const Index unit = detail::gather_unit(counts, 2);
+    CHECK(unit == Index(1) << 30);
+    CHECK(counts[0] % unit == 0);
+  }
+  {
+    // 2.1 million rows of 1024 bytes on each of 2 ranks (2,150,400,000 bytes, above INT_MAX).
+    const Index counts[2] = {Index(2100000) * 1024, Index(2100000) * 1024};
+    const Index unit = detail::gather_unit(counts, 2);
+    CHECK(unit <= 2147483647);
+    CHECK(counts[0] % unit == 0);
+    CHECK(counts[0] / unit <= 2147483647);
+    CHECK(2 * counts[0] / unit <= 2147483647);
+  }
+  {
+    // With a small limit the gcd 240 = 2^4 * 3 * 5 is divided by its smallest factor until it
+    // fits: 240 -> 120 -> 60.
+    const Index counts[2] = {240, 480};
+    CHECK(detail::gather_unit(counts, 2, 100) == 60);
+  }
+  {
+    // A gcd that is a prime above the limit cannot be divided: unit 1.
+    const Index counts[1] = {2147483659};  // prime, 2^31 + 11
+    CHECK(detail::gather_unit(counts, 1) == 1);
+  }
+}

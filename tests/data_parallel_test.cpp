@@ -150,6 +150,18 @@ TEMPLATE_TEST_CASE("all_reduce_gradient: sparse, dense and automatic give the su
                            (static_cast<double>(V) * static_cast<double>(d * sizeof(S)));
       const bool dense = mode == GradientExchange::dense ||
                          (mode == GradientExchange::automatic && ratio > options.dense_threshold);
+      if (R == 1) {
+        // One rank: the gradient is already the sum; nothing is sent, densified or copied.
+        CHECK_FALSE(result.dense);
+        CHECK_FALSE(p.grad().is_dense());
+        CHECK(result.rows_sent == 0);
+        CHECK(result.rows_gathered == 0);
+        CHECK(result.bytes_sent == 0);
+        CHECK(result.union_rows == k);
+        CHECK(p.grad().touched_rows() == my_ids);
+        CHECK(first_difference(got, expected) == "");
+        continue;
+      }
       CHECK(result.dense == dense);
       CHECK(p.grad().is_dense() == dense);
       if (dense) {
@@ -226,15 +238,16 @@ TEMPLATE_TEST_CASE("all_reduce_gradient: automatic switches to dense above the t
     GradientExchangeOptions options;
     options.dense_threshold = c.threshold;
     const GradientExchangeResult result = all_reduce_gradient(p, comm, options);
-    CHECK(result.dense == c.dense);
-    CHECK(p.grad().is_dense() == c.dense);
+    // One rank has nothing to exchange and never densifies.
+    CHECK(result.dense == (c.dense && R > 1));
+    CHECK(p.grad().is_dense() == (c.dense && R > 1));
     if (R <= 2 || !c.dense) CHECK(first_difference(p.grad().to_dense(), expected) == "");
     else CHECK(close(p.grad().to_dense(), expected, tolerance<S>()));
   }
   // The default threshold keeps a small sparse gradient sparse.
   Parameter<S> p(V, d);
   add_rows(p.grad(), my_ids, my_rows);
-  CHECK(all_reduce_gradient(p, comm).dense == (ratio > GradientExchangeOptions{}.dense_threshold));
+  CHECK(all_reduce_gradient(p, comm).dense == (R > 1 && ratio > GradientExchangeOptions{}.dense_threshold));
 }
 
 TEMPLATE_TEST_CASE("all_reduce_gradient: a gradient already dense on one rank forces dense", "", float, double) {
@@ -406,6 +419,23 @@ TEST_CASE("all_reduce_gradient(s): errors agreed on every rank, nothing changed"
     if (me == R - 1) list.push_back(b);
     CHECK_THROWS_AS(all_reduce_gradients(list, comm), value_error);
     CHECK(GradientState<double>(a->grad()) == a_before);
+    // Valid options that differ: sparse on rank 0, dense elsewhere (they would make different
+    // collectives), then two automatic thresholds.
+    for (int variant = 0; variant < 2; ++variant) {
+      GradientExchangeOptions options;
+      if (variant == 0) options.mode = me == 0 ? GradientExchange::sparse : GradientExchange::dense;
+      if (variant == 1) options.dense_threshold = me == R - 1 ? 0.5 : 1.0;
+      std::string differ;
+      try {
+        all_reduce_gradient(*a, comm, options);
+      } catch (const value_error& e) {
+        differ = e.what();
+      }
+      CHECK_THAT(differ, Catch::Contains("disagree on"));
+      const std::vector<std::string> all_differ = gather_strings(comm, differ);
+      for (const auto& m : all_differ) CHECK(m == all_differ[0]);
+      CHECK(GradientState<double>(a->grad()) == a_before);
+    }
   }
 
   // Bad options on the last rank only.

@@ -500,7 +500,31 @@ TEST_CASE("vocabulary-parallel fused loss: errors agreed on every rank, nothing 
     if (last && R > 1) targets(0, 1) = (targets(0, 1) + 1) % 53;
     if (R > 1) {
       const std::string message = agreed_error<embedhead::value_error>(call(targets, no_weights, *s.W_shard, s.b_shard.get(), 53));
-      CHECK_THAT(message, Contains(fb) && Contains("disagree on the targets"));
+      CHECK_THAT(message, Contains(fb) && Contains("disagree on the call (forward or forward_backward), targets"));
+    }
+  }
+  SECTION("valid per-token weights that differ across ranks") {
+    RowMatrix<Scalar> weights = RowMatrix<Scalar>::Ones(s.N, 1);
+    if (last && R > 1) weights(1, 0) = Scalar(2);  // valid on every rank, but not the same
+    if (R > 1) {
+      const std::string message = agreed_error<embedhead::value_error>(call(s.targets, weights, *s.W_shard, s.b_shard.get(), 53));
+      CHECK_THAT(message, Contains(fb) && Contains("per-token weights"));
+    }
+  }
+  SECTION("forward_shard on one rank, forward_backward_shard on the others") {
+    if (R > 1) {
+      // Every rank throws value_error; the messages differ only in the function each rank called.
+      std::string message;
+      try {
+        if (last)
+          loss.forward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, extras_of(no_weights, lse, losses));
+        else
+          loss.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, dh, extras_of(no_weights, lse, losses));
+      } catch (const embedhead::value_error& e) {
+        message = e.what();
+      }
+      CHECK_THAT(message, Contains(last ? "forward_shard: ranks 0 and " : "forward_backward_shard: ranks 0 and ") &&
+                              Contains("disagree on the call (forward or forward_backward)"));
     }
   }
   SECTION("a weight shard of the wrong shape on the last rank") {

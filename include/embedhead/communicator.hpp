@@ -8,7 +8,7 @@
 //                              parallel class runs, and is tested, without MPI;
 //   MpiCommunicator            <embedhead/mpi_communicator.hpp>, target embedhead::mpi (OpenMPI or
 //                              any MPI-3 library); the core headers never include <mpi.h>.
-// Anything else (NCCL, gloo, a test double) can implement the same five virtual functions.
+// Anything else (NCCL, gloo, a test double) implements the same four virtual functions.
 //
 // Errors across ranks. A check that fails on one rank while the others enter a collective would
 // leave them waiting forever. So the parallel layers run their checks through check_on_every_rank
@@ -31,6 +31,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <numeric>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -171,6 +172,24 @@ std::uint64_t fingerprint_ids(const Ids& ids, std::uint64_t hash = 0xcbf29ce4842
   return hash;
 }
 
+// The unit in which a gather of byte_counts [size] is counted, for a library whose counts and
+// displacements are int (MPI before 4.0): the greatest common divisor of the counts (a whole row
+// of d floats when every rank sends whole rows), divided by its smallest prime factors until it
+// is at most `limit`, since any divisor of the gcd divides every count. 1 when the counts are all
+// zero or the gcd has no factor below 2^20 to take out. The caller still checks that the counts
+// and displacements in units fit.
+inline Index gather_unit(const Index* byte_counts, int size, Index limit = 2147483647) {
+  Index unit = 0;
+  for (int r = 0; r < size; ++r) unit = std::gcd(unit, byte_counts[r]);
+  while (unit > limit) {
+    Index factor = 2;
+    while (factor < (Index(1) << 20) && unit % factor != 0) ++factor;
+    if (unit % factor != 0) return 1;
+    unit /= factor;
+  }
+  return unit == 0 ? 1 : unit;
+}
+
 enum class ErrorKind : std::int64_t { none = 0, index = 1, shape = 2, value = 3, other = 4 };
 
 [[noreturn]] inline void throw_error(ErrorKind kind, const std::string& message) {
@@ -207,6 +226,8 @@ inline void check_on_every_rank(Communicator& comm, const char* where, const std
     kind = detail::ErrorKind::value, message = e.what();
   } catch (const std::exception& e) {
     kind = detail::ErrorKind::other, message = e.what();
+  } catch (...) {  // not a std::exception: still every rank's failure, never one rank's alone
+    kind = detail::ErrorKind::other, message = std::string(where) + ": a check threw a non-standard exception";
   }
   const int R = comm.size();
   if (R == 1) {

@@ -21,7 +21,11 @@
 //   all_reduce_gradients(params, comm, {}, &workspace);  // E, W, b: each becomes the sum over ranks
 //   optimizer.step();                                   // the same step on every rank
 //
-// (With a mean loss, give each rank's loss gradient_scale = 1 / R so the sum is the global mean.)
+// With a mean loss, the sum of the ranks' mean gradients is not the global mean unless every rank
+// counts the same number of tokens (uneven splits, ignore_index). Exact for any split: use
+// Reduction::sum with gradient_scale = 1 / (the global count of counted tokens, all-reduced
+// first), as examples/parallel_lm.cpp does; gradient_scale = 1 / R with a mean loss is right
+// only for equal counts.
 //
 // Both paths give every rank the same values: the sparse one adds the ranks' rows in rank order
 // on every rank (bit-identical across ranks by construction); the dense one relies on the
@@ -122,6 +126,12 @@ GradientExchangeResult exchange_gradient(Parameter<Scalar>& parameter, Communica
   GradientExchangeResult result;
   if (parameter.frozen()) return result;  // agreed by the fingerprint: every rank returns here
   RowGradient<Scalar>& grad = parameter.grad();
+  if (comm.size() == 1) {
+    // One rank: the gradient is already the sum. Nothing is sent, densified or copied.
+    result.dense = grad.is_dense();
+    result.union_rows = grad.num_touched();
+    return result;
+  }
   const Index V = grad.rows(), d = grad.cols();
   const int R = comm.size(), me = comm.rank();
   const std::int64_t row_bytes = static_cast<std::int64_t>(d) * static_cast<std::int64_t>(sizeof(Scalar));
@@ -216,7 +226,9 @@ GradientExchangeResult exchange_gradient(Parameter<Scalar>& parameter, Communica
 // touched rows, O(sum_r k_r * d) time and a gathered buffer of sum_r k_r * d values (never
 // O(V * d)). Dense path: the gradient ends dense, O(V * d). Which path runs: see
 // GradientExchangeOptions; a gradient already dense on any rank forces dense in every mode.
-// Frozen (on every rank): a no-op returning an all-zero result. `workspace` (optional) keeps the
+// Frozen (on every rank): a no-op returning an all-zero result. One rank: the gradient is already
+// the sum, so nothing happens in any mode (result: dense = gradient.is_dense(), union_rows = its
+// touched rows, nothing sent). `workspace` (optional) keeps the
 // sparse path's buffers between calls; without one each call allocates its own.
 // Collective: every rank calls it with the same parameter shape, frozen flag and options.
 // \pre the same call order on every rank.

@@ -6,9 +6,10 @@
 //
 // all_reduce is MPI_Allreduce in place; all_gather_bytes is MPI_Allgatherv. MPI counts are int,
 // so large calls are split: an all-reduce into pieces of at most 2^30 elements, and an all-gather
-// counts in units of the greatest common divisor of the byte counts (a row of d floats is one unit
-// when every rank sends whole rows), which keeps a 256k x 2048 float table's worth of rows far
-// inside int. Only this header includes <mpi.h>.
+// counts in units of a common divisor of the byte counts (detail::gather_unit: their gcd, reduced
+// below 2^31 if need be), so rank blocks of several GiB still fit int counts. A gather whose
+// counts cannot be expressed so (more than 2^31 units) throws value_error on every rank alike.
+// Only this header includes <mpi.h>.
 #ifndef EMBEDHEAD_MPI_COMMUNICATOR_HPP
 #define EMBEDHEAD_MPI_COMMUNICATOR_HPP
 
@@ -97,14 +98,15 @@ class MpiCommunicator final : public Communicator {
   }
 
   void all_gather_bytes(const void* send, void* recv, const Index* byte_counts) override {
-    // The unit: gcd of the byte counts, so that counts and displacements in units fit an int.
-    Index unit = 0, total = 0;
+    // The unit: a divisor of the byte counts (detail::gather_unit), so that counts and
+    // displacements in units fit an int.
+    Index total = 0;
     for (int r = 0; r < size_; ++r) {
       if (byte_counts[r] < 0) throw value_error("MpiCommunicator::all_gather_bytes: a negative byte count");
-      unit = std::gcd(unit, byte_counts[r]);
       total += byte_counts[r];
     }
     if (total == 0) return;
+    const Index unit = detail::gather_unit(byte_counts, size_);
     std::vector<int> counts(static_cast<std::size_t>(size_)), displacements(static_cast<std::size_t>(size_));
     Index offset = 0;
     for (int r = 0; r < size_; ++r) {
@@ -121,7 +123,6 @@ class MpiCommunicator final : public Communicator {
     MPI_Datatype datatype = MPI_BYTE;
     const bool custom = unit > 1;
     if (custom) {
-      if (unit > INT_MAX) throw value_error("MpiCommunicator::all_gather_bytes: the gather unit (the gcd of the byte counts) exceeds 2^31 bytes");
       detail::check_mpi(MPI_Type_contiguous(static_cast<int>(unit), MPI_BYTE, &datatype), "MPI_Type_contiguous");
       detail::check_mpi(MPI_Type_commit(&datatype), "MPI_Type_commit");
     }

@@ -163,7 +163,9 @@ class VocabParallelEmbedding {
   // ids [B, T], dout [B*T, d] (replicated) -> weight().grad() += s * the scatter of the tokens this
   // rank owns, sparse (touched rows are local row numbers), padding_idx skipped, repeats summed in
   // increasing n: the shard's rows of TokenEmbedding::backward's dE, bit for bit. No communication
-  // (the inputs are replicated, so every rank meets the same errors). A frozen shard: checks only.
+  // (the inputs are replicated, so every rank meets the same errors). Being collective-free, it
+  // cannot compare the ids across ranks as forward does: pass the ids forward was given, or the
+  // ranks update rows of different batches. A frozen shard: checks only.
   // \throws index_error for an id outside [0, V), shape_error if dout is not [B*T, d]; the gradient
   // is unchanged on throw. Cost: O(N log N) to sort the ids, O(owned tokens * d) to add.
   void backward(const ConstIdRef<std::int32_t>& ids, const ConstMatrixRef<Scalar>& dout) { backward_impl(ids, dout); }

@@ -169,18 +169,22 @@ class VocabParallelFusedHeadLoss {
       detail::check_fused_head_loss<Scalar, Id>(where, h, shard.rows(), weight_shard.cols(), bias_of(bias_shard), targets,
                                                 extras.weights, dh, nullptr, nullptr, &lse_ref, &losses_ref, options_, V);
     };
-    check_on_every_rank(comm, where, checks, fingerprint(V, h, bias_shard != nullptr, targets, extras),
-                        "the targets, per-token weights, shapes (N, d, V, bias) or loss options");
+    // Whether dh is asked for is part of it: forward_shard on one rank and forward_backward_shard on
+    // another would make different numbers of collectives.
+    check_on_every_rank(comm, where, checks, fingerprint(V, h, bias_shard != nullptr, dh != nullptr, targets, extras),
+                        "the call (forward or forward_backward), targets, per-token weights, shapes (N, d, V, bias) "
+                        "or loss options");
     return detail::VocabSlice{shard.begin, V, &comm};
   }
 
-  // What must be the same on every rank, hashed: N, d, V, whether there is a bias, the loss
-  // options (all but vocab_block, which only orders this rank's sums), the targets and weights.
+  // What must be the same on every rank, hashed: N, d, V, whether there is a bias, whether dh is
+  // computed, the loss options (all but vocab_block, which only orders this rank's sums), the
+  // targets and weights.
   template <typename Id>
-  std::uint64_t fingerprint(Index V, const ConstMatrixRef<Scalar>& h, bool has_bias, const ConstIdRef<Id>& targets,
-                            const FusedHeadLossExtras<Scalar>& extras) const {
-    const std::int64_t sizes[6] = {static_cast<std::int64_t>(h.rows()), static_cast<std::int64_t>(h.cols()),
-                                   static_cast<std::int64_t>(V), has_bias ? 1 : 0,
+  std::uint64_t fingerprint(Index V, const ConstMatrixRef<Scalar>& h, bool has_bias, bool gradient,
+                            const ConstIdRef<Id>& targets, const FusedHeadLossExtras<Scalar>& extras) const {
+    const std::int64_t sizes[7] = {static_cast<std::int64_t>(h.rows()), static_cast<std::int64_t>(h.cols()),
+                                   static_cast<std::int64_t>(V), has_bias ? 1 : 0, gradient ? 1 : 0,
                                    static_cast<std::int64_t>(options_.ignore_index),
                                    static_cast<std::int64_t>(options_.valid_vocab)};
     const double values[5] = {static_cast<double>(static_cast<int>(options_.reduction)), options_.label_smoothing,
