@@ -30,6 +30,7 @@ using test_support::close;
 using test_support::first_difference;
 using test_support::same_values;
 using test_support::tolerance;
+using test_support::gather_strings;
 using test_support::world;
 
 namespace {
@@ -83,23 +84,6 @@ bool same_on_every_rank(Communicator& comm, const Matrix& m) {
       detail::fingerprint_bytes(m.data(), static_cast<std::size_t>(m.size()) * sizeof(typename Matrix::Scalar)));
   const std::vector<std::int64_t> all = comm.all_gather(hash);
   return std::all_of(all.begin(), all.end(), [&](std::int64_t h) { return h == all[0]; });
-}
-
-// Every rank's string, in rank order (two all-gathers).
-std::vector<std::string> gather_strings(Communicator& comm, const std::string& s) {
-  const std::vector<std::int64_t> lengths = comm.all_gather(static_cast<std::int64_t>(s.size()));
-  std::vector<Index> counts(lengths.begin(), lengths.end());
-  Index total = 0;
-  for (Index c : counts) total += c;
-  std::string all(static_cast<std::size_t>(total), '\0');
-  comm.all_gather_v(s.data(), all.data(), counts);
-  std::vector<std::string> out;
-  std::size_t at = 0;
-  for (Index c : counts) {
-    out.push_back(all.substr(at, static_cast<std::size_t>(c)));
-    at += static_cast<std::size_t>(c);
-  }
-  return out;
 }
 
 // A snapshot of a gradient, to check that a throwing call changed nothing.

@@ -434,14 +434,7 @@ std::string agreed_error(const Call& call) {
     message = std::string("unexpected exception type: ") + e.what();
   }
   CHECK(thrown);
-  const std::vector<std::int64_t> lengths = comm.all_gather(static_cast<std::int64_t>(message.size()));
-  std::vector<Index> counts(lengths.begin(), lengths.end());
-  Index total = 0;
-  for (Index c : counts) total += c;
-  std::string all(static_cast<std::size_t>(total), '\0');
-  comm.all_gather_v(message.data(), all.data(), counts);
-  for (std::size_t r = 0, at = 0; r < counts.size(); at += static_cast<std::size_t>(counts[r]), ++r)
-    CHECK(all.substr(at, static_cast<std::size_t>(counts[r])) == message);
+  for (const std::string& other : test_support::gather_strings(comm, message)) CHECK(other == message);
   return thrown ? message : std::string();
 }
 

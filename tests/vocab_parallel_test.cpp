@@ -24,28 +24,12 @@ using test_support::first_difference;
 using test_support::random_ids;
 using test_support::random_matrix;
 using test_support::same_values;
+using test_support::gather_strings;
 using test_support::world;
 
 namespace {
 
 constexpr Index kV = 53;  // 53 = 27 + 26 = 18 + 18 + 17
-
-// -> every rank's string, in rank order (one all-gather of the lengths, one of the bytes).
-std::vector<std::string> gather_strings(Communicator& comm, const std::string& mine) {
-  const std::vector<std::int64_t> lengths = comm.all_gather(static_cast<std::int64_t>(mine.size()));
-  std::vector<Index> counts(lengths.begin(), lengths.end());
-  Index total = 0;
-  for (Index c : counts) total += c;
-  std::string all(static_cast<std::size_t>(total), '\0');
-  comm.all_gather_v(mine.data(), all.data(), counts);
-  std::vector<std::string> out;
-  std::size_t at = 0;
-  for (Index c : counts) {
-    out.push_back(all.substr(at, static_cast<std::size_t>(c)));
-    at += static_cast<std::size_t>(c);
-  }
-  return out;
-}
 
 // True when x is the same double on every rank (two all-reduces).
 bool same_on_every_rank(Communicator& comm, double x) {

@@ -58,6 +58,41 @@ void embedding_forward(const ConstMatrixRef<Scalar>& E, const ConstIdRef<Id>& id
       });
 }
 
+namespace detail {
+
+// The additions of the embedding's backward, after sort_tokens_by_id and RowGradient::touch_rows:
+// for j in [0, count), the tokens of unique id ws.unique_ids[first + j] -- order[run_begin[first +
+// j] .. run_begin[first + j + 1]), in increasing n, since order is sorted by (id, n) -- are summed
+// times scale into the gradient row at ws.slots[j], assigned rather than added when ws.fresh[j]
+// (a row new to the gradient). Rows are independent: each thread sums whole runs, in that order, so
+// the result is the sequential loop's for any thread count. `first` lets the vocabulary-parallel
+// embedding pass the run of unique ids its shard owns.
+template <typename Scalar>
+void add_token_runs(RowGradient<Scalar>& dE, const ScatterWorkspace& ws, std::size_t first, Index count,
+                    const ConstMatrixRef<Scalar>& dout, Scalar scale) {
+  parallel_ranges(count, kRowsPerThread, [&](Index lo, Index hi) {
+    for (std::size_t j = static_cast<std::size_t>(lo); j < static_cast<std::size_t>(hi); ++j) {
+      auto dE_row = dE.slot_row(ws.slots[j]);
+      bool assign = ws.fresh[j] != 0;
+      const std::size_t u = first + j;
+      for (std::size_t run = ws.run_begin[u]; run < ws.run_begin[u + 1]; ++run) {
+        const auto dout_row = dout.row(ws.order[run].second);
+        if (assign && scale == Scalar(1))
+          dE_row = dout_row;
+        else if (assign)
+          dE_row = scale * dout_row;
+        else if (scale == Scalar(1))
+          dE_row += dout_row;
+        else
+          dE_row += scale * dout_row;
+        assign = false;
+      }
+    }
+  });
+}
+
+}  // namespace detail
+
 // ids [B, T], dout [B*T, d] -> dE (a [V, d] RowGradient) += scale * one_hot(ids)^T * dout.
 // Tokens whose id equals padding_idx (pass -1 for none) contribute nothing. Repeats of an id are
 // summed in increasing token position n, so the result is bit-identical to the sequential loop
@@ -76,26 +111,7 @@ void embedding_backward(const ConstIdRef<Id>& ids, const ConstMatrixRef<Scalar>&
   const Index k = static_cast<Index>(workspace.unique_ids.size());
   // Rows new to the gradient are left unzeroed (fresh): their first token is written, not added.
   dE.touch_rows(workspace.unique_ids.data(), k, workspace.slots.data(), workspace.fresh.data());
-  // order is sorted by (id, n), so unique id u's tokens are order[run_begin[u] .. run_begin[u+1]),
-  // in increasing n. Rows are independent: each thread sums whole runs, in that order.
-  detail::parallel_ranges(k, detail::kRowsPerThread, [&](Index first, Index last) {
-    for (std::size_t u = static_cast<std::size_t>(first); u < static_cast<std::size_t>(last); ++u) {
-      auto dE_row = dE.slot_row(workspace.slots[u]);
-      bool assign = workspace.fresh[u] != 0;
-      for (std::size_t run = workspace.run_begin[u]; run < workspace.run_begin[u + 1]; ++run) {
-        const auto dout_row = dout.row(workspace.order[run].second);
-        if (assign && scale == Scalar(1))
-          dE_row = dout_row;
-        else if (assign)
-          dE_row = scale * dout_row;
-        else if (scale == Scalar(1))
-          dE_row += dout_row;
-        else
-          dE_row += scale * dout_row;
-        assign = false;
-      }
-    }
-  });
+  detail::add_token_runs<Scalar>(dE, workspace, 0, k, dout, scale);
 }
 
 // ---- the layer ----

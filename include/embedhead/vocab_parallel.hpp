@@ -261,26 +261,7 @@ class VocabParallelEmbedding {
     RowGradient<Scalar>& dE = weight_->grad();
     // Rows new to the gradient are left unzeroed (fresh): their first token is written, not added.
     dE.touch_rows(local_ids_.data(), k, ws.slots.data(), ws.fresh.data());
-    const Scalar s = scale();
-    detail::parallel_ranges(k, detail::kRowsPerThread, [&](Index lo, Index hi) {
-      for (std::size_t j = static_cast<std::size_t>(lo); j < static_cast<std::size_t>(hi); ++j) {
-        auto dE_row = dE.slot_row(ws.slots[j]);
-        bool assign = ws.fresh[j] != 0;
-        const std::size_t u = first + j;
-        for (std::size_t run = ws.run_begin[u]; run < ws.run_begin[u + 1]; ++run) {
-          const auto dout_row = dout.row(ws.order[run].second);
-          if (assign && s == Scalar(1))
-            dE_row = dout_row;
-          else if (assign)
-            dE_row = s * dout_row;
-          else if (s == Scalar(1))
-            dE_row += dout_row;
-          else
-            dE_row += s * dout_row;
-          assign = false;
-        }
-      }
-    });
+    detail::add_token_runs<Scalar>(dE, ws, first, k, dout, scale());
   }
 
   Communicator* comm_;

@@ -11,6 +11,10 @@
 
 #include <embedhead/communicator.hpp>
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
 #ifdef EMBEDHEAD_TEST_MPI
 #include <embedhead/mpi_communicator.hpp>
 #endif
@@ -24,6 +28,24 @@ inline embedhead::Communicator& world() {
   static embedhead::SingleProcessCommunicator communicator;
 #endif
   return communicator;
+}
+
+// -> every rank's string, in rank order (one all-gather of the lengths, one of the bytes): to check
+// that an error message is the same on every rank. Collective.
+inline std::vector<std::string> gather_strings(embedhead::Communicator& comm, const std::string& mine) {
+  const std::vector<std::int64_t> lengths = comm.all_gather(static_cast<std::int64_t>(mine.size()));
+  std::vector<embedhead::Index> counts(lengths.begin(), lengths.end());
+  embedhead::Index total = 0;
+  for (const embedhead::Index c : counts) total += c;
+  std::string all(static_cast<std::size_t>(total), '\0');
+  comm.all_gather_v(mine.data(), all.data(), counts);
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  for (const embedhead::Index c : counts) {
+    out.push_back(all.substr(at, static_cast<std::size_t>(c)));
+    at += static_cast<std::size_t>(c);
+  }
+  return out;
 }
 
 }  // namespace test_support
