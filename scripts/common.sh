@@ -6,13 +6,6 @@ phase() {
   printf '==================================================================\n'
 }
 
-# Ninja when it is installed (it keeps both cores busy to the last target), else CMake's default.
-if command -v ninja > /dev/null 2>&1; then
-  embedhead_generator=(-G Ninja)
-else
-  embedhead_generator=()
-fi
-
 # ccache: EMBEDHEAD_CCACHE=1 uses it, 0 does not; unset, it is used when installed and CI is not
 # set (a CI clone on a new machine starts from a cold cache, where it only costs a little).
 embedhead_launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=)
@@ -30,6 +23,12 @@ configure() {
   local dir="$1" cxx="$2"
   shift 2
   cxx="$(command -v "$cxx")"
+  # Ninja when it is installed (it keeps both cores busy to the last target), else CMake's
+  # default. Looked up here, after scripts/install_deps.sh has run.
+  local embedhead_generator=()
+  if command -v ninja > /dev/null 2>&1; then
+    embedhead_generator=(-G Ninja)
+  fi
   local cache="$dir/CMakeCache.txt" want_gen="${embedhead_generator[1]:-}"
   if [ -f "$cache" ]; then
     local old_gen old_cxx
