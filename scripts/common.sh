@@ -22,7 +22,7 @@ esac
 configure() {
   local dir="$1" cxx="$2"
   shift 2
-  cxx="$(command -v "$cxx")"
+  cxx="$(command -v "$cxx")" || { echo "configure: error: compiler '$2' not found" >&2; return 1; }
   # Ninja when it is installed (it keeps both cores busy to the last target), else CMake's
   # default. Looked up here, after scripts/install_deps.sh has run.
   local embedhead_generator=()
