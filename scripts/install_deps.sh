@@ -1,18 +1,36 @@
 #!/usr/bin/env bash
 # Install embedhead's build dependencies on Debian 12 (idempotent).
 #
-# Usage: scripts/install_deps.sh [extra-package ...]
+# Usage: scripts/install_deps.sh [demo|full] [extra-package ...]
+#
+#   demo  what scripts/demo.sh needs: a compiler, cmake, ninja, Eigen and Google Benchmark
+#   full  (default) everything scripts/test.sh needs: also Catch2, nlohmann-json, numpy, clang
+#         with libFuzzer and OpenMP, chromium and OpenMPI
 #
 # Only packages that are not installed yet are installed; `apt-get update` is
 # run only when something is missing. Needs root only in that case.
 set -euo pipefail
 
+set_name="full"
+case "${1:-}" in
+  demo|full) set_name="$1"; shift ;;
+esac
+
+# ninja-build: the scripts use Ninja when it is there (it schedules both cores better than make).
+demo_packages=(cmake g++ ninja-build libeigen3-dev libbenchmark-dev)
 # python3-numpy: the python interop tests (tests/python); clang + libclang-rt-14-dev: the libFuzzer
-# build of fuzz/ (libFuzzer and the sanitizer runtimes are in libclang-rt-14-dev on Debian 12);
+# build of fuzz/ and the clang ASan+UBSan build of the tests (libFuzzer and the sanitizer runtimes
+# are in libclang-rt-14-dev on Debian 12); libomp-dev: OpenMP for clang (threads_test);
 # chromium: the headless-browser check of embedhead-inspect's HTML report (ctest label browser);
-# libopenmpi-dev + openmpi-bin: embedhead::mpi and the parallel tests under mpirun (label mpi).
-packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev nlohmann-json3-dev
-          python3-numpy clang libclang-rt-14-dev chromium libopenmpi-dev openmpi-bin "$@")
+# libopenmpi-dev + openmpi-bin: embedhead::mpi and the parallel tests under mpirun (label mpi);
+# make: cmake's fallback generator.
+full_packages=("${demo_packages[@]}" make catch2 nlohmann-json3-dev python3-numpy clang libclang-rt-14-dev
+               libomp-dev chromium libopenmpi-dev openmpi-bin)
+if [ "$set_name" = "demo" ]; then
+  packages=("${demo_packages[@]}" "$@")
+else
+  packages=("${full_packages[@]}" "$@")
+fi
 
 is_installed() {
   dpkg -s "$1" 2>/dev/null | grep -q '^Status: install ok installed$'
@@ -26,11 +44,11 @@ for pkg in "${packages[@]}"; do
 done
 
 if [ "${#missing[@]}" -eq 0 ]; then
-  echo "install_deps: all dependencies present (${packages[*]})"
+  echo "install_deps ($set_name): all dependencies present (${packages[*]})"
   exit 0
 fi
 
-echo "install_deps: missing packages: ${missing[*]}"
+echo "install_deps ($set_name): missing packages: ${missing[*]}"
 if [ "$(id -u)" -ne 0 ]; then
   echo "install_deps: error: not running as root; cannot install the packages above." >&2
   echo "install_deps: run: sudo apt-get update && sudo apt-get install --no-install-recommends ${missing[*]}" >&2

@@ -1,32 +1,60 @@
 #!/usr/bin/env bash
-# Full embedhead check: Release build with -Werror + all tests (the python
-# interop tests and the parallel tests under mpirun must be among them), a clang libFuzzer build that replays the
-# corpus and fuzzes the safetensors reader for a bounded time, then an
-# ASan+UBSan build of the tests.
+# Full embedhead check, in three parts:
+#   1. gcc Release build with -Werror (tests, tools, examples, benchmarks, standalone headers) and
+#      all its tests (the python interop tests, the browser test and the parallel tests under
+#      mpirun must be among them);
+#   2. a clang libFuzzer build that replays the corpus and fuzzes the safetensors reader for a
+#      bounded time -- the fuzzing runs beside the Release ctest, on the core it leaves idle;
+#   3. a clang ASan+UBSan build of the tests (the clang build of the test suite) and its ctest.
+# The fuzzer is built in the clang ASan+UBSan tree: both use RelWithDebInfo at -O1 without -DNDEBUG.
 #
 # Environment:
 #   EMBEDHEAD_SKIP_ASAN=1       skip the sanitizer phase (fast local iteration)
 #   EMBEDHEAD_SKIP_FUZZ=1       skip the fuzz phase
 #   EMBEDHEAD_FUZZ_SECONDS=<s>  how long to fuzz (default 60)
+#   EMBEDHEAD_CCACHE=0|1        compile through ccache (default: when installed and CI is unset)
 #   JOBS=<n>                    parallelism for build and ctest (default 2)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
 
 jobs="${JOBS:-2}"
+skip_asan="${EMBEDHEAD_SKIP_ASAN:-0}"
+skip_fuzz="${EMBEDHEAD_SKIP_FUZZ:-0}"
+start_time=$SECONDS
 
-phase() {
-  printf '\n==================================================================\n'
-  printf '== %s\n' "$*"
-  printf '==================================================================\n'
+# The clang tree (build/asan): the sanitized tests unless skipped, the fuzzer unless skipped.
+clang_tree=0
+if [ "$skip_asan" != "1" ] || [ "$skip_fuzz" != "1" ]; then
+  clang_tree=1
+fi
+asan_tests=ON
+[ "$skip_asan" = "1" ] && asan_tests=OFF
+fuzzers=ON
+[ "$skip_fuzz" = "1" ] && fuzzers=OFF
+
+# The background fuzz run, if any, ends with the script.
+fuzz_pid=""
+stop_fuzz() {
+  if [ -n "$fuzz_pid" ]; then
+    kill "$fuzz_pid" 2> /dev/null || true
+  fi
+}
+trap stop_fuzz EXIT
+
+# count_tests <build dir> <label>: how many tests ctest has registered with that label.
+count_tests() {
+  ctest --test-dir "$1" -N -L "$2" | sed -n 's/^Total Tests: //p'
 }
 
 phase "Dependencies"
 bash scripts/install_deps.sh
 
-phase "Release: configure (build/release, -DEMBEDHEAD_WERROR=ON)"
-cmake -S . -B build/release \
+phase "Release: configure (build/release, gcc, -DEMBEDHEAD_WERROR=ON)"
+configure build/release "${CXX_RELEASE:-g++}" \
   -DCMAKE_BUILD_TYPE=Release \
   -DEMBEDHEAD_WERROR=ON \
   -DEMBEDHEAD_REQUIRE_SAFETENSORS=ON \
@@ -40,19 +68,61 @@ cmake -S . -B build/release \
   -DEMBEDHEAD_BUILD_BENCHMARKS=ON \
   -DEMBEDHEAD_BUILD_EXAMPLES=ON
 
+if [ "$clang_tree" = "1" ]; then
+  # RelWithDebInfo, but -O1 (faster to build, better sanitizer stacks) and without -DNDEBUG so
+  # assert()/Eigen's bounds checks stay active, for the sanitized tests and the fuzzer alike.
+  # Tools (embedhead-inspect and its tests, the browser test included) are built and sanitized
+  # too; benchmarks and examples only in the Release tree.
+  phase "clang: configure (build/asan, ASan+UBSan tests: $asan_tests, fuzzer: $fuzzers, -DEMBEDHEAD_WERROR=ON)"
+  configure build/asan "${CXX_CLANG:-clang++}" \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" \
+    -DEMBEDHEAD_SANITIZE=ON \
+    -DEMBEDHEAD_REQUIRE_SAFETENSORS=ON \
+    -DEMBEDHEAD_REQUIRE_MPI=ON \
+    -DEMBEDHEAD_WERROR=ON \
+    -DEMBEDHEAD_BUILD_TESTS="$asan_tests" \
+    -DEMBEDHEAD_REQUIRE_PYTHON_TESTS="$asan_tests" \
+    -DEMBEDHEAD_BUILD_TOOLS="$asan_tests" \
+    -DEMBEDHEAD_CHECK_HEADERS=OFF \
+    -DEMBEDHEAD_BUILD_BENCHMARKS=OFF \
+    -DEMBEDHEAD_BUILD_EXAMPLES=OFF \
+    -DEMBEDHEAD_BUILD_FUZZERS="$fuzzers"
+fi
+
 phase "Release: build"
 cmake --build build/release -j "$jobs"
+
+fuzz_work="build/asan/fuzz/run"
+if [ "$skip_fuzz" != "1" ]; then
+  phase "Fuzz: build safetensors_fuzz (build/asan, clang, -fsanitize=fuzzer,address,undefined)"
+  cmake --build build/asan -j "$jobs" --target safetensors_fuzz
+
+  # Fuzz a scratch copy of the corpus, so fuzz/corpus is never modified. libFuzzer runs on one
+  # core for a fixed time; it runs in the background beside the Release ctest, whose fixtures
+  # (configure, install, mpirun, chromium) leave a core idle much of the time. Its result is
+  # checked right after that ctest.
+  fuzz_seconds="${EMBEDHEAD_FUZZ_SECONDS:-60}"
+  phase "Fuzz: safetensors_fuzz for ${fuzz_seconds} s, in the background (log: $fuzz_work/fuzz.log)"
+  rm -rf "$fuzz_work"
+  mkdir -p "$fuzz_work/corpus" "$fuzz_work/artifacts"
+  cp fuzz/corpus/safetensors/* "$fuzz_work/corpus/"
+  build/asan/fuzz/safetensors_fuzz "$fuzz_work/corpus" \
+    -dict=fuzz/safetensors.dict -max_len=4096 -max_total_time="$fuzz_seconds" \
+    -artifact_prefix="$fuzz_work/artifacts/" -print_final_stats=1 > "$fuzz_work/fuzz.log" 2>&1 &
+  fuzz_pid=$!
+fi
 
 phase "Release: ctest"
 ctest --test-dir build/release --output-on-failure -j "$jobs"
 # The python interop tests (label python) must have been registered and run, never skipped.
-python_tests="$(ctest --test-dir build/release -N -L python | sed -n 's/^Total Tests: //p')"
+python_tests="$(count_tests build/release python)"
 if [ "${python_tests:-0}" -lt 3 ]; then
   echo "test.sh: error: expected 3 python interop tests in build/release, found ${python_tests:-0}" >&2
   exit 1
 fi
 # So must the headless-Chromium check of embedhead-inspect's report (label browser).
-browser_tests="$(ctest --test-dir build/release -N -L browser | sed -n 's/^Total Tests: //p')"
+browser_tests="$(count_tests build/release browser)"
 if [ "${browser_tests:-0}" -lt 1 ]; then
   echo "test.sh: error: expected the browser test (inspect_report_browser) in build/release, found ${browser_tests:-0}" >&2
   exit 1
@@ -60,81 +130,51 @@ fi
 
 # So must the parallel tests under mpirun (label mpi): 4 test programs x 1, 2 and 3 ranks, the
 # installed-package consumer under mpirun -np 2, and examples/parallel_lm alone, on 2 and on 3 ranks.
-mpi_tests="$(ctest --test-dir build/release -N -L mpi | sed -n 's/^Total Tests: //p')"
+mpi_tests="$(count_tests build/release mpi)"
 if [ "${mpi_tests:-0}" -lt 16 ]; then
   echo "test.sh: error: expected 16 MPI tests (label mpi) in build/release, found ${mpi_tests:-0}" >&2
   exit 1
 fi
 
-if [ "${EMBEDHEAD_SKIP_FUZZ:-0}" = "1" ]; then
+if [ "$skip_fuzz" = "1" ]; then
   phase "Fuzz: skipped (EMBEDHEAD_SKIP_FUZZ=1)"
 else
-  # libFuzzer needs clang; a separate build directory (see fuzz/README.md).
-  phase "Fuzz: configure (build/fuzz, clang, -fsanitize=fuzzer,address,undefined)"
-  CC=clang CXX=clang++ cmake -S . -B build/fuzz \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" \
-    -DEMBEDHEAD_BUILD_FUZZERS=ON \
-    -DEMBEDHEAD_WERROR=ON \
-    -DEMBEDHEAD_BUILD_TESTS=OFF \
-    -DEMBEDHEAD_BUILD_BENCHMARKS=OFF \
-    -DEMBEDHEAD_BUILD_EXAMPLES=OFF \
-    -DEMBEDHEAD_INSTALL=OFF
-
-  phase "Fuzz: build"
-  cmake --build build/fuzz -j "$jobs" --target safetensors_fuzz
-
-  phase "Fuzz: replay the corpus (ctest -L fuzz)"
-  ctest --test-dir build/fuzz --output-on-failure -L fuzz
-
-  # Fuzz a scratch copy of the corpus, so fuzz/corpus is never modified.
-  fuzz_seconds="${EMBEDHEAD_FUZZ_SECONDS:-60}"
-  phase "Fuzz: safetensors_fuzz for ${fuzz_seconds} s"
-  fuzz_work="build/fuzz/run"
-  rm -rf "$fuzz_work"
-  mkdir -p "$fuzz_work/corpus" "$fuzz_work/artifacts"
-  cp fuzz/corpus/safetensors/* "$fuzz_work/corpus/"
-  if ! build/fuzz/fuzz/safetensors_fuzz "$fuzz_work/corpus" \
-       -dict=fuzz/safetensors.dict -max_len=4096 -max_total_time="$fuzz_seconds" \
-       -artifact_prefix="$fuzz_work/artifacts/" -print_final_stats=1 > "$fuzz_work/fuzz.log" 2>&1; then
+  phase "Fuzz: safetensors_fuzz result"
+  fuzz_status=0
+  wait "$fuzz_pid" || fuzz_status=$?
+  fuzz_pid=""
+  if [ "$fuzz_status" -ne 0 ]; then
     tail -n 60 "$fuzz_work/fuzz.log"
-    echo "test.sh: error: safetensors_fuzz found a failing input: $(ls "$fuzz_work/artifacts")" >&2
-    echo "test.sh: reproduce with build/fuzz/fuzz/safetensors_fuzz $fuzz_work/artifacts/<file>; see fuzz/README.md" >&2
+    echo "test.sh: error: safetensors_fuzz failed (status $fuzz_status); failing inputs: $(ls "$fuzz_work/artifacts")" >&2
+    echo "test.sh: reproduce with build/asan/fuzz/safetensors_fuzz $fuzz_work/artifacts/<file>; see fuzz/README.md" >&2
     exit 1
   fi
   grep -E '^(#[0-9]+[[:space:]]+INITED|Done [0-9]+ runs|stat::)' "$fuzz_work/fuzz.log"
 fi
 
-if [ "${EMBEDHEAD_SKIP_ASAN:-0}" = "1" ]; then
-  phase "ASan+UBSan: skipped (EMBEDHEAD_SKIP_ASAN=1)"
-else
+if [ "$clang_tree" = "1" ]; then
   # Abort on the first sanitizer report and print useful stacks.
   export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:strict_init_order=1:check_initialization_order=1:detect_stack_use_after_return=1}"
   export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
-  # RelWithDebInfo, but -O1 (faster to build, better sanitizer stacks) and
-  # without -DNDEBUG so assert()/Eigen's bounds checks stay active.
-  # -Werror is left to the Release phase: sanitizer instrumentation makes GCC
-  # emit false-positive warnings.
-  phase "ASan+UBSan: configure (build/asan, RelWithDebInfo -O1)"
-  cmake -S . -B build/asan \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" \
-    -DEMBEDHEAD_SANITIZE=ON \
-    -DEMBEDHEAD_REQUIRE_SAFETENSORS=ON \
-    -DEMBEDHEAD_REQUIRE_MPI=ON \
-    -DEMBEDHEAD_WERROR=OFF \
-    -DEMBEDHEAD_BUILD_TESTS=ON \
-    -DEMBEDHEAD_REQUIRE_PYTHON_TESTS=ON \
-    -DEMBEDHEAD_CHECK_HEADERS=OFF \
-    -DEMBEDHEAD_BUILD_BENCHMARKS=OFF \
-    -DEMBEDHEAD_BUILD_EXAMPLES=OFF
+  if [ "$skip_asan" = "1" ]; then
+    phase "ASan+UBSan: skipped (EMBEDHEAD_SKIP_ASAN=1); replaying the fuzz corpus (ctest -L fuzz)"
+    ctest --test-dir build/asan --output-on-failure -L fuzz
+  else
+    phase "clang ASan+UBSan: build (build/asan)"
+    cmake --build build/asan -j "$jobs"
 
-  phase "ASan+UBSan: build"
-  cmake --build build/asan -j "$jobs"
-
-  phase "ASan+UBSan: ctest (excluding label 'cmake')"
-  ctest --test-dir build/asan --output-on-failure -j "$jobs" -LE cmake
+    # Every test but the CMake consumers (label cmake), and the fuzz corpus replay (label fuzz).
+    phase "clang ASan+UBSan: ctest (excluding label 'cmake')"
+    ctest --test-dir build/asan --output-on-failure -j "$jobs" -LE cmake
+  fi
+  if [ "$skip_fuzz" != "1" ]; then
+    fuzz_tests="$(count_tests build/asan fuzz)"
+    if [ "${fuzz_tests:-0}" -lt 1 ]; then
+      echo "test.sh: error: expected the fuzz corpus replay (safetensors_fuzz_replay) in build/asan, found ${fuzz_tests:-0}" >&2
+      exit 1
+    fi
+  fi
 fi
 
-phase "All checks passed"
+phase "All checks passed ($((SECONDS - start_time)) s)"

@@ -1,4 +1,5 @@
-// The Catch2 (v2) main, compiled once into the `embedhead_catch_main` object
-// library and linked into every test executable.
-#define CATCH_CONFIG_MAIN
-#include <catch2/catch.hpp>
+// The Catch2 (v2) main of every test executable, compiled once into the `embedhead_catch_main`
+// library; Catch2's implementation is in catch_impl.cpp.
+#include "catch_run.hpp"
+
+int main(int argc, char* argv[]) { return embedhead_catch_run(argc, argv); }
