@@ -15,9 +15,9 @@
 //
 // Threads: built with OpenMP, the passes over E run as fixed chunks on the OpenMP threads
 // (detail::parallel_chunks), each chunk's products one sequential GEMM of the GEMM seam
-// (detail/gemm.hpp, Kernel::gemm). Sums over rows are taken in a fixed number of fixed row groups and
-// added in group order, and top-k lists are merged under a total order (score, then id), so every
-// result is bit-identical for any thread count and with or without OpenMP.
+// (detail/gemm.hpp, Kernel::gemm). Sums over rows are taken in a fixed number of fixed row groups
+// and added in group order, and top-k lists are merged under a total order (score, then id), so
+// every result is bit-identical for any thread count and with or without OpenMP.
 //
 // Definitions used throughout:
 //   cosine(x, y) = x.y / (||x|| ||y||), and 0 when x or y is the zero vector.
