@@ -43,13 +43,21 @@ namespace detail {
 // for the low-precision head (low_precision.hpp): W is then widened a tile at a time inside each
 // chunk into `tiles` (the seam's mixed-precision path), so that head is thread-count independent too.
 
+// T itself, in a context that template argument deduction skips (std::type_identity in C++20):
+// WStorage below defaults to Scalar instead of being deduced from a Ref-convertible argument.
+template <typename T>
+struct non_deduced {
+  using type = T;
+};
+
 inline bool head_threaded(Index N, Index V, Index d) {
   return 2.0 * static_cast<double>(N) * static_cast<double>(V) * static_cast<double>(d) >= kHeadMinFlops;
 }
 
 // logits[:, c] = b[c] + h W[c]^T for each chunk c of vocab_chunk rows of W.
 template <typename Scalar, typename WStorage = Scalar>
-void head_forward_chunked(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<WStorage>& W,
+void head_forward_chunked(const ConstMatrixRef<Scalar>& h,
+                          const ConstMatrixRef<typename non_deduced<WStorage>::type>& W,
                           const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits, Index vocab_chunk,
                           std::vector<float>* tiles = nullptr) {
   using namespace gemm;
@@ -68,7 +76,8 @@ void head_forward_chunked(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<
 // db_sums_first (the low-precision head): each chunk's column sums are formed first, in token
 // order from zero, and added to db once, so a second call adds exactly what the first added.
 template <typename Scalar, typename WStorage = Scalar>
-void head_backward_chunked(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<WStorage>& W,
+void head_backward_chunked(const ConstMatrixRef<Scalar>& h,
+                           const ConstMatrixRef<typename non_deduced<WStorage>::type>& W,
                            const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW,
                            MatrixRef<Scalar> db, Index vocab_chunk, Index token_chunk, std::vector<float>* tiles = nullptr,
                            bool db_sums_first = false) {
