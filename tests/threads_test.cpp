@@ -256,6 +256,78 @@ TEMPLATE_TEST_CASE("threads: the head's forward and backward are bit-identical f
   }
 }
 
+namespace {
+
+// The bf16 / fp16 head's forward and backward (two accumulating calls, the second into dh = h) by
+// the free functions the LowPrecisionOutputProjection layer calls, with `threads` OpenMP threads;
+// returns logits, dh, dh in place, dW and db.
+template <typename Storage>
+std::vector<RowMatrix<float>> run_low_precision_head(int threads, const RowMatrix<Storage>& W, const HeadSize& s) {
+  return with_threads(threads, [&] {
+    const RowMatrix<float> b = test_support::random_matrix<float>(s.V, 1, 51);
+    RowMatrix<float> h = test_support::random_matrix<float>(s.N, s.d, 52);
+    const RowMatrix<float> dlogits = test_support::random_matrix<float>(s.N, s.V, 53);
+    RowMatrix<float> logits(s.N, s.V), dh(s.N, s.d);
+    RowMatrix<float> dW = RowMatrix<float>::Zero(s.V, s.d), db = RowMatrix<float>::Zero(s.V, 1);
+    embedhead::HeadTileWorkspace workspace;
+    embedhead::output_projection_forward<Storage>(h, W, b, logits, workspace);
+    embedhead::output_projection_backward<Storage>(h, W, dlogits, dh, dW, db, workspace);
+    embedhead::output_projection_backward<Storage>(h, W, dlogits, h, dW, db, workspace);
+    return std::vector<RowMatrix<float>>{logits, dh, h, dW, db};
+  });
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("threads: the bf16 / fp16 head's forward and backward are bit-identical for 1, 2 and 3 threads",
+                   "[threads][head][low_precision]", Eigen::bfloat16, Eigen::half) {
+  using Storage = TestType;
+  using embedhead::detail::kHeadTokenChunk;
+  using embedhead::detail::kHeadVocabChunk;
+  // Threaded (2 N V d >= kHeadMinFlops): V not a multiple of the V chunk nor of the 256-row tile,
+  // N not a multiple of the dh chunk; and sizes below the threshold, on the calling thread.
+  const std::vector<HeadSize> sizes = {{kHeadTokenChunk + 5, 2 * kHeadVocabChunk + 37, 24},
+                                       {40, 3 * kHeadVocabChunk + 300, 33},
+                                       {300, 600, 16},
+                                       {9, kHeadVocabChunk + 3, 17},
+                                       {1, 1, 1},
+                                       {3, 5, 4}};
+  for (const HeadSize& s : sizes) {
+    CAPTURE(s.N, s.V, s.d);
+    const RowMatrix<Storage> W = test_support::random_matrix<float>(s.V, s.d, 54).template cast<Storage>();
+    const auto one = run_low_precision_head(1, W, s), two = run_low_precision_head(2, W, s);
+    const auto three = run_low_precision_head(3, W, s), two_again = run_low_precision_head(2, W, s);
+    CHECK(all_bit_identical(one, two));
+    CHECK(all_bit_identical(one, three));
+    CHECK(all_bit_identical(two, two_again));
+
+    // Inside a parallel region the chunks run in order on one thread: same bits.
+    std::vector<RowMatrix<float>> nested;
+#pragma omp parallel num_threads(2)
+    {
+#pragma omp single
+      nested = run_low_precision_head(2, W, s);
+    }
+    CHECK(all_bit_identical(one, nested));
+
+    // Eigen's own GEMM threading is never used: same bits with it on.
+    Eigen::setNbThreads(2);
+    const auto eigen_threads = run_low_precision_head(1, W, s);
+    Eigen::setNbThreads(0);
+    CHECK(all_bit_identical(one, eigen_threads));
+
+    // The results are the head's arithmetic: logits against a product in double on the widened W
+    // (Eigen's exact cast, not the library's conversion).
+    const RowMatrix<double> Wd = W.template cast<float>().template cast<double>();
+    const RowMatrix<double> b = test_support::random_matrix<float>(s.V, 1, 51).template cast<double>();
+    const RowMatrix<double> h = test_support::random_matrix<float>(s.N, s.d, 52).template cast<double>();
+    const RowMatrix<double> expected = (h * Wd.transpose()).rowwise() + b.col(0).transpose();
+    const RowMatrix<double> magnitude = (h.cwiseAbs() * Wd.cwiseAbs().transpose()).rowwise() + b.cwiseAbs().col(0).transpose();
+    const double eps = std::numeric_limits<float>::epsilon();
+    CHECK(((one[0].template cast<double>() - expected).cwiseAbs().array() <= s.d * eps * magnitude.array() + 1e-30).all());
+  }
+}
+
 TEST_CASE("threads: parallel_chunks covers every chunk once, with fixed bounds, threaded only when asked",
           "[threads]") {
   using embedhead::detail::parallel_chunks;

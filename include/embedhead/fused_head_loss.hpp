@@ -39,6 +39,7 @@
 #include "communicator.hpp"
 #include "cross_entropy.hpp"
 #include "detail/checks.hpp"
+#include "detail/gemm.hpp"
 #include "detail/kernels.hpp"
 #include "output_projection.hpp"
 #include "types.hpp"
@@ -79,28 +80,6 @@ struct FusedHeadLossWorkspace {
 };
 
 namespace detail {
-
-// Fixed pieces of each GEMM: they define the order of every floating-point operation, so they
-// must not depend on the thread count.
-constexpr Index kFusedRowPiece = 256;  // rows of a W block per logits / dW GEMM
-constexpr Index kFusedDimPiece = 128;  // columns of d per dh GEMM
-
-// Calls body(i) for i in [0, count), handed out to the OpenMP threads one at a time as they
-// finish (a thread slowed by other work on the machine takes fewer). Which thread runs body(i)
-// does not change what body(i) computes. With more than one thread the region is entered even
-// for one piece, so Eigen's own GEMM threading (which would change the summation order) never
-// starts inside body.
-template <typename Body>
-void parallel_blocks(Index count, const Body& body) {
-#ifdef _OPENMP
-  if (omp_get_max_threads() > 1 && !omp_in_parallel()) {
-#pragma omp parallel for schedule(dynamic, 1)
-    for (Index i = 0; i < count; ++i) body(i);
-    return;
-  }
-#endif
-  for (Index i = 0; i < count; ++i) body(i);
-}
 
 // body(r) for every row r in [0, rows), in groups of 32 rows per hand-out.
 template <typename Body>
@@ -289,10 +268,13 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   // logits [count, width] = hidden W[v0, v0 + width)^T (+ b), then soft-capped; in fixed pieces.
   auto block_logits = [&](Index v0, Index width) {
     Eigen::Map<RowMatrix<Scalar>> logits(ws.logits.data(), count, width);
-    parallel_blocks((width + kFusedRowPiece - 1) / kFusedRowPiece, [&](Index piece) {
-      const Index p0 = piece * kFusedRowPiece, p_width = std::min(kFusedRowPiece, width - p0);
+    const gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::col_major> product{
+        count, width, d, hidden.data(), hidden.outerStride(), W.data() + v0 * W.outerStride(), W.outerStride(),
+        logits.data(), width, gemm::Init::zero};
+    const gemm::Plan pieces{gemm::Split::cols, kFusedRowPiece, true};
+    gemm::run<gemm::Kernel::expression>(product, pieces, [&](Index p0, Index p1) {
+      const Index p_width = p1 - p0;
       auto out = logits.middleCols(p0, p_width);
-      out.noalias() = hidden * W.middleRows(v0 + p0, p_width).transpose();
       if (bias.size() != 0) out.rowwise() += bias.col(0).segment(v0 + p0, p_width).transpose();
       if (softcap > 0) out = ((out.array() / cap).tanh() * cap).matrix();
     });
@@ -362,15 +344,18 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
         if (target_here) s(y - v0) -= c;
       }
     });
-    if (want_dW || want_db) parallel_blocks((width + kFusedRowPiece - 1) / kFusedRowPiece, [&](Index piece) {
-      const Index p0 = piece * kFusedRowPiece, p_width = std::min(kFusedRowPiece, width - p0);
-      if (want_dW) dW->middleRows(v0 + p0, p_width).noalias() += logits.middleCols(p0, p_width).transpose() * hidden;
+    const gemm::Op<Scalar, gemm::Layout::col_major, gemm::Layout::row_major> dW_product{
+        width, d, count, logits.data(), width, hidden.data(), hidden.outerStride(),
+        want_dW ? dW->data() + v0 * dW->outerStride() : nullptr, want_dW ? dW->outerStride() : 0};
+    const gemm::Plan row_pieces{gemm::Split::rows, kFusedRowPiece, true};
+    if (want_dW || want_db) gemm::run<gemm::Kernel::expression>(dW_product, row_pieces, [&](Index p0, Index p1) {
+      const Index p_width = p1 - p0;
       if (want_db) db->col(0).segment(v0 + p0, p_width) += logits.middleCols(p0, p_width).colwise().sum().transpose();
     });
-    parallel_blocks((d + kFusedDimPiece - 1) / kFusedDimPiece, [&](Index piece) {
-      const Index c0 = piece * kFusedDimPiece, c_width = std::min(kFusedDimPiece, d - c0);
-      dhidden.middleCols(c0, c_width).noalias() += logits * W.middleRows(v0, width).middleCols(c0, c_width);
-    });
+    const gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::row_major> dh_product{
+        count, d, width, logits.data(), width, W.data() + v0 * W.outerStride(), W.outerStride(), dhidden.data(),
+        dhidden.outerStride()};
+    gemm::run<gemm::Kernel::expression>(dh_product, gemm::Plan{gemm::Split::cols, kFusedDimPiece, true});
   }
   // Vocabulary-parallel: each rank's dhidden is the sum over its own columns; dh is the sum
   // over all of them (dhidden is contiguous: the gathered buffer, or dh itself with all N rows).

@@ -14,9 +14,10 @@
 // Memory beyond the inputs and outputs is O(V) doubles plus O(block) scratch per thread.
 //
 // Threads: built with OpenMP, the passes over E run as fixed chunks on the OpenMP threads
-// (detail::parallel_chunks). Sums over rows are taken in a fixed number of fixed row groups and
-// added in group order, and top-k lists are merged under a total order (score, then id), so every
-// result is bit-identical for any thread count and with or without OpenMP.
+// (detail::parallel_chunks), each chunk's products one sequential GEMM of the GEMM seam
+// (detail/gemm.hpp, Kernel::gemm). Sums over rows are taken in a fixed number of fixed row groups
+// and added in group order, and top-k lists are merged under a total order (score, then id), so
+// every result is bit-identical for any thread count and with or without OpenMP.
 //
 // Definitions used throughout:
 //   cosine(x, y) = x.y / (||x|| ||y||), and 0 when x or y is the zero vector.
@@ -26,6 +27,7 @@
 #define EMBEDHEAD_GEOMETRY_HPP
 
 #include "detail/checks.hpp"
+#include "detail/gemm.hpp"
 #include "detail/kernels.hpp"
 #include "detail/parallel.hpp"
 #include "errors.hpp"
@@ -346,10 +348,9 @@ Neighbours neighbours_impl(const ConstMatrixRef<Scalar>& E, const ConstMatrixRef
         const Index b1 = std::min(g1, b0 + Qb), B = b1 - b0;
         // scores [B, C] = queries[b0:b1] E[v0:v1]^T: E's rows v0 .. v1 - 1 seen as a [d, C]
         // column-major matrix, no copy.
-        std::fill(buffer.begin(), buffer.begin() + B * C, Scalar(0));
-        gemm_add<Scalar, Eigen::RowMajor, Eigen::ColMajor>(B, C, d, queries.data() + b0 * queries.outerStride(),
-                                                           queries.outerStride(), E.data() + v0 * E.outerStride(),
-                                                           E.outerStride(), buffer.data(), C);
+        gemm::multiply<gemm::Kernel::gemm>(gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::col_major>{
+            B, C, d, queries.data() + b0 * queries.outerStride(), queries.outerStride(), E.data() + v0 * E.outerStride(),
+            E.outerStride(), buffer.data(), C, gemm::Init::zero});
         for (Index q = b0; q < b1; ++q) {
           Candidate* heap = heaps[slot].data() + (q - g0) * kk;
           Index& size = sizes[slot][static_cast<std::size_t>(q - g0)];
@@ -453,8 +454,8 @@ PrincipalComponents pca_impl(const ConstMatrixRef<Scalar>& E, const Eigen::Vecto
         RowMatrix<Scalar>& t = T[slot];
         RowMatrix<Scalar>& zb = Zb[slot];
         t.setZero(rows, p);
-        gemm_add<Scalar, Eigen::RowMajor, Eigen::ColMajor>(rows, p, d, E.data() + r0 * E.outerStride(),
-                                                           E.outerStride(), Ys.data(), d, t.data(), p);
+        gemm::multiply<gemm::Kernel::gemm>(gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::col_major>{
+            rows, p, d, E.data() + r0 * E.outerStride(), E.outerStride(), Ys.data(), d, t.data(), p});
         for (Index i = 0; i < rows; ++i) {
           const Eigen::RowVectorXd centred = t.row(i).template cast<double>() - m;
           t.row(i) = centred.cast<Scalar>();
@@ -464,8 +465,8 @@ PrincipalComponents pca_impl(const ConstMatrixRef<Scalar>& E, const Eigen::Vecto
         // orientation (a wide [p, d] result) Eigen's GEMM runs ~1.7x faster than as Z_b = E_b^T T
         // (measured at rows = 1024, d = 2048, p = 16 on the project's machine: 55 vs 32 GFLOP/s).
         zb.setZero(p, d);
-        gemm_add<Scalar, Eigen::ColMajor, Eigen::RowMajor>(p, d, rows, t.data(), p, E.data() + r0 * E.outerStride(),
-                                                           E.outerStride(), zb.data(), d);
+        gemm::multiply<gemm::Kernel::gemm>(gemm::Op<Scalar, gemm::Layout::col_major, gemm::Layout::row_major>{
+            p, d, rows, t.data(), p, E.data() + r0 * E.outerStride(), E.outerStride(), zb.data(), d});
         Zg[g] += zb.transpose().template cast<double>();
       }
     });

@@ -9,11 +9,17 @@
 //   head backward     dh = dlogits float(W) (tiled); dW += dlogits^T h; db += column sums (float)
 //
 // Storage is Eigen::bfloat16 or Eigen::half. Nothing here ever makes a float copy of the whole
-// table: the lookup converts the d values of each gathered row, and the head converts W in tiles
-// of kHeadTileRows rows into a reused float scratch (HeadTileWorkspace) and runs Eigen's float GEMM
-// on each tile. Eigen's GEMM on bfloat16 scalars runs at a small fraction of its float rate (see
-// bench/RESULTS.md), while converting W costs V*d cheap conversions (a shift for bf16) per call
-// against the GEMM's 2*N*V*d flops.
+// table: the lookup converts the d values of each gathered row, and the head runs the float head's
+// fixed chunks (detail::head_forward_chunked / head_backward_chunked) through the GEMM seam's
+// mixed-precision path (detail/gemm.hpp): inside each chunk, W is converted kWidenTileRows = 256
+// rows at a time into a per-thread float tile (HeadTileWorkspace) and each tile is one float GEMM.
+// So the head is bit-identical for any thread count, like the float head; its forward and its dW
+// equal the float head's on float(W) bit for bit (N > 8: the float head decodes N <= 8), its db
+// adds each call's column sums once (a second call adds exactly the same), and its dh sums V in
+// tiles of 256 rows (within rounding of the float head's). Eigen's GEMM on bfloat16
+// scalars runs at a small fraction of its float rate (see bench/RESULTS.md), while converting W
+// costs V*d cheap conversions (a shift for bf16) per chunk against the chunk GEMM's flops (the
+// forward converts W once; dh once per chunk of 256 tokens).
 //
 // The lookup's optional sqrt(d) multiplier is rounded to Storage first, then applied in float, as
 // Gemma does with its bf16 normalizer: sqrt(2048) = 45.2548... becomes 45.25 in bf16 and in fp16
@@ -26,8 +32,10 @@
 #define EMBEDHEAD_LOW_PRECISION_HPP
 
 #include "detail/checks.hpp"
+#include "detail/gemm.hpp"
 #include "detail/kernels.hpp"
 #include "detail/parallel.hpp"
+#include "output_projection.hpp"
 #include "parameter.hpp"
 #include "token_embedding.hpp"
 #include "types.hpp"
@@ -38,10 +46,7 @@
 #include <cstring>
 #include <sstream>
 #include <type_traits>
-
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include <vector>
 
 namespace embedhead {
 
@@ -55,10 +60,11 @@ struct is_low_precision<Eigen::half> : std::true_type {};
 template <typename T>
 inline constexpr bool is_low_precision_v = is_low_precision<T>::value;
 
-// Scratch for the tiled head passes: one float tile of at most kHeadTileRows x d values, reused
-// across calls so the steady state allocates nothing. A default-constructed one is always valid.
+// Scratch for the tiled head passes: one float tile of at most 256 x d values per thread
+// (detail::kWidenTileRows), reused across calls so the steady state allocates nothing. A
+// default-constructed one is always valid.
 struct HeadTileWorkspace {
-  RowMatrix<float> tile;
+  std::vector<float> tiles;
 };
 
 namespace detail {
@@ -66,55 +72,9 @@ namespace detail {
 template <typename Storage>
 using enable_if_low_precision = std::enable_if_t<is_low_precision_v<Storage>, int>;
 
-// Rows of W converted per tile by the head: 256 x 768 floats = 768 KiB at GPT-2's d, within a
-// 1 MiB L2, and each tile GEMM is still [N, d] x [d, 256], large enough for Eigen's kernels.
-constexpr Index kHeadTileRows = 256;
-
 template <typename Storage>
 constexpr const char* storage_name() {
   return std::is_same_v<Storage, Eigen::bfloat16> ? "bf16" : "fp16";
-}
-
-// src [d] (Storage) -> dst [d] = scale * float(src): Eigen's cast expression, used for fp16 when the
-// compiler does not target F16C. half -> float is exact, so every path gives the same floats.
-template <typename Storage>
-inline void widen_row(const Storage* src, Index d, float scale, float* dst) {
-  const Eigen::Map<const Eigen::Array<Storage, 1, Eigen::Dynamic>> in(src, d);
-  Eigen::Map<Eigen::Array<float, 1, Eigen::Dynamic>> out(dst, d);
-  if (scale == 1.0f)
-    out = in.template cast<float>();
-  else
-    out = scale * in.template cast<float>();
-}
-#if defined(__F16C__)
-// fp16 with F16C (-mf16c, or -march= any x86-64 since 2012): 8 values per vcvtph2ps, then the tail.
-inline void widen_row(const Eigen::half* src, Index d, float scale, float* dst) {
-  const __m256 s = _mm256_set1_ps(scale);
-  Index j = 0;
-  for (; j + 8 <= d; j += 8) {
-    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j)));
-    _mm256_storeu_ps(dst + j, scale == 1.0f ? v : _mm256_mul_ps(s, v));
-  }
-  for (; j < d; ++j) dst[j] = scale == 1.0f ? static_cast<float>(src[j]) : scale * static_cast<float>(src[j]);
-}
-#endif
-// bf16 is the upper half of a float, so widening is a 16-bit shift of the raw bits. Written out
-// here because Eigen's bfloat16_to_float stores into half of a float through a pointer, which GCC
-// does not vectorise; this loop becomes zero-extend + shift, 16 values per AVX-512 instruction.
-inline void widen_row(const Eigen::bfloat16* src, Index d, float scale, float* dst) {
-  for (Index j = 0; j < d; ++j) {
-    const std::uint32_t bits = static_cast<std::uint32_t>(Eigen::numext::bit_cast<std::uint16_t>(src[j])) << 16;
-    float value;
-    std::memcpy(&value, &bits, sizeof value);
-    dst[j] = scale == 1.0f ? value : scale * value;
-  }
-}
-
-// Makes ws.tile at least [min(kHeadTileRows, V), d]; returns the number of rows per tile.
-inline Index prepare_tile(HeadTileWorkspace& ws, Index V, Index d) {
-  const Index rows = std::min(kHeadTileRows, V);
-  if (ws.tile.rows() < rows || ws.tile.cols() != d) ws.tile.resize(std::max<Index>(rows, 1), d);
-  return rows;
 }
 
 }  // namespace detail
@@ -194,11 +154,13 @@ void embedding_forward(const ConstMatrixRef<Storage>& E, const ConstIdRef<Id>& i
 // ---- the head, on views ----
 
 // h float [N, d], W Storage [V, d], bias float [V, 1] or empty (no bias) -> logits float [N, V]
-// = h float(W)^T + b. W is converted kHeadTileRows rows at a time into workspace.tile and each
-// tile is one float GEMM into logits' matching columns.
+// = h float(W)^T + b, by the float head's chunks of 1024 rows of W (over the OpenMP threads when
+// built with OpenMP); inside a chunk, W is converted 256 rows at a time into the thread's tile in
+// workspace.tiles and each tile is one float GEMM into logits' matching columns. Bit-identical for
+// any thread count, and equal to output_projection_forward<float> on float(W) for N > 8.
 // \pre logits aliases neither h nor W. \throws shape_error on any shape mismatch (nothing
-// written). Cost: 2 N V d flops plus V*d conversions; allocates only the first time the
-// workspace sees this d (kHeadTileRows * d floats), plus Eigen's GEMM packing buffers.
+// written). Cost: 2 N V d flops plus V*d conversions; allocates only when the workspace is too
+// small (256 * d floats per thread), plus Eigen's GEMM packing buffers.
 template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
 void output_projection_forward(const ConstMatrixRef<float>& h, const ConstMatrixRef<Storage>& W,
                                const ConstMatrixRef<float>& bias, MatrixRef<float> logits,
@@ -207,22 +169,18 @@ void output_projection_forward(const ConstMatrixRef<float>& h, const ConstMatrix
   detail::check_shape(where, "h", h, N, d);
   if (bias.size() != 0) detail::check_shape(where, "bias", bias, V, 1);
   detail::check_shape(where, "logits", logits, N, V);
-  const Index rows = detail::prepare_tile(workspace, V, d);
-  for (Index v0 = 0; v0 < V; v0 += rows) {
-    const Index r = std::min(rows, V - v0);
-    auto tile = workspace.tile.topRows(r);
-    tile = W.middleRows(v0, r).template cast<float>();
-    logits.middleCols(v0, r).noalias() = h * tile.transpose();
-  }
-  if (bias.size() != 0) logits.rowwise() += bias.col(0).transpose();
+  detail::head_forward_chunked<float, Storage>(h, W, bias, logits, detail::kHeadVocabChunk, &workspace.tiles);
 }
 
 // h float [N, d], W Storage [V, d], dlogits float [N, V] -> dh float [N, d] = dlogits float(W)
-// (written, tile by tile); dW float [V, d] += dlogits^T h and db float [V, 1] += column sums of
-// dlogits, each skipped when empty (0 rows: frozen weights, no bias).
+// (written, by chunks of 256 tokens; inside a chunk the sum over V runs in tiles of 256 converted
+// rows of W, in increasing v); dW float [V, d] += dlogits^T h and db float [V, 1] += column sums of
+// dlogits, each skipped when empty (0 rows: frozen weights, no bias): dW by the float head's code,
+// bit for bit; db as each chunk's column sums (token order from zero) added once. Bit-identical
+// for any thread count.
 // \pre dh aliases neither W, dlogits nor dW; it may be h (dW is computed first).
 // \throws shape_error on any mismatch (nothing written). Cost: 4 N V d flops (2 N V d without
-// dW) plus V*d conversions; allocation as output_projection_forward.
+// dW) plus V*d conversions per 256 tokens; allocation as output_projection_forward.
 template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
 void output_projection_backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<Storage>& W,
                                 const ConstMatrixRef<float>& dlogits, MatrixRef<float> dh, MatrixRef<float> dW,
@@ -235,19 +193,8 @@ void output_projection_backward(const ConstMatrixRef<float>& h, const ConstMatri
   if (dW.size() != 0) detail::check_shape(where, "dW", dW, V, d);
   if (db.size() != 0) detail::check_shape(where, "db", db, V, 1);
   // dW reads h, so it goes before dh is written: dh may then be h itself.
-  if (dW.size() != 0) dW.noalias() += dlogits.transpose() * h;
-  if (db.size() != 0) db.col(0) += dlogits.colwise().sum().transpose();
-  // dh = sum over tiles of dlogits[:, tile] float(W[tile]), tiles in increasing v.
-  const Index rows = detail::prepare_tile(workspace, V, d);
-  for (Index v0 = 0; v0 < V; v0 += rows) {
-    const Index r = std::min(rows, V - v0);
-    auto tile = workspace.tile.topRows(r);
-    tile = W.middleRows(v0, r).template cast<float>();
-    if (v0 == 0)
-      dh.noalias() = dlogits.middleCols(v0, r) * tile;
-    else
-      dh.noalias() += dlogits.middleCols(v0, r) * tile;
-  }
+  detail::head_backward_chunked<float, Storage>(h, W, dlogits, dh, dW, db, detail::kHeadVocabChunk,
+                                                detail::kHeadTokenChunk, &workspace.tiles, true);
 }
 
 // ---- the layers ----

@@ -12,6 +12,7 @@
 #define EMBEDHEAD_OUTPUT_PROJECTION_HPP
 
 #include "detail/checks.hpp"
+#include "detail/gemm.hpp"
 #include "detail/kernels.hpp"
 #include "detail/parallel.hpp"
 #include "init.hpp"
@@ -19,6 +20,7 @@
 #include "token_embedding.hpp"
 #include "types.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <sstream>
@@ -32,84 +34,98 @@ namespace embedhead {
 
 namespace detail {
 
-// The head's products as fixed chunks, each one sequential Eigen GEMM (detail::gemm_add), handed
-// to OpenMP threads by parallel_chunks. Every output element is computed inside one chunk whose
-// bounds depend on the shapes and the chunk sizes only, so results are bit-identical for any
-// thread count and with or without OpenMP. The chunk sizes are parameters here so that
+// The head's products through the GEMM seam (detail/gemm.hpp): fixed chunks, each one sequential
+// Eigen GEMM (Kernel::gemm), handed to OpenMP threads. Every output element is computed inside one
+// chunk whose bounds depend on the shapes and the chunk sizes only, so results are bit-identical
+// for any thread count and with or without OpenMP. The chunk sizes are parameters here so that
 // bench/threads_bench.cpp can tune them; the public functions pass kHeadVocabChunk and
-// kHeadTokenChunk. No checks: the public functions check first.
+// kHeadTokenChunk. No checks: the public functions check first. WStorage is Scalar, or bf16 / fp16
+// for the low-precision head (low_precision.hpp): W is then widened a tile at a time inside each
+// chunk into `tiles` (the seam's mixed-precision path), so that head is thread-count independent too.
+
+// T itself, in a context that template argument deduction skips (std::type_identity in C++20):
+// WStorage below defaults to Scalar instead of being deduced from a Ref-convertible argument.
+template <typename T>
+struct non_deduced {
+  using type = T;
+};
+
+inline bool head_threaded(Index N, Index V, Index d) {
+  return 2.0 * static_cast<double>(N) * static_cast<double>(V) * static_cast<double>(d) >= kHeadMinFlops;
+}
 
 // logits[:, c] = b[c] + h W[c]^T for each chunk c of vocab_chunk rows of W.
-template <typename Scalar>
-void head_forward_chunked(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                          const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits, Index vocab_chunk) {
+template <typename Scalar, typename WStorage = Scalar>
+void head_forward_chunked(const ConstMatrixRef<Scalar>& h,
+                          const ConstMatrixRef<typename non_deduced<WStorage>::type>& W,
+                          const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits, Index vocab_chunk,
+                          std::vector<float>* tiles = nullptr) {
+  using namespace gemm;
   const Index N = h.rows(), V = W.rows(), d = W.cols();
-  const bool threaded = 2.0 * static_cast<double>(N) * static_cast<double>(V) * static_cast<double>(d) >= kHeadMinFlops;
-  parallel_chunks(V, vocab_chunk, threaded, [&](Index v0, Index v1) {
-    const Index C = v1 - v0;
-    // Start from the bias (or zero) so that the GEMM adds into it: no second pass over logits.
-    for (Index n = 0; n < N; ++n) {
-      if (bias.size() != 0)
-        logits.row(n).segment(v0, C) = bias.col(0).segment(v0, C).transpose();
-      else
-        logits.row(n).segment(v0, C).setZero();
-    }
-    // W[v0:v1]^T is the [d, C] column-major view of the row-major rows v0 .. v1 - 1 of W. (No
-    // product, and no offset from a possibly null data pointer, when h or W is empty.)
-    if (N == 0 || d == 0) return;
-    gemm_add<Scalar, Eigen::RowMajor, Eigen::ColMajor>(N, C, d, h.data(), h.outerStride(),
-                                                       W.data() + v0 * W.outerStride(), W.outerStride(),
-                                                       logits.data() + v0, logits.outerStride());
-  });
+  // W^T is the [d, V] column-major view of row-major W. Starting from the bias (or zero), the GEMM
+  // adds into it: no second pass over logits.
+  Op<Scalar, Layout::row_major, Layout::col_major, WStorage> op{
+      N, V, d, h.data(), h.outerStride(), W.data(), W.outerStride(), logits.data(), logits.outerStride(), Init::zero};
+  if (bias.size() != 0) op.init = Init::bias, op.bias = bias.data(), op.bias_stride = bias.outerStride();
+  run<Kernel::gemm>(op, Plan{Split::cols, vocab_chunk, head_threaded(N, V, d)}, NoEpilogue{}, tiles);
 }
 
 // dW[c] += dlogits[:, c]^T h and db[c] += sum_n dlogits[n, c] by chunks c of vocab_chunk rows (each
 // row of dW and db belongs to one chunk); then dh[r] = dlogits[r] W by chunks r of token_chunk
 // rows (dh is a sum over all of V, so it is split by tokens instead, each row of dh in one chunk).
-template <typename Scalar>
-void head_backward_chunked(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+// db_sums_first (the low-precision head): each chunk's column sums are formed first, in token
+// order from zero, and added to db once, so a second call adds exactly what the first added.
+template <typename Scalar, typename WStorage = Scalar>
+void head_backward_chunked(const ConstMatrixRef<Scalar>& h,
+                           const ConstMatrixRef<typename non_deduced<WStorage>::type>& W,
                            const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW,
-                           MatrixRef<Scalar> db, Index vocab_chunk, Index token_chunk) {
+                           MatrixRef<Scalar> db, Index vocab_chunk, Index token_chunk, std::vector<float>* tiles = nullptr,
+                           bool db_sums_first = false) {
+  using namespace gemm;
   const Index N = h.rows(), V = W.rows(), d = W.cols();
-  const bool threaded = 2.0 * static_cast<double>(N) * static_cast<double>(V) * static_cast<double>(d) >= kHeadMinFlops;
-  // An empty dW (a frozen W) skips its GEMM, an empty db its sums; with neither, the pass is skipped.
-  if (dW.size() != 0 || db.size() != 0) parallel_chunks(V, vocab_chunk, threaded, [&](Index v0, Index v1) {
-    const Index C = v1 - v0;
-    // dlogits[:, v0:v1]^T is the [C, N] column-major view of those columns of row-major dlogits.
-    if (N > 0 && d > 0 && dW.size() != 0)
-      gemm_add<Scalar, Eigen::ColMajor, Eigen::RowMajor>(C, d, N, dlogits.data() + v0, dlogits.outerStride(), h.data(),
-                                                         h.outerStride(), dW.data() + v0 * dW.outerStride(),
-                                                         dW.outerStride());
-    // db[v] += dlogits[0, v], then dlogits[1, v], ...: in token order, vectorised over v.
-    if (db.size() != 0)
-      for (Index n = 0; n < N; ++n) db.col(0).segment(v0, C) += dlogits.row(n).segment(v0, C).transpose();
-  });
-  // parallel_chunks returns after every chunk is done, so dW has read h before dh is written:
-  // dh may be h itself.
-  parallel_chunks(N, token_chunk, threaded, [&](Index n0, Index n1) {
-    const Index rows = n1 - n0;
-    dh.middleRows(n0, rows).setZero();
-    if (d == 0 || V == 0) return;
-    gemm_add<Scalar, Eigen::RowMajor, Eigen::RowMajor>(rows, d, V, dlogits.data() + n0 * dlogits.outerStride(),
-                                                       dlogits.outerStride(), W.data(), W.outerStride(),
-                                                       dh.data() + n0 * dh.outerStride(), dh.outerStride());
-  });
+  const bool threaded = head_threaded(N, V, d);
+  // dW = dlogits^T h: dlogits^T is the [V, N] column-major view of row-major dlogits. An empty dW
+  // (a frozen W) skips its GEMM (c = nullptr), an empty db its sums; with neither, the pass is skipped.
+  const Op<Scalar, Layout::col_major, Layout::row_major> dW_op{
+      V, d, N, dlogits.data(), dlogits.outerStride(), h.data(), h.outerStride(), dW.size() != 0 ? dW.data() : nullptr,
+      dW.outerStride()};
+  // db[v] += dlogits[0, v], then dlogits[1, v], ...: in token order, vectorised over v (with
+  // db_sums_first: into a zeroed group of kSumGroup sums on the stack, then added to db).
+  auto db_sums = [&](Index v0, Index v1) {
+    if (db.size() == 0) return;
+    if (!db_sums_first) {
+      for (Index n = 0; n < N; ++n) db.col(0).segment(v0, v1 - v0) += dlogits.row(n).segment(v0, v1 - v0).transpose();
+      return;
+    }
+    constexpr Index kSumGroup = 256;
+    Eigen::Array<Scalar, kSumGroup, 1> sums;
+    for (Index g0 = v0; g0 < v1; g0 += kSumGroup) {
+      const Index width = std::min(kSumGroup, v1 - g0);
+      sums.head(width).setZero();
+      for (Index n = 0; n < N; ++n) sums.head(width) += dlogits.row(n).segment(g0, width).transpose().array();
+      db.col(0).segment(g0, width).array() += sums.head(width);
+    }
+  };
+  if (dW.size() != 0 || db.size() != 0) run<Kernel::gemm>(dW_op, Plan{Split::rows, vocab_chunk, threaded}, db_sums);
+  // run returns after every chunk is done, so dW has read h before dh is written: dh may be h itself.
+  const Op<Scalar, Layout::row_major, Layout::row_major, WStorage> dh_op{
+      N, d, V, dlogits.data(), dlogits.outerStride(), W.data(), W.outerStride(), dh.data(), dh.outerStride(), Init::zero};
+  run<Kernel::gemm>(dh_op, Plan{Split::rows, token_chunk, threaded}, NoEpilogue{}, tiles);
 }
 
-// logits [N, V] = h W^T + b for 1 <= N <= kDecodeMaxTokens in one pass over W (decode_rows), by
+// logits [N, V] = h W^T + b for 1 <= N <= kDecodeMaxTokens in one pass over W (Kernel::decode), by
 // chunks of kDecodeVocabChunk rows of W. A logit's arithmetic does not depend on the chunking at
 // all, so this is bit-identical for any thread count too.
 template <typename Scalar>
 void head_decode(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W, const ConstMatrixRef<Scalar>& bias,
                  MatrixRef<Scalar> logits) {
+  using namespace gemm;
   const Index N = h.rows(), V = W.rows(), d = W.cols();
-  const Scalar* b = bias.size() != 0 ? bias.data() : nullptr;
-  const Index ldb = bias.size() != 0 ? bias.outerStride() : 0;  // a column of a wider matrix is strided
-  const bool threaded = V * d >= kDecodeMinElements;
-  parallel_chunks(V, kDecodeVocabChunk, threaded, [&](Index v0, Index v1) {
-    decode_rows<Scalar>(N, h.data(), h.outerStride(), W.data(), W.outerStride(), d, b, ldb, logits.data(),
-                        logits.outerStride(), v0, v1);
-  });
+  Op<Scalar, Layout::row_major, Layout::col_major> op{N, V, d, h.data(), h.outerStride(), W.data(), W.outerStride(),
+                                                      logits.data(), logits.outerStride(), Init::zero};
+  // A column of a wider matrix is strided: bias_stride is its outer stride.
+  if (bias.size() != 0) op.init = Init::bias, op.bias = bias.data(), op.bias_stride = bias.outerStride();
+  run<Kernel::decode>(op, Plan{Split::cols, kDecodeVocabChunk, V * d >= kDecodeMinElements});
 }
 
 }  // namespace detail

@@ -1,0 +1,444 @@
+// embedhead internal: the one entry point for the library's matrix products. No API promise.
+//
+//   C [M, N]  =  op(A) [M, K] op(B) [K, N]                  Init::zero
+//   C [M, N] +=  op(A) [M, K] op(B) [K, N]                  Init::keep
+//   C [M, N]  =  1 b^T + op(A) [M, K] op(B) [K, N]          Init::bias   (b [N], strided)
+//
+// C is row-major with leading dimension ldc. Each operand is a view of memory that is already
+// there, given by pointer, leading dimension and Layout: Layout::row_major [rows, cols] is
+// X[i * ld + j], Layout::col_major is X[i + j * ld], i.e. the transpose of a row-major matrix --
+// so W^T for W [V, d] row-major is (W.data(), ld = d, col_major), a view, never a copy.
+// B may be stored in bf16 or fp16 with A and C in float (mixed precision, see below).
+//
+// run<Kernel>(op, plan) cuts C into fixed chunks along plan.split (rows M or columns N of C),
+// chunk k covering [k * plan.chunk, min((k + 1) * plan.chunk, extent)), and computes each chunk
+// as one product of its own rows / columns on one thread. The chunk bounds depend on the shapes
+// and plan.chunk only, and the backend's arithmetic for a chunk on the chunk's operands only, so
+// every element of C is bit-identical for any thread count, with or without OpenMP. With
+// plan.threaded (and OpenMP, two chunks or more, not already inside a parallel region) the chunks
+// are handed to the OpenMP threads one at a time (detail::parallel_chunks); otherwise they run in
+// order on the calling thread. An optional epilogue(begin, end) runs on the same thread right
+// after chunk [begin, end)'s product (soft-capping, a bias gradient's sums); op.c == nullptr skips
+// the products and runs the epilogues alone (a frozen W's dW with db still wanted).
+//
+// Kernels (how one chunk is computed; a backend without the distinction uses its GEMM for all):
+//   Kernel::gemm        Eigen's GEMM kernel (general_matrix_matrix_product) for every chunk
+//                       whatever its shape, called with no parallel info: Eigen would otherwise
+//                       split a large product over its own threads, and its split and its cache
+//                       blocking (which fix the summation order) would depend on the thread count.
+//   Kernel::expression  what Eigen's `C.noalias() (+)= op(A) * op(B)` computes on one thread:
+//                       coefficient-wise below M + N + K = 20, matrix-vector when M or N is 1,
+//                       else the same GEMM kernel (never Eigen's threaded split).
+//   Kernel::decode      1 <= M <= kDecodeMaxTokens rows of A row-major, B = W^T (col_major): one
+//                       pass over W's rows, the M dot products of each row accumulated together in
+//                       SIMD registers (decode_tokens), the bias added to each finished sum.
+// The head and geometry use Kernel::gemm, the fused loss Kernel::expression, decoding
+// Kernel::decode: each keeps the arithmetic it had before this seam, bit for bit.
+//
+// Mixed precision (B stored as Eigen::bfloat16 / Eigen::half, A and C float): inside each chunk,
+// B is widened (exactly) kWidenTileRows of its stored rows at a time into a float tile, one tile
+// per thread, and each tile is one float product of the backend: with op(B) col_major (B = W^T,
+// W's rows are columns of C) a tile covers kWidenTileRows columns of the chunk; with op(B)
+// row_major (W's rows are the summation index k) a tile covers kWidenTileRows values of k and the
+// tiles are added into C in increasing k. Tile bounds are multiples of kWidenTileRows from the
+// chunk's start and the chunk bounds are fixed, so the result does not depend on the threads
+// either. Scratch: threads * kWidenTileRows * (K or the chunk's columns) floats in the caller's
+// vector, grown only when too small; never a float copy of B.
+//
+// Backends are types chosen at compile time (run<Kernel, Backend>); DefaultBackend is EigenBackend.
+// A backend provides
+//   template <Kernel, typename Scalar, Layout LA, Layout LB> static void multiply(const Op<...>&)
+//       one chunk, Init included, on the calling thread, never threading by itself;
+//   template <typename Scalar, typename BStorage> static constexpr bool takes
+//       whether multiply accepts B stored as BStorage itself (else run widens tiles to Scalar).
+// The seam owns the chunking, so a new backend (CBLAS, oneDNN bf16, a hand-written kernel) only
+// has to compute a chunk; results then depend on the backend and the build, never on the threads.
+#ifndef EMBEDHEAD_DETAIL_GEMM_HPP
+#define EMBEDHEAD_DETAIL_GEMM_HPP
+
+#include "../types.hpp"
+#include "parallel.hpp"
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace embedhead {
+namespace detail {
+
+// ---- the chunk plans of the library's products (tuned on the project's machine, bench/RESULTS.md) ----
+
+// The LM head (output_projection.hpp), at GPT-2 shape:
+//   kHeadVocabChunk   rows of W (columns of logits, rows of dW and db) per chunk
+//   kHeadTokenChunk   rows of dh (tokens) per chunk of dh = dlogits W, a sum over all of V
+// and below kHeadMinFlops (2 N V d) the chunks run on the calling thread.
+constexpr Index kHeadVocabChunk = 1024;
+constexpr Index kHeadTokenChunk = 256;
+constexpr double kHeadMinFlops = 4.0e6;
+
+// The decode path (output_projection_decode) handles 1 to kDecodeMaxTokens tokens in one pass
+// over W; kDecodeVocabChunk rows of W per chunk, threaded from kDecodeMinElements = V d.
+constexpr Index kDecodeMaxTokens = 8;
+constexpr Index kDecodeVocabChunk = 1024;
+constexpr Index kDecodeMinElements = Index{1} << 18;
+
+// The fused head loss (fused_head_loss.hpp): rows of a W block per logits / dW product, and
+// columns of d per dh product.
+constexpr Index kFusedRowPiece = 256;
+constexpr Index kFusedDimPiece = 128;
+
+// Mixed precision: stored rows of B widened per float tile. 256 x 768 floats = 768 KiB at
+// GPT-2's d, within a 1 MiB L2, and each tile product is still [N, d] x [d, 256] (or
+// [256, 256] x [256, d]), large enough for Eigen's kernels.
+constexpr Index kWidenTileRows = 256;
+
+// ---- widening bf16 / fp16 to float ----
+
+// src [d] (Storage) -> dst [d] = scale * float(src): Eigen's cast expression, used for fp16 when the
+// compiler does not target F16C. half -> float is exact, so every path gives the same floats.
+template <typename Storage>
+inline void widen_row(const Storage* src, Index d, float scale, float* dst) {
+  const Eigen::Map<const Eigen::Array<Storage, 1, Eigen::Dynamic>> in(src, d);
+  Eigen::Map<Eigen::Array<float, 1, Eigen::Dynamic>> out(dst, d);
+  if (scale == 1.0f)
+    out = in.template cast<float>();
+  else
+    out = scale * in.template cast<float>();
+}
+#if defined(__F16C__)
+// fp16 with F16C (-mf16c, or -march= any x86-64 since 2012): 8 values per vcvtph2ps, then the tail.
+inline void widen_row(const Eigen::half* src, Index d, float scale, float* dst) {
+  const __m256 s = _mm256_set1_ps(scale);
+  Index j = 0;
+  for (; j + 8 <= d; j += 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j)));
+    _mm256_storeu_ps(dst + j, scale == 1.0f ? v : _mm256_mul_ps(s, v));
+  }
+  for (; j < d; ++j) dst[j] = scale == 1.0f ? static_cast<float>(src[j]) : scale * static_cast<float>(src[j]);
+}
+#endif
+// bf16 is the upper half of a float, so widening is a 16-bit shift of the raw bits. Written out
+// here because Eigen's bfloat16_to_float stores into half of a float through a pointer, which GCC
+// does not vectorise; this loop becomes zero-extend + shift, 16 values per AVX-512 instruction.
+inline void widen_row(const Eigen::bfloat16* src, Index d, float scale, float* dst) {
+  for (Index j = 0; j < d; ++j) {
+    const std::uint32_t bits = static_cast<std::uint32_t>(Eigen::numext::bit_cast<std::uint16_t>(src[j])) << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof value);
+    dst[j] = scale == 1.0f ? value : scale * value;
+  }
+}
+
+// ---- decode kernel: few tokens, one pass over W ----
+
+// Decode kernel for a fixed number of tokens: for v in [v0, v1),
+//   logits[t * ldl + v] = sum_j h[t * ldh + j] W[v * ldw + j] (+ bias[v * ldb]),  t < kTokens.
+// Each row of W is loaded once, one SIMD packet at a time (16 floats with AVX-512), and multiplied
+// into the kTokens running packet sums while it is in a register (fused multiply-adds with h read
+// from L1), so W streams from memory once for all the tokens. Raw Eigen packets rather than
+// Eigen::Array objects: GCC keeps an array of packets in registers, while an array of 16-float
+// Arrays was spilled to the stack in some inlining contexts (store and reload every step). The
+// summation order -- packet-wide running sums, Eigen's fixed reduction of the packet, the scalar
+// tail, then the bias -- depends on d and the build's packet width only: a logit does not depend
+// on v0, v1, the thread, nor on the other tokens of the call.
+//
+// While reading row v it prefetches row v + kDecodePrefetchRows, one cache line per 64 bytes
+// read, spread over the loop: with 4 or 8 tokens the FMAs leave the hardware prefetcher too little
+// lead. Tried on the project's machine (GFLOP/s over a 154 MB W, 8 tokens): no prefetch 12-14,
+// a whole row prefetched at once 16-29, spread over the loop 36-39 for 1 to 8 rows ahead.
+constexpr Index kDecodePrefetchRows = 4;
+
+template <int kTokens, typename Scalar>
+void decode_tokens(const Scalar* h, Index ldh, const Scalar* W, Index ldw, Index d, const Scalar* bias, Index ldb,
+                   Scalar* logits, Index ldl, Index v0, Index v1) {
+  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
+  constexpr Index kLanes = Eigen::internal::packet_traits<Scalar>::size;
+  constexpr Index kLineStep = std::max<Index>(kLanes, 64 / static_cast<Index>(sizeof(Scalar)));
+  const Index body = d - d % kLanes;
+  for (Index v = v0; v < v1; ++v) {
+    const Scalar* w = W + v * ldw;
+    const Scalar* ahead = W + std::min(v + kDecodePrefetchRows, v1 - 1) * ldw;  // stays inside the chunk
+    Packet acc[kTokens];
+    for (int t = 0; t < kTokens; ++t) acc[t] = Eigen::internal::pset1<Packet>(Scalar(0));
+    for (Index j = 0; j < body; j += kLanes) {
+#if defined(__GNUC__) || defined(__clang__)
+      if (j % kLineStep == 0) __builtin_prefetch(ahead + j);  // once per cache line
+#endif
+      const Packet wj = Eigen::internal::ploadu<Packet>(w + j);
+      for (int t = 0; t < kTokens; ++t)
+        acc[t] = Eigen::internal::pmadd(wj, Eigen::internal::ploadu<Packet>(h + t * ldh + j), acc[t]);
+    }
+    for (int t = 0; t < kTokens; ++t) {
+      Scalar tail(0);
+      for (Index j = body; j < d; ++j) tail += w[j] * h[t * ldh + j];
+      Scalar sum = Eigen::internal::predux(acc[t]) + tail;
+      if (bias) sum += bias[v * ldb];
+      logits[t * ldl + v] = sum;
+    }
+  }
+}
+
+// decode_tokens with the token count as a run-time value in [1, kDecodeMaxTokens].
+template <typename Scalar>
+void decode_rows(Index tokens, const Scalar* h, Index ldh, const Scalar* W, Index ldw, Index d, const Scalar* bias,
+                 Index ldb, Scalar* logits, Index ldl, Index v0, Index v1) {
+  static_assert(kDecodeMaxTokens == 8, "the switch below lists 1 ... kDecodeMaxTokens");
+  switch (tokens) {
+    case 1: return decode_tokens<1>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 2: return decode_tokens<2>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 3: return decode_tokens<3>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 4: return decode_tokens<4>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 5: return decode_tokens<5>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 6: return decode_tokens<6>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 7: return decode_tokens<7>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 8: return decode_tokens<8>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    default: return;  // unreachable: the callers check the range
+  }
+}
+
+namespace gemm {
+
+enum class Layout { row_major, col_major };
+enum class Init { zero, keep, bias };
+enum class Split { rows, cols };  // of C: rows = M, cols = N
+enum class Kernel { gemm, expression, decode };
+
+// C [M, N] (init) op(A) [M, K] op(B) [K, N]; see the top of this file. An aggregate:
+//   gemm::Op<float, Layout::row_major, Layout::col_major> op{N, V, d, h, ldh, W, ldw, logits, ldl};
+template <typename Scalar, Layout LA, Layout LB, typename BStorage = Scalar>
+struct Op {
+  Index M = 0, N = 0, K = 0;
+  const Scalar* a = nullptr;  // op(A) [M, K] in layout LA
+  Index lda = 0;
+  const BStorage* b = nullptr;  // op(B) [K, N] in layout LB
+  Index ldb = 0;
+  Scalar* c = nullptr;  // C [M, N] row-major; nullptr: no product, the epilogues alone
+  Index ldc = 0;
+  Init init = Init::keep;
+  const Scalar* bias = nullptr;  // Init::bias: b[n] = bias[n * bias_stride]
+  Index bias_stride = 1;
+};
+
+// Which dimension of C the chunks cut, how long a chunk is, whether the chunks may go to threads.
+struct Plan {
+  Split split = Split::cols;
+  Index chunk = 1;  // >= 1
+  bool threaded = false;
+};
+
+// p + offset, or p itself when it is null (the view of an empty operand; never dereferenced).
+template <typename T>
+T* offset(T* p, Index offset) {
+  return p ? p + offset : p;
+}
+
+// op restricted to rows [m0, m0 + rows) of C (and of op(A)).
+template <typename Scalar, Layout LA, Layout LB, typename BStorage>
+Op<Scalar, LA, LB, BStorage> rows_of(Op<Scalar, LA, LB, BStorage> op, Index m0, Index rows) {
+  op.a = offset(op.a, LA == Layout::row_major ? m0 * op.lda : m0);
+  op.c = offset(op.c, m0 * op.ldc);
+  op.M = rows;
+  return op;
+}
+// op restricted to columns [n0, n0 + cols) of C (and of op(B), and of the bias).
+template <typename Scalar, Layout LA, Layout LB, typename BStorage>
+Op<Scalar, LA, LB, BStorage> cols_of(Op<Scalar, LA, LB, BStorage> op, Index n0, Index cols) {
+  op.b = offset(op.b, LB == Layout::row_major ? n0 : n0 * op.ldb);
+  op.c = offset(op.c, n0);
+  op.bias = offset(op.bias, n0 * op.bias_stride);
+  op.N = cols;
+  return op;
+}
+// op restricted to the summation indices [k0, k0 + depth) (columns of op(A), rows of op(B)).
+template <typename Scalar, Layout LA, Layout LB, typename BStorage>
+Op<Scalar, LA, LB, BStorage> depth_of(Op<Scalar, LA, LB, BStorage> op, Index k0, Index depth) {
+  op.a = offset(op.a, LA == Layout::row_major ? k0 : k0 * op.lda);
+  op.b = offset(op.b, LB == Layout::row_major ? k0 * op.ldb : k0);
+  op.K = depth;
+  return op;
+}
+
+// C = 0 or C = 1 b^T for Init::zero / Init::bias; nothing for Init::keep.
+template <typename Scalar, Layout LA, Layout LB, typename BStorage>
+void start(const Op<Scalar, LA, LB, BStorage>& op) {
+  if (op.init == Init::keep || op.M == 0 || op.N == 0) return;
+  for (Index m = 0; m < op.M; ++m) {
+    Scalar* row = op.c + m * op.ldc;
+    if (op.init == Init::bias && op.bias_stride == 1)
+      std::copy_n(op.bias, op.N, row);
+    else if (op.init == Init::bias)
+      for (Index n = 0; n < op.N; ++n) row[n] = op.bias[n * op.bias_stride];
+    else
+      std::fill(row, row + op.N, Scalar(0));
+  }
+}
+
+constexpr int eigen_order(Layout layout) { return layout == Layout::row_major ? Eigen::RowMajor : Eigen::ColMajor; }
+
+// The Eigen backend: Eigen 3.3/3.4's internal general_matrix_matrix_product (no API promise from
+// Eigen), its expression products and the decode kernel, each on the calling thread. Packing
+// buffers go on the stack up to EIGEN_STACK_ALLOCATION_LIMIT and on the heap above, as in Eigen.
+struct EigenBackend {
+  template <typename Scalar, typename BStorage>
+  static constexpr bool takes = std::is_same_v<Scalar, BStorage>;
+
+  // C += op(A) op(B) by Eigen's GEMM kernel, whatever the shape; no Init.
+  template <typename Scalar, Layout LA, Layout LB>
+  static void gemm_add(const Op<Scalar, LA, LB>& op) {
+    if (op.M == 0 || op.N == 0 || op.K == 0) return;
+    using Product = Eigen::internal::general_matrix_matrix_product<Index, Scalar, eigen_order(LA), false, Scalar,
+                                                                   eigen_order(LB), false, Eigen::RowMajor, 1>;
+    Eigen::internal::gemm_blocking_space<Eigen::RowMajor, Scalar, Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::Dynamic>
+        blocking(op.M, op.N, op.K, 1, true);
+    Product::run(op.M, op.N, op.K, op.a, op.lda, op.b, op.ldb, op.c, 1, op.ldc, Scalar(1), blocking, nullptr);
+  }
+
+  // Eigen's `C.noalias() (+)= op(A) * op(B)` on one thread: its own coefficient-wise and
+  // matrix-vector paths for small and vector shapes (never threaded by Eigen), and gemm_add where
+  // Eigen would run its GEMM (the same kernel, blocking and alpha, minus Eigen's threaded split).
+  template <typename Scalar, Layout LA, Layout LB>
+  static void expression(const Op<Scalar, LA, LB>& op) {
+    const Index M = op.M, N = op.N, K = op.K;
+    if (M == 0 || N == 0) return;
+    const bool coefficient_wise = K > 0 && K + M + N < EIGEN_GEMM_TO_COEFFBASED_THRESHOLD;
+    const bool vector = K > 0 && (M == 1 || N == 1);
+    if (!coefficient_wise && !vector) {
+      start(op);
+      gemm_add(op);
+      return;
+    }
+    // The operands as the row-major views (transposed for col_major) the callers' expressions had.
+    using RowMap = Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
+    const RowMap a(op.a, LA == Layout::row_major ? M : K, LA == Layout::row_major ? K : M, Eigen::OuterStride<>(op.lda));
+    const RowMap b(op.b, LB == Layout::row_major ? K : N, LB == Layout::row_major ? N : K, Eigen::OuterStride<>(op.ldb));
+    Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> c(op.c, M, N, Eigen::OuterStride<>(op.ldc));
+    auto product = [&](auto&& lhs, auto&& rhs) {
+      if (op.init == Init::zero) {
+        c.noalias() = lhs * rhs;
+      } else {
+        start(op);
+        c.noalias() += lhs * rhs;
+      }
+    };
+    if constexpr (LA == Layout::row_major && LB == Layout::row_major) product(a, b);
+    if constexpr (LA == Layout::row_major && LB == Layout::col_major) product(a, b.transpose());
+    if constexpr (LA == Layout::col_major && LB == Layout::row_major) product(a.transpose(), b);
+    if constexpr (LA == Layout::col_major && LB == Layout::col_major) product(a.transpose(), b.transpose());
+  }
+
+  // One chunk, Init included.
+  template <Kernel kKernel, typename Scalar, Layout LA, Layout LB>
+  static void multiply(const Op<Scalar, LA, LB>& op) {
+    if constexpr (kKernel == Kernel::decode) {
+      static_assert(LA == Layout::row_major && LB == Layout::col_major, "decode: A = h row-major, op(B) = W^T");
+      if (op.M == 0 || op.N == 0) return;
+      const Scalar* bias = op.init == Init::bias ? op.bias : nullptr;
+      decode_rows<Scalar>(op.M, op.a, op.lda, op.b, op.ldb, op.K, bias, op.bias_stride, op.c, op.ldc, 0, op.N);
+    } else if constexpr (kKernel == Kernel::expression) {
+      expression(op);
+    } else {
+      start(op);
+      gemm_add(op);
+    }
+  }
+};
+
+using DefaultBackend = EigenBackend;
+
+// Mixed precision, one chunk: op's B widened kWidenTileRows stored rows at a time into tile
+// (kWidenTileRows * (K or N) floats), each tile one float product of the backend.
+template <Kernel kKernel, typename Backend, Layout LA, Layout LB, typename BStorage>
+void multiply_widened(const Op<float, LA, LB, BStorage>& op, float* tile) {
+  auto as_float = [&](const Op<float, LA, LB, BStorage>& part, const float* b, Index ldb) {
+    Op<float, LA, LB> widened{part.M, part.N, part.K, part.a, part.lda, b, ldb, part.c, part.ldc, part.init,
+                              part.bias, part.bias_stride};
+    Backend::template multiply<kKernel>(widened);
+  };
+  if constexpr (LB == Layout::col_major) {
+    // B's stored rows are columns n of C: a tile is kWidenTileRows columns, K values each.
+    for (Index n0 = 0; n0 < op.N; n0 += kWidenTileRows) {
+      const Index cols = std::min(kWidenTileRows, op.N - n0);
+      const auto part = cols_of(op, n0, cols);
+      if (op.K > 0)
+        for (Index n = 0; n < cols; ++n) widen_row(part.b + n * part.ldb, op.K, 1.0f, tile + n * op.K);
+      as_float(part, op.K > 0 ? tile : nullptr, op.K);
+    }
+  } else {
+    // B's stored rows are summation indices k: a tile is kWidenTileRows of them, N values each,
+    // added into C in increasing k (the first tile applies op.init).
+    if (op.K == 0) return as_float(op, nullptr, op.N);
+    for (Index k0 = 0; k0 < op.K; k0 += kWidenTileRows) {
+      const Index depth = std::min(kWidenTileRows, op.K - k0);
+      auto part = depth_of(op, k0, depth);
+      if (k0 > 0) part.init = Init::keep;
+      for (Index k = 0; k < depth; ++k) widen_row(part.b + k * part.ldb, op.N, 1.0f, tile + k * op.N);
+      as_float(part, tile, op.N);
+    }
+  }
+}
+
+struct NoEpilogue {
+  void operator()(Index, Index) const {}
+};
+
+// C (init) op(A) op(B) by the chunks of plan (see the top of this file); epilogue(begin, end) after
+// each chunk's product. tiles: the float scratch of a mixed-precision op (ignored otherwise).
+// \pre op's views cover their [M, K], [K, N], [M, N] extents; C aliases neither A nor B. No checks:
+// the public functions check first. Nothing allocated but Eigen's packing buffers and, for mixed
+// precision, tiles' growth.
+template <Kernel kKernel, typename Backend = DefaultBackend, typename Scalar, Layout LA, Layout LB, typename BStorage,
+          typename Epilogue = NoEpilogue>
+void run(const Op<Scalar, LA, LB, BStorage>& op, const Plan& plan, const Epilogue& epilogue = {},
+         std::vector<float>* tiles = nullptr) {
+  const Index extent = plan.split == Split::rows ? op.M : op.N;
+  constexpr bool widen = !std::is_same_v<Scalar, BStorage> && !Backend::template takes<Scalar, BStorage>;
+  float* scratch = nullptr;
+  Index tile_floats = 0;
+  if constexpr (widen) {
+    static_assert(std::is_same_v<Scalar, float>, "mixed precision: A and C are float");
+    // One tile per thread: kWidenTileRows stored rows of B (fewer if B has fewer), each K (col_major)
+    // or the chunk's columns (row_major) long.
+    const Index stored_rows = LB == Layout::col_major ? op.N : op.K;
+    const Index row_length =
+        LB == Layout::col_major ? op.K : (plan.split == Split::cols ? std::min(plan.chunk, op.N) : op.N);
+    tile_floats = std::min(kWidenTileRows, stored_rows) * row_length;
+    const std::size_t needed = static_cast<std::size_t>(chunk_threads(extent, plan.chunk, plan.threaded) * tile_floats);
+    if (op.c) {
+      if (tiles->size() < needed) tiles->resize(needed);
+      scratch = tiles->data();
+    }
+  } else {
+    (void)tiles;
+  }
+  parallel_chunks_slotted(extent, plan.chunk, plan.threaded, [&](Index begin, Index end, Index slot) {
+    if (op.c) {
+      const auto part = plan.split == Split::rows ? rows_of(op, begin, end - begin) : cols_of(op, begin, end - begin);
+      if constexpr (widen)
+        multiply_widened<kKernel, Backend>(part, scratch + slot * tile_floats);
+      else
+        Backend::template multiply<kKernel>(part);
+    }
+    epilogue(begin, end);
+  });
+}
+
+// One product on the calling thread, for a caller whose fixed chunks carry more than a product
+// (geometry's top-k scan of each score block) and are driven by the caller itself.
+template <Kernel kKernel, typename Backend = DefaultBackend, typename Scalar, Layout LA, Layout LB>
+void multiply(const Op<Scalar, LA, LB>& op) {
+  Backend::template multiply<kKernel>(op);
+}
+
+}  // namespace gemm
+}  // namespace detail
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_DETAIL_GEMM_HPP
