@@ -322,7 +322,7 @@ class Parameter : public ParameterBase<Grad> {
   // A zero-initialised [rows, cols] parameter. \throws value_error if rows or cols < 1.
   Parameter(Index rows, Index cols, std::string name = {})
       : ParameterBase<Grad>((check(rows, cols), rows), cols, std::move(name)), value_(RowMatrix<Value>::Zero(rows, cols)) {}
-  // Takes `value` [rows, cols] as the initial value (moved, not copied).
+  // Takes `value` [rows, cols] as the initial value (by value: an rvalue is moved in, not copied).
   // \throws value_error if it has fewer than one row or column.
   explicit Parameter(RowMatrix<Value> value, std::string name = {})
       : ParameterBase<Grad>((check(value.rows(), value.cols()), value.rows()), value.cols(), std::move(name)),
