@@ -48,11 +48,6 @@ struct has_vocab_size : std::false_type {};
 template <typename L>
 struct has_vocab_size<L, std::void_t<decltype(std::declval<const L&>().vocab_size())>> : std::true_type {};
 
-template <typename L, typename = void>
-struct has_is_tied : std::false_type {};
-template <typename L>
-struct has_is_tied<L, std::void_t<decltype(std::declval<const L&>().is_tied())>> : std::true_type {};
-
 // The layer's values as float, per parameter (weight, then bias): a bf16 / fp16 value widens
 // exactly, so equality of these is equality of the stored values.
 template <typename P>
@@ -82,7 +77,6 @@ std::vector<std::shared_ptr<Parameter<float>>> float_parameters(const Layer& lay
 struct Expected {
   Index rows = 0, cols = 0;  // the shape vocab_size()/max_positions() x dim()
   bool bias = false;
-  bool tied = false;
   std::size_t stepped = 0;   // how many parameters an Optimizer<float> can step
 };
 
@@ -96,10 +90,6 @@ void check_contract(Layer& layer, const Backward& backward, const Expected& expe
     CHECK(layer.max_positions() == expected.rows);
   CHECK(layer.dim() == expected.cols);
   CHECK(layer.weight().cols() == expected.cols);
-
-  // -- is_tied(), before this test holds copies of W (is_tied() counts W's owners; every copy of the
-  // pointer counts, see the "both ways of tying" case) --
-  if constexpr (has_is_tied<Layer>::value) CHECK(layer.is_tied() == expected.tied);
 
   // -- weight(), bias(), parameters() --
   const auto params = layer.parameters();
@@ -214,35 +204,37 @@ const auto position_backward_driver = [](auto& layer) {
 TEST_CASE("layer contract: the float layers", "[layer_contract]") {
   SECTION("TokenEmbedding") {
     TokenEmbedding<float> layer(kV, kD);
-    check_contract(layer, embedding_backward_driver, {kV, kD, false, false, 1});
+    check_contract(layer, embedding_backward_driver, {kV, kD, false, 1});
   }
   SECTION("TokenEmbedding<double>") {
     TokenEmbedding<double> layer(kV, kD);
-    check_contract(layer, embedding_backward_driver, {kV, kD, false, false, 0});
+    check_contract(layer, embedding_backward_driver, {kV, kD, false, 0});
   }
   SECTION("LearnedPositionEmbedding") {
     LearnedPositionEmbedding<float> layer(kT + 2, kD);
-    check_contract(layer, position_backward_driver, {kT + 2, kD, false, false, 1});
+    check_contract(layer, position_backward_driver, {kT + 2, kD, false, 1});
   }
   SECTION("OutputProjection, untied with a bias") {
     OutputProjection<float> layer(kV, kD);
-    check_contract(layer, head_backward_driver, {kV, kD, true, false, 2});
+    check_contract(layer, head_backward_driver, {kV, kD, true, 2});
   }
   SECTION("OutputProjection, untied without a bias") {
     OutputProjectionOptions options;
     options.bias = false;
     OutputProjection<float> layer(kV, kD, options);
-    check_contract(layer, head_backward_driver, {kV, kD, false, false, 1});
+    check_contract(layer, head_backward_driver, {kV, kD, false, 1});
   }
   SECTION("OutputProjection tied by the TokenEmbedding constructor") {
     TokenEmbedding<float> embedding(kV, kD);
     OutputProjection<float> layer(embedding);
-    check_contract(layer, head_backward_driver, {kV, kD, false, true, 1});
+    CHECK(layer.is_tied_to(embedding));
+    check_contract(layer, head_backward_driver, {kV, kD, false, 1});
   }
   SECTION("OutputProjection tied by wrapping the embedding's weight_ptr()") {
     TokenEmbedding<float> embedding(kV, kD);
     OutputProjection<float> layer(embedding.weight_ptr());
-    check_contract(layer, head_backward_driver, {kV, kD, false, true, 1});
+    CHECK(layer.is_tied_to(embedding));
+    check_contract(layer, head_backward_driver, {kV, kD, false, 1});
   }
 }
 
@@ -252,15 +244,15 @@ TEMPLATE_TEST_CASE("layer contract: the low-precision layers", "[layer_contract]
   const RowMatrix<float> table = random_matrix<float>(kV, kD, 21);
   SECTION("LowPrecisionEmbedding") {
     LowPrecisionEmbedding<Storage> layer(table);
-    check_contract(layer, embedding_backward_driver, {kV, kD, false, false, 0});
+    check_contract(layer, embedding_backward_driver, {kV, kD, false, 0});
   }
   SECTION("LowPrecisionOutputProjection with a float bias") {
     LowPrecisionOutputProjection<Storage> layer(table, random_matrix<float>(kV, 1, 22));
-    check_contract(layer, head_backward_driver, {kV, kD, true, false, 1});
+    check_contract(layer, head_backward_driver, {kV, kD, true, 1});
   }
   SECTION("LowPrecisionOutputProjection without a bias") {
     LowPrecisionOutputProjection<Storage> layer(table);
-    check_contract(layer, head_backward_driver, {kV, kD, false, false, 0});
+    check_contract(layer, head_backward_driver, {kV, kD, false, 0});
   }
 }
 
@@ -268,23 +260,23 @@ TEST_CASE("layer contract: the vocabulary-parallel layers on one rank", "[layer_
   SingleProcessCommunicator comm;
   SECTION("VocabParallelEmbedding") {
     VocabParallelEmbedding<float> layer(kV, kD, comm);
-    check_contract(layer, embedding_backward_driver, {kV, kD, false, false, 1});
+    check_contract(layer, embedding_backward_driver, {kV, kD, false, 1});
   }
   SECTION("VocabParallelOutputProjection, untied") {
     VocabParallelOutputProjection<float> layer(kV, kD, comm);
-    check_contract(layer, head_backward_driver, {kV, kD, true, false, 2});
+    check_contract(layer, head_backward_driver, {kV, kD, true, 2});
   }
   SECTION("VocabParallelOutputProjection tied by the embedding constructor") {
     VocabParallelEmbedding<float> embedding(kV, kD, comm);
     VocabParallelOutputProjection<float> layer(embedding);
     CHECK(layer.is_tied_to(embedding));
-    check_contract(layer, head_backward_driver, {kV, kD, false, true, 1});
+    check_contract(layer, head_backward_driver, {kV, kD, false, 1});
   }
   SECTION("VocabParallelOutputProjection tied by wrapping the embedding's weight_ptr()") {
     VocabParallelEmbedding<float> embedding(kV, kD, comm);
     VocabParallelOutputProjection<float> layer(kV, embedding.weight_ptr(), nullptr, comm);
     CHECK(layer.is_tied_to(embedding));
-    check_contract(layer, head_backward_driver, {kV, kD, false, true, 1});
+    check_contract(layer, head_backward_driver, {kV, kD, false, 1});
   }
 }
 
@@ -301,7 +293,6 @@ TEST_CASE("layer contract: both ways of tying are one tied head everywhere", "[l
   OutputProjection<float> by_constructor(embedding);
   OutputProjection<float> by_pointer(embedding.weight_ptr());
   for (const OutputProjection<float>* head : {&by_constructor, &by_pointer}) {
-    CHECK(head->is_tied());
     CHECK(head->is_tied_to(embedding));
     CHECK_FALSE(head->is_tied_to(other));
     CHECK_FALSE(head->has_bias());
@@ -325,24 +316,11 @@ TEST_CASE("layer contract: both ways of tying are one tied head everywhere", "[l
   }
   // An untied head of the same shape: not tied, to anything.
   OutputProjection<float> untied(kV, kD);
-  CHECK_FALSE(untied.is_tied());
   CHECK_FALSE(untied.is_tied_to(embedding));
-  // is_tied() is derived from the state alone (no bias, W held by another owner): a bias-free
-  // untied head whose W is also held elsewhere has the tied shape; is_tied_to names the embedding.
-  OutputProjectionOptions no_bias;
-  no_bias.bias = false;
-  OutputProjection<float> bare(kV, kD, no_bias);
-  CHECK_FALSE(bare.is_tied());
-  {
-    const auto holder = bare.weight_ptr();
-    CHECK(bare.is_tied());
-    CHECK_FALSE(bare.is_tied_to(embedding));
-  }
-  CHECK_FALSE(bare.is_tied());
   // A head sharing the table but with its own bias shares W (is_tied_to) without the tied shape.
   OutputProjection<float> shared_with_bias(embedding.weight_ptr(), std::make_shared<Parameter<float>>(kV, 1, "lm_head.bias"));
   CHECK(shared_with_bias.is_tied_to(embedding));
-  CHECK_FALSE(shared_with_bias.is_tied());
+  CHECK(shared_with_bias.has_bias());
 }
 
 TEST_CASE("layer contract: a head tied through weight_ptr() stays tied through resize_vocabulary", "[layer_contract][tied]") {
@@ -351,7 +329,6 @@ TEST_CASE("layer contract: a head tied through weight_ptr() stays tied through r
   const auto result = resize_vocabulary<float>(embedding, &head, kV + 3);
   CHECK(result.rows == kV + 3);
   CHECK(head.is_tied_to(embedding));
-  CHECK(head.is_tied());
   CHECK(head.vocab_size() == kV + 3);
   CHECK(embedding.vocab_size() == kV + 3);
 }
@@ -362,14 +339,12 @@ TEST_CASE("layer contract: the vocabulary-parallel head tied both ways", "[layer
   VocabParallelOutputProjection<float> by_constructor(embedding);
   VocabParallelOutputProjection<float> by_pointer(kV, embedding.weight_ptr(), nullptr, comm);
   for (const VocabParallelOutputProjection<float>* head : {&by_constructor, &by_pointer}) {
-    CHECK(head->is_tied());
     CHECK(head->is_tied_to(embedding));
     std::vector<std::shared_ptr<Parameter<float>>> all = embedding.parameters();
     for (const auto& p : head->parameters()) all.push_back(p);
     CHECK(unique_parameters(all).size() == 1);
   }
   VocabParallelOutputProjection<float> untied(kV, kD, comm);
-  CHECK_FALSE(untied.is_tied());
   CHECK_FALSE(untied.is_tied_to(embedding));
 }
 

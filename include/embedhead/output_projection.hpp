@@ -244,12 +244,8 @@ class OutputProjection {
   Index dim() const { return weight_->cols(); }
   // True when W is embedding's Parameter (pointer identity), however the head was built.
   bool is_tied_to(const TokenEmbedding<Scalar>& embedding) const { return weight_ == embedding.weight_ptr(); }
-  // The head's tied shape, derived from its state: no bias and a W held by another owner as well
-  // (weight_ptr().use_count() > 1), as after tie_to, the TokenEmbedding constructor or
-  // OutputProjection(embedding.weight_ptr()). Any other holder of W counts too (a kept copy of
-  // weight_ptr(), a parameters() list, an optimizer group): to ask about one embedding, use
-  // is_tied_to, which is exact.
-  bool is_tied() const { return !bias_ && weight_ && weight_.use_count() > 1; }
+  // (There is no is_tied() without an argument: whether a head is tied is a fact about the head
+  // and an embedding together, and only pointer identity decides it.)
   bool has_bias() const { return bias_ != nullptr; }
 
   Parameter<Scalar>& weight() { return *weight_; }

@@ -324,9 +324,6 @@ class VocabParallelOutputProjection {
   // True when W is embedding's shard Parameter (pointer identity), however the head was built (the
   // tying constructor, or wrapping embedding.weight_ptr()).
   bool is_tied_to(const VocabParallelEmbedding<Scalar>& embedding) const { return weight_ == embedding.weight_ptr(); }
-  // Derived from state as OutputProjection::is_tied: no bias and a W shard held by another owner
-  // as well (use_count() > 1; any other holder counts). Use is_tied_to to ask about one embedding.
-  bool is_tied() const { return !bias_ && weight_ && weight_.use_count() > 1; }
   bool has_bias() const { return bias_ != nullptr; }
 
   // The shards: W [rows, d], bias [rows, 1] or nullptr (tied, or bias = false).
