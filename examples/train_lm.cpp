@@ -93,7 +93,7 @@ class Model {
     if (variant_.embedding_lr_multiplier) embedding_group.lr_multiplier = std::sqrt(static_cast<double>(d_));
     optimizer.add_group({embedding_.weight_ptr()}, embedding_group);
     std::vector<std::shared_ptr<Parameter<float>>> rest{positions_.weight_ptr()};
-    if (!head_.is_tied()) rest.push_back(head_.weight_ptr());
+    if (!head_.is_tied_to(embedding_)) rest.push_back(head_.weight_ptr());
     optimizer.add_group(rest);
     if (head_.bias()) {
       ParameterGroupOptions no_decay;

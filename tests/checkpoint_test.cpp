@@ -219,6 +219,46 @@ TEST_CASE("checkpoint: a tied checkpoint into an untied model, and the reverse, 
   std::remove(untied_path.c_str());
 }
 
+TEST_CASE("checkpoint: a head wrapping the embedding's weight_ptr() follows the tied rules", "[checkpoint][tied]") {
+  const Index V = 20, d = 4;
+  const auto names = embedhead::hugging_face_names(ModelFamily::gpt2);
+  const std::string path = temp_path("tied_by_pointer.safetensors");
+  {
+    auto e = table(V, d, 51);
+    OutputProjection<float> h(e.weight_ptr());  // tied, as OutputProjection(e)
+    embedhead::save_checkpoint<float>(path, names, e, &h);
+  }
+  const auto file = SafetensorsFile::open(path);
+  CHECK_FALSE(file.contains("lm_head.weight"));  // tied: the table is the head
+  CHECK(file.metadata().at("embedhead.tied") == "true");
+  auto e = table(V, d, 52);
+  OutputProjection<float> h(e.weight_ptr());
+  embedhead::load_checkpoint<float>(file, names, e, &h);  // accepted: the tied rule
+  CHECK(h.weight_ptr() == e.weight_ptr());
+  CHECK(e.weight().value() == table(V, d, 51).weight().value());
+  std::remove(path.c_str());
+
+  SECTION("a head sharing W but with its own bias saves and loads the bias") {
+    const std::string with_bias = temp_path("shared_with_bias.safetensors");
+    const auto llama = embedhead::hugging_face_names(ModelFamily::llama);
+    CheckpointNames biased = llama;
+    biased.head_bias = "lm_head.bias";
+    auto source = table(V, d, 53);
+    OutputProjection<float> source_head(source.weight_ptr(), std::make_shared<embedhead::Parameter<float>>(V, 1, "lm_head.bias"));
+    source_head.bias()->value().setConstant(0.25f);
+    embedhead::save_checkpoint<float>(with_bias, biased, source, &source_head);
+    const auto saved = SafetensorsFile::open(with_bias);
+    CHECK_FALSE(saved.contains("lm_head.weight"));
+    CHECK(saved.contains("lm_head.bias"));
+    auto target = table(V, d, 54);
+    OutputProjection<float> target_head(target.weight_ptr(), std::make_shared<embedhead::Parameter<float>>(V, 1, "lm_head.bias"));
+    embedhead::load_checkpoint<float>(saved, biased, target, &target_head);
+    CHECK(target_head.bias()->value().isConstant(0.25f, 0));
+    CHECK(target.weight().value() == source.weight().value());
+    std::remove(with_bias.c_str());
+  }
+}
+
 TEST_CASE("checkpoint: loads are all-or-nothing for every layout error", "[checkpoint]") {
   const Index V = 20, d = 4;
   const auto names = embedhead::hugging_face_names(ModelFamily::gpt2);

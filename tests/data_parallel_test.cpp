@@ -169,6 +169,46 @@ TEMPLATE_TEST_CASE("all_reduce_gradient: sparse, dense and automatic give the su
   }
 }
 
+TEMPLATE_TEST_CASE("all_reduce_gradient: a bf16 / fp16 table's float gradient is exchanged as a float one", "",
+                   Eigen::bfloat16, Eigen::half) {
+  using Storage = TestType;
+  Communicator& comm = world();
+  const int R = comm.size(), me = comm.rank();
+  const Index V = 41, d = 5;
+  const std::uint64_t seed = 17;
+  std::vector<Index> counts(static_cast<std::size_t>(R));
+  for (int r = 0; r < R; ++r) counts[static_cast<std::size_t>(r)] = 6 + 3 * r;
+  std::vector<Index> union_ids;
+  const RowMatrix<float> expected = reference_sum<float>(R, V, d, counts, seed, &union_ids);
+  const std::vector<Index> my_ids = rank_ids(me, V, counts[static_cast<std::size_t>(me)], seed);
+  const RowMatrix<float> my_rows = rank_rows<float>(me, static_cast<Index>(my_ids.size()), d, seed);
+  for (GradientExchange mode : {GradientExchange::sparse, GradientExchange::dense}) {
+    INFO("mode " << detail::exchange_mode_name(mode) << ", rank " << me << " of " << R);
+    // The table itself (Storage) is replicated and never sent; only its float gradient is.
+    auto table = std::make_shared<Parameter<Storage, float>>(RowMatrix<Storage>::Constant(V, d, Storage(0.5f)), "table");
+    auto bias = std::make_shared<Parameter<float>>(V, 1, "bias");
+    add_rows(table->grad(), my_ids, my_rows);
+    GradientExchangeOptions options;
+    options.mode = mode;
+    // A mixed list, as LowPrecisionOutputProjection::parameters() gives: ParameterBase<float>.
+    const std::vector<std::shared_ptr<ParameterBase<float>>> list{table, bias};
+    const std::vector<GradientExchangeResult> results = all_reduce_gradients(list, comm, options);
+    CHECK(results.size() == 2);
+    const RowMatrix<float> got = table->grad().to_dense();
+    if (R <= 2 || mode == GradientExchange::sparse)
+      CHECK(first_difference(got, expected) == "");  // rank-order additions (1 or 2 ranks commute)
+    else
+      CHECK(close(got, expected, tolerance<float>()));
+    CHECK(same_on_every_rank(comm, got));
+    CHECK(table->value().template cast<float>().isConstant(0.5f, 0));
+    // And one parameter on its own, through the typed overload.
+    table->zero_grad();
+    add_rows(table->grad(), my_ids, my_rows);
+    all_reduce_gradient(*table, comm, options);
+    CHECK(same_on_every_rank(comm, RowMatrix<float>(table->grad().to_dense())));
+  }
+}
+
 TEMPLATE_TEST_CASE("all_reduce_gradient: nothing touched anywhere, and one rank", "", float, double) {
   using S = TestType;
   Communicator& comm = world();

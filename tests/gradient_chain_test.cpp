@@ -106,7 +106,7 @@ ChainRun run_chain(const Problem& p, const Variant& variant) {
   embedhead::Dropout<Scalar> dropout(kDropoutP, kDropoutSeed);
   embedhead::OutputProjection<Scalar> head(kV, kD);  // untied, with bias
   if (variant.tied) head.tie_to(embedding);
-  REQUIRE(head.is_tied() == variant.tied);
+  REQUIRE(head.is_tied_to(embedding) == variant.tied);
   REQUIRE(head.has_bias() == !variant.tied);
 
   embedding.weight().value() = p.E.cast<Scalar>();

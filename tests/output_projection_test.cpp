@@ -358,7 +358,7 @@ TEMPLATE_TEST_CASE("Tied OutputProjection shares the embedding's storage, not a 
   const RowMatrix<Scalar> h = random_matrix<Scalar>(3, d, 72);
 
   auto check_shared = [&](OutputProjection<Scalar>& head) {
-    CHECK(head.is_tied());
+    CHECK(head.is_tied_to(embedding));
     CHECK_FALSE(head.has_bias());
     CHECK(head.bias() == nullptr);
     CHECK(head.weight_ptr() == embedding.weight_ptr());
@@ -392,7 +392,7 @@ TEMPLATE_TEST_CASE("Tied OutputProjection shares the embedding's storage, not a 
   SECTION("tie_to drops the bias and releases the head's own W") {
     auto head = make_head<Scalar>(V, d, true, 73);
     REQUIRE(head.has_bias());
-    REQUIRE_FALSE(head.is_tied());
+    REQUIRE_FALSE(head.is_tied_to(embedding));
     REQUIRE(head.weight_ptr() != embedding.weight_ptr());
     const std::weak_ptr<Parameter<Scalar>> old_weight = head.weight_ptr();
     const std::weak_ptr<Parameter<Scalar>> old_bias = head.parameters().at(1);
@@ -572,7 +572,8 @@ TEMPLATE_TEST_CASE("OutputProjection errors throw and leave everything unchanged
     REQUIRE_THROWS_WITH(head.tie_to(wrong_both),
                         Contains("OutputProjection::tie_to") && Contains("[V=4, d=5]") && Contains("[V=5, d=4]"));
 
-    CHECK_FALSE(head.is_tied());
+    CHECK_FALSE(head.is_tied_to(wrong_d));
+    CHECK_FALSE(head.is_tied_to(wrong_both));
     CHECK(head.weight_ptr() == weight_before);
     CHECK(head.has_bias());
     CHECK(head.bias() == bias_before);
@@ -731,7 +732,7 @@ TEST_CASE("OutputProjection: tying to a moved-from TokenEmbedding is an error", 
   REQUIRE_THROWS_WITH(head.tie_to(embedding), Contains("moved from"));
   CHECK(head.weight_ptr() == W);
   CHECK(head.has_bias());
-  CHECK_FALSE(head.is_tied());
+  CHECK_FALSE(head.is_tied_to(taken));
   REQUIRE_NOTHROW(head.tie_to(taken));
   CHECK(head.weight_ptr() == taken.weight_ptr());
 }
@@ -744,7 +745,7 @@ TEST_CASE("OutputProjection wraps existing W and bias without copying them", "[o
   OutputProjection<double> head(W, b);
   CHECK(head.weight_ptr() == W);
   CHECK(head.bias() == b.get());
-  CHECK_FALSE(head.is_tied());
+  CHECK(W.use_count() == 2);  // this test's W and the head's: tied to no embedding
   RowMatrix<double> h(1, 2);
   h << 2, 3;
   const RowMatrix<double> logits = head.forward(h);

@@ -218,7 +218,7 @@ TEMPLATE_TEST_CASE("VocabParallelOutputProjection: untied forward and backward a
     VocabParallelOutputProjection<S> vp(kV, 8, comm, options);
     CHECK(vp.vocab_size() == kV);
     CHECK(vp.dim() == 8);
-    CHECK_FALSE(vp.is_tied());
+    CHECK(vp.weight_ptr().use_count() == 1);  // its own W shard: tied to nothing
     CHECK(vp.has_bias() == bias);
     CHECK(vp.parameters().size() == (bias ? 2u : 1u));
     CHECK(first_difference(vp.weight().value(), full.weight().value().middleRows(shard.begin, shard.rows())) == "");
@@ -275,7 +275,7 @@ TEMPLATE_TEST_CASE("VocabParallelOutputProjection: tied to the embedding's shard
   const VocabShard shard = vocab_shard(kV, comm.rank(), comm.size());
   VocabParallelEmbedding<S> embedding(kV, 6, comm);
   VocabParallelOutputProjection<S> head(embedding);
-  CHECK(head.is_tied());
+  CHECK(head.is_tied_to(embedding));
   CHECK_FALSE(head.has_bias());
   CHECK(head.bias() == nullptr);
   CHECK(head.weight_ptr() == embedding.weight_ptr());

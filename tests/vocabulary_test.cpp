@@ -190,7 +190,7 @@ TEMPLATE_TEST_CASE("resize_vocabulary keeps a tied head tied", "[vocabulary][tie
   const auto result = embedhead::resize_vocabulary<Scalar>(embedding, &head, 9, {}, &lazy);
   CHECK(result.rows == 9);
   CHECK(head.weight_ptr() == embedding.weight_ptr());
-  CHECK(head.is_tied());
+  CHECK(head.is_tied_to(embedding));
   CHECK(head.vocab_size() == 9);
   CHECK(first_difference(embedding.weight().value().topRows(V), old).empty());
   const RowMatrix<Scalar> mean = mean_rows(old, V).template cast<Scalar>();

@@ -194,7 +194,7 @@ void load_checkpoint(const SafetensorsFile& file, const CheckpointNames& names, 
   }
 
   if (head) {
-    const bool tied = head->weight_ptr() == embedding.weight_ptr();
+    const bool tied = head->is_tied_to(embedding);
     const TensorInfo* head_tensor = names.head_weight.empty() ? nullptr : file.find(names.head_weight);
     if (tied && head_tensor) {
       detail::check_loadable(file, names.head_weight, head->weight(), "the (tied) head");
@@ -290,9 +290,10 @@ PretrainedLayers<Scalar> from_pretrained(const SafetensorsFile& file, const Chec
   return PretrainedLayers<Scalar>{std::move(embedding), std::move(head), std::move(positions), tied};
 }
 
-// Adds the layers to `writer` under `names`: the table, the positions if given, and the head
-// only when it is untied (a tied head is the table; writing it twice would make the file look
-// untied to tools that do not compare). Metadata {"format": "pt"} as transformers writes, and
+// Adds the layers to `writer` under `names`: the table, the positions if given, and the head's W
+// only when it is untied (head->is_tied_to(embedding) is false: a tied head is the table; writing
+// it twice would make the file look untied to tools that do not compare), and its bias if it has
+// one. Metadata {"format": "pt"} as transformers writes, and
 // "embedhead.tied". `dtype` is the stored type (F32, F64, F16 or BF16). The layers must outlive
 // writer.write(). \throws value_error for positions with a layout that has no position name.
 template <typename Scalar>
@@ -304,11 +305,11 @@ void add_checkpoint(SafetensorsWriter& writer, const CheckpointNames& names, con
   writer.set_metadata("format", "pt");
   writer.add<Scalar>(names.token_embedding, embedding.weight().value(), dtype);
   if (positions) writer.add<Scalar>(names.position_embedding, positions->weight().value(), dtype);
-  const bool tied = head && head->weight_ptr() == embedding.weight_ptr();
-  if (head && !tied) {
-    writer.add<Scalar>(names.head_weight, head->weight().value(), dtype);
-    if (head->bias()) writer.add<Scalar>(names.head_bias, head->bias()->value(), dtype, /*as_vector=*/true);
-  }
+  const bool tied = head && head->is_tied_to(embedding);
+  if (head && !tied) writer.add<Scalar>(names.head_weight, head->weight().value(), dtype);
+  // A bias is the head's own even when W is shared (load_checkpoint asks for it exactly when the
+  // head has one).
+  if (head && head->bias()) writer.add<Scalar>(names.head_bias, head->bias()->value(), dtype, /*as_vector=*/true);
   writer.set_metadata("embedhead.tied", tied ? "true" : "false");
 }
 

@@ -111,7 +111,7 @@ inline void check_exchange_options(const char* where, const GradientExchangeOpti
 // The fields every rank must agree on for one parameter: shape, frozen flag, and the options
 // (so that automatic decides the same everywhere), folded into a fingerprint.
 template <typename Scalar>
-std::uint64_t exchange_fingerprint(const Parameter<Scalar>& parameter, const GradientExchangeOptions& options,
+std::uint64_t exchange_fingerprint(const ParameterBase<Scalar>& parameter, const GradientExchangeOptions& options,
                                    std::uint64_t hash) {
   std::int64_t fields[4] = {static_cast<std::int64_t>(parameter.rows()), static_cast<std::int64_t>(parameter.cols()),
                             parameter.frozen() ? 1 : 0, static_cast<std::int64_t>(options.mode)};
@@ -121,7 +121,7 @@ std::uint64_t exchange_fingerprint(const Parameter<Scalar>& parameter, const Gra
 
 // The exchange proper, after the checks agreed on every rank. Collective.
 template <typename Scalar>
-GradientExchangeResult exchange_gradient(Parameter<Scalar>& parameter, Communicator& comm,
+GradientExchangeResult exchange_gradient(ParameterBase<Scalar>& parameter, Communicator& comm,
                                          const GradientExchangeOptions& options, GradientExchangeWorkspace<Scalar>& work) {
   GradientExchangeResult result;
   if (parameter.frozen()) return result;  // agreed by the fingerprint: every rank returns here
@@ -230,6 +230,8 @@ GradientExchangeResult exchange_gradient(Parameter<Scalar>& parameter, Communica
 // the sum, so nothing happens in any mode (result: dense = gradient.is_dense(), union_rows = its
 // touched rows, nothing sent). `workspace` (optional) keeps the
 // sparse path's buffers between calls; without one each call allocates its own.
+// Any parameter whose gradient is Scalar: a Parameter<Scalar>, a low-precision
+// Parameter<Storage, float> (only the float gradient is exchanged), a ParameterBase<Scalar>.
 // Collective: every rank calls it with the same parameter shape, frozen flag and options.
 // \pre the same call order on every rank.
 // \throws value_error (on every rank, before any change) if options are invalid on some rank
@@ -237,7 +239,7 @@ GradientExchangeResult exchange_gradient(Parameter<Scalar>& parameter, Communica
 // the parameter's shape [V, d], its frozen flag or the options. Strong guarantee for these; if
 // memory runs out during the exchange the gradient is unspecified.
 template <typename Scalar>
-GradientExchangeResult all_reduce_gradient(Parameter<Scalar>& parameter, Communicator& comm,
+GradientExchangeResult all_reduce_gradient(ParameterBase<Scalar>& parameter, Communicator& comm,
                                            const GradientExchangeOptions& options = {},
                                            GradientExchangeWorkspace<Scalar>* workspace = nullptr) {
   constexpr const char* where = "all_reduce_gradient";
@@ -252,16 +254,19 @@ GradientExchangeResult all_reduce_gradient(Parameter<Scalar>& parameter, Communi
 // parameters (each non-null) -> every distinct parameter's gradient summed over ranks, in list
 // order; a Parameter listed twice (a tied table: the embedding's E is also the head's W) is
 // exchanged once. -> one result per list entry; a repeated entry gets its first occurrence's.
-// One workspace serves the whole list (optional, as for all_reduce_gradient).
+// One workspace serves the whole list (optional, as for all_reduce_gradient). The entries may be
+// Parameter<Scalar>, low-precision Parameter<Storage, float> or ParameterBase<Scalar> (a
+// low-precision head's parameters()).
 // Collective: every rank passes lists of the same length whose entries agree in shape, frozen
 // flag and repetition pattern.
 // \throws value_error (on every rank, before any change) if an entry is null on some rank,
 // options are invalid, or the ranks disagree on the list's length, an entry's shape [V, d] or
 // frozen flag, or the options.
-template <typename Scalar>
-std::vector<GradientExchangeResult> all_reduce_gradients(const std::vector<std::shared_ptr<Parameter<Scalar>>>& parameters,
-                                                         Communicator& comm, const GradientExchangeOptions& options = {},
-                                                         GradientExchangeWorkspace<Scalar>* workspace = nullptr) {
+namespace detail {
+template <typename P, typename Scalar = typename P::grad_type>
+std::vector<GradientExchangeResult> all_reduce_gradients_impl(const std::vector<std::shared_ptr<P>>& parameters,
+                                                              Communicator& comm, const GradientExchangeOptions& options,
+                                                              GradientExchangeWorkspace<Scalar>* workspace) {
   constexpr const char* where = "all_reduce_gradients";
   // first[i]: the index of parameters[i]'s first occurrence (i itself if new).
   std::vector<std::size_t> first(parameters.size());
@@ -299,6 +304,20 @@ std::vector<GradientExchangeResult> all_reduce_gradients(const std::vector<std::
   for (std::size_t i = 0; i < parameters.size(); ++i)
     results[i] = first[i] == i ? detail::exchange_gradient(*parameters[i], comm, options, work) : results[first[i]];
   return results;
+}
+}  // namespace detail
+
+template <typename Scalar, typename Value = Scalar>
+std::vector<GradientExchangeResult> all_reduce_gradients(const std::vector<std::shared_ptr<Parameter<Value, Scalar>>>& parameters,
+                                                         Communicator& comm, const GradientExchangeOptions& options = {},
+                                                         GradientExchangeWorkspace<Scalar>* workspace = nullptr) {
+  return detail::all_reduce_gradients_impl(parameters, comm, options, workspace);
+}
+template <typename P, typename Scalar = typename P::grad_type>
+std::vector<GradientExchangeResult> all_reduce_gradients(const std::vector<std::shared_ptr<P>>& parameters, Communicator& comm,
+                                                         const GradientExchangeOptions& options = {},
+                                                         GradientExchangeWorkspace<Scalar>* workspace = nullptr) {
+  return detail::all_reduce_gradients_impl(parameters, comm, options, workspace);
 }
 
 }  // namespace embedhead

@@ -28,6 +28,16 @@
 // The backward of a low-precision lookup does not read the table: it is the float scatter
 // embedding_backward<float> (token_embedding.hpp) into a RowGradient<float>, with the rounded
 // multiplier; LowPrecisionEmbedding::backward calls it. Row-sparse, O(touched rows * d).
+//
+// The layers hold their tables as Parameter<Storage, float> (parameter.hpp): the value in Storage,
+// a float row-sparse gradient, a frozen flag, so freezing, zero_grad, clip_grad_norm,
+// count_parameters and the data-parallel exchange (all_reduce_gradient) reach them as they reach a
+// float table. The head's bias is a float Parameter<float>; the head's parameters() lists both as
+// ParameterBase<float> (the part that does not depend on the value's type). The optimizers
+// (optimizer.hpp) do not step a Storage value: registering a Parameter<Storage, float> with one is
+// a compile-time error naming the reason (the update must run in float and round once to Storage,
+// round-to-nearest-even, with stochastic rounding later; not implemented yet). Update such a table
+// through weight().value() or train a float copy and convert_table it.
 #ifndef EMBEDHEAD_LOW_PRECISION_HPP
 #define EMBEDHEAD_LOW_PRECISION_HPP
 
@@ -44,21 +54,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <sstream>
 #include <type_traits>
 #include <vector>
 
 namespace embedhead {
 
-// True for the storage types this header accepts: Eigen::bfloat16 and Eigen::half.
-template <typename T>
-struct is_low_precision : std::false_type {};
-template <>
-struct is_low_precision<Eigen::bfloat16> : std::true_type {};
-template <>
-struct is_low_precision<Eigen::half> : std::true_type {};
-template <typename T>
-inline constexpr bool is_low_precision_v = is_low_precision<T>::value;
+// is_low_precision_v<T> (parameter.hpp): true for the storage types this header accepts,
+// Eigen::bfloat16 and Eigen::half.
 
 // Scratch for the tiled head passes: one float tile of at most 256 x d values per thread
 // (detail::kWidenTileRows), reused across calls so the steady state allocates nothing. A
@@ -199,14 +203,16 @@ void output_projection_backward(const ConstMatrixRef<float>& h, const ConstMatri
 
 // ---- the layers ----
 
-// A token embedding whose table is stored in bf16 or fp16 and whose gradient is float.
-// Options as TokenEmbedding's (padding_idx, scale_by_sqrt_d); init_std and seed are unused: the
-// table always comes from the caller. Move-only, like the other layers.
+// A token embedding whose table E [V, d] is stored in bf16 or fp16 (a Parameter<Storage, float>)
+// and whose gradient is float. Options as TokenEmbedding's (padding_idx, scale_by_sqrt_d); init_std
+// and seed are unused: the table always comes from the caller. Move-only, like the other layers.
 template <typename Storage>
 class LowPrecisionEmbedding {
   static_assert(is_low_precision_v<Storage>, "Storage must be Eigen::bfloat16 or Eigen::half");
 
  public:
+  using ParameterType = Parameter<Storage, float>;
+
   LowPrecisionEmbedding(const LowPrecisionEmbedding&) = delete;
   LowPrecisionEmbedding& operator=(const LowPrecisionEmbedding&) = delete;
   LowPrecisionEmbedding(LowPrecisionEmbedding&&) noexcept = default;
@@ -215,26 +221,42 @@ class LowPrecisionEmbedding {
   // E Storage [V, d], copied as it is. \throws value_error if V or d < 1; index_error if
   // padding_idx is outside [0, V).
   explicit LowPrecisionEmbedding(const ConstMatrixRef<Storage>& E, const TokenEmbeddingOptions& options = {})
-      : options_((validate(E.rows(), E.cols(), options), options)), table_(E), grad_(E.rows(), E.cols()) {}
+      : options_((validate(E.rows(), E.cols(), options), options)),
+        weight_(std::make_shared<ParameterType>(RowMatrix<Storage>(E), "token_embedding.weight")) {}
   // E float [V, d], rounded to Storage (convert_table). \throws as above and as convert_table.
   explicit LowPrecisionEmbedding(const ConstMatrixRef<float>& E, const TokenEmbeddingOptions& options = {})
       : options_((validate(E.rows(), E.cols(), options), options)),
-        table_(convert_table<Storage>(E)),
-        grad_(E.rows(), E.cols()) {}
+        weight_(std::make_shared<ParameterType>(convert_table<Storage>(E), "token_embedding.weight")) {}
+  // Wraps an existing parameter as E [V, d] (shared, values untouched). \throws value_error if
+  // weight is null; index_error for a bad padding_idx.
+  explicit LowPrecisionEmbedding(std::shared_ptr<ParameterType> weight, const TokenEmbeddingOptions& options = {})
+      : options_((check_not_null(weight), validate(weight->rows(), weight->cols(), options), options)),
+        weight_(std::move(weight)) {}
 
-  Index vocab_size() const { return table_.rows(); }
-  Index dim() const { return table_.cols(); }
+  Index vocab_size() const { return weight_->rows(); }
+  Index dim() const { return weight_->cols(); }
   const TokenEmbeddingOptions& options() const { return options_; }
   // float(Storage(sqrt(d))) when scale_by_sqrt_d is set (45.25 at d = 2048), else 1.
   float scale() const { return options_.scale_by_sqrt_d ? low_precision_scale<Storage>(dim()) : 1.0f; }
 
-  // The table [V, d]; entries may be changed in place (an optimiser step), never resized.
-  Eigen::Map<RowMatrix<Storage>> table() { return {table_.data(), table_.rows(), table_.cols()}; }
-  Eigen::Map<const RowMatrix<Storage>> table() const { return {table_.data(), table_.rows(), table_.cols()}; }
-  // dE [V, d] in float, row-sparse.
-  RowGradient<float>& grad() { return grad_; }
-  const RowGradient<float>& grad() const { return grad_; }
-  void zero_grad() { grad_.clear(); }
+  // The table as a parameter: value Storage [V, d], gradient float [V, d] row-sparse.
+  ParameterType& weight() { return *weight_; }
+  const ParameterType& weight() const { return *weight_; }
+  const std::shared_ptr<ParameterType>& weight_ptr() const { return weight_; }
+  // -> {weight_ptr()}: the one parameter.
+  std::vector<std::shared_ptr<ParameterType>> parameters() const { return {weight_}; }
+  Index parameter_count() const { return weight_->size(); }
+
+  // The table [V, d] (weight().value()); entries may be changed in place, never resized.
+  Eigen::Map<RowMatrix<Storage>> table() { return weight_->value(); }
+  Eigen::Map<const RowMatrix<Storage>> table() const { return static_cast<const ParameterType&>(*weight_).value(); }
+  // dE [V, d] in float, row-sparse (weight().grad()).
+  RowGradient<float>& grad() { return weight_->grad(); }
+  const RowGradient<float>& grad() const { return weight_->grad(); }
+  void zero_grad() { weight_->zero_grad(); }
+  // weight().frozen() / set_frozen(): see ParameterBase.
+  bool frozen() const { return weight_->frozen(); }
+  void set_frozen(bool frozen) { weight_->set_frozen(frozen); }
 
   // ids [B, T] -> out float [B*T, d]. See embedding_forward above.
   void forward(const ConstIdRef<std::int32_t>& ids, MatrixRef<float> out) const { forward_into(ids, out); }
@@ -244,12 +266,15 @@ class LowPrecisionEmbedding {
 
   // ids [B, T], dout float [B*T, d] -> grad() += scale * one_hot(ids)^T * dout, skipping
   // padding_idx: embedding_backward<float>, bit-identical to TokenEmbedding<float>::backward with
-  // the same multiplier. \throws index_error / shape_error (gradient unchanged).
-  // Cost O(N log N + touched rows * d).
+  // the same multiplier. A frozen table takes nothing, after the same checks.
+  // \throws index_error / shape_error (gradient unchanged). Cost O(N log N + touched rows * d).
   void backward(const ConstIdRef<std::int32_t>& ids, const ConstMatrixRef<float>& dout) { backward_impl(ids, dout); }
   void backward(const ConstIdRef<std::int64_t>& ids, const ConstMatrixRef<float>& dout) { backward_impl(ids, dout); }
 
  private:
+  static void check_not_null(const std::shared_ptr<ParameterType>& weight) {
+    if (!weight) throw value_error("LowPrecisionEmbedding: weight is a null shared_ptr<Parameter>");
+  }
   static void validate(Index V, Index d, const TokenEmbeddingOptions& options) {
     detail::check_size("LowPrecisionEmbedding", "V", V);
     detail::check_size("LowPrecisionEmbedding", "d", d);
@@ -261,7 +286,7 @@ class LowPrecisionEmbedding {
   }
   template <typename Id>
   void forward_into(const ConstIdRef<Id>& ids, MatrixRef<float> out) const {
-    embedding_forward<Storage, Id>(table_, ids, scale(), out, "LowPrecisionEmbedding::forward");
+    embedding_forward<Storage, Id>(table(), ids, scale(), out, "LowPrecisionEmbedding::forward");
   }
   template <typename Id>
   RowMatrix<float> forward_new(const ConstIdRef<Id>& ids) const {
@@ -272,23 +297,29 @@ class LowPrecisionEmbedding {
   }
   template <typename Id>
   void backward_impl(const ConstIdRef<Id>& ids, const ConstMatrixRef<float>& dout) {
-    embedding_backward<float, Id>(ids, dout, scale(), options_.padding_idx.value_or(-1), grad_, workspace_,
+    if (weight_->frozen()) {
+      detail::check_shape("LowPrecisionEmbedding::backward", "dout", dout, ids.size(), dim());
+      detail::check_ids("LowPrecisionEmbedding::backward", ids, vocab_size());
+      return;
+    }
+    embedding_backward<float, Id>(ids, dout, scale(), options_.padding_idx.value_or(-1), weight_->grad(), workspace_,
                                   "LowPrecisionEmbedding::backward");
   }
 
   TokenEmbeddingOptions options_;
-  RowMatrix<Storage> table_;
-  RowGradient<float> grad_;
+  std::shared_ptr<ParameterType> weight_;
   ScatterWorkspace workspace_;
 };
 
-// An untied LM head whose weight W [V, d] is stored in bf16 or fp16, with an optional float bias
-// [V, 1]; gradients (dW, db) are float. Move-only.
+// An untied LM head whose weight W [V, d] is stored in bf16 or fp16 (a Parameter<Storage, float>),
+// with an optional float bias [V, 1] (a Parameter<float>); gradients (dW, db) are float. Move-only.
 template <typename Storage>
 class LowPrecisionOutputProjection {
   static_assert(is_low_precision_v<Storage>, "Storage must be Eigen::bfloat16 or Eigen::half");
 
  public:
+  using ParameterType = Parameter<Storage, float>;
+
   LowPrecisionOutputProjection(const LowPrecisionOutputProjection&) = delete;
   LowPrecisionOutputProjection& operator=(const LowPrecisionOutputProjection&) = delete;
   LowPrecisionOutputProjection(LowPrecisionOutputProjection&&) noexcept = default;
@@ -298,39 +329,60 @@ class LowPrecisionOutputProjection {
   // \throws value_error if V or d < 1; shape_error if the bias is neither empty nor [V, 1].
   explicit LowPrecisionOutputProjection(const ConstMatrixRef<Storage>& W,
                                         const ConstMatrixRef<float>& bias = RowMatrix<float>(0, 1))
-      : weight_((validate(W, bias), W)), bias_(bias), weight_grad_(W.rows(), W.cols()), bias_grad_(W.rows(), 1) {}
+      : weight_((validate(W, bias), std::make_shared<ParameterType>(RowMatrix<Storage>(W), "lm_head.weight"))),
+        bias_(make_bias(bias)),
+        absent_bias_grad_(W.rows(), 1) {}
   // W float [V, d], rounded to Storage (convert_table); bias as above. \throws as above and as
   // convert_table.
   explicit LowPrecisionOutputProjection(const ConstMatrixRef<float>& W,
                                         const ConstMatrixRef<float>& bias = RowMatrix<float>(0, 1))
-      : weight_((validate(W, bias), convert_table<Storage>(W))),
-        bias_(bias),
-        weight_grad_(W.rows(), W.cols()),
-        bias_grad_(W.rows(), 1) {}
+      : weight_((validate(W, bias), std::make_shared<ParameterType>(convert_table<Storage>(W), "lm_head.weight"))),
+        bias_(make_bias(bias)),
+        absent_bias_grad_(W.rows(), 1) {}
 
-  Index vocab_size() const { return weight_.rows(); }
-  Index dim() const { return weight_.cols(); }
-  bool has_bias() const { return bias_.size() != 0; }
+  Index vocab_size() const { return weight_->rows(); }
+  Index dim() const { return weight_->cols(); }
+  bool has_bias() const { return bias_ != nullptr; }
 
-  Eigen::Map<RowMatrix<Storage>> weight() { return {weight_.data(), weight_.rows(), weight_.cols()}; }
-  Eigen::Map<const RowMatrix<Storage>> weight() const { return {weight_.data(), weight_.rows(), weight_.cols()}; }
-  // The bias [V, 1], or [0, 1] when there is none.
-  Eigen::Map<RowMatrix<float>> bias() { return {bias_.data(), bias_.rows(), 1}; }
-  Eigen::Map<const RowMatrix<float>> bias() const { return {bias_.data(), bias_.rows(), 1}; }
-  RowGradient<float>& weight_grad() { return weight_grad_; }
-  const RowGradient<float>& weight_grad() const { return weight_grad_; }
-  // Untouched (never dense) when there is no bias.
-  RowGradient<float>& bias_grad() { return bias_grad_; }
-  const RowGradient<float>& bias_grad() const { return bias_grad_; }
+  // W as a parameter: value Storage [V, d], gradient float [V, d].
+  ParameterType& weight() { return *weight_; }
+  const ParameterType& weight() const { return *weight_; }
+  const std::shared_ptr<ParameterType>& weight_ptr() const { return weight_; }
+  // The bias [V, 1] (float), or nullptr when there is none.
+  Parameter<float>* bias() { return bias_.get(); }
+  const Parameter<float>* bias() const { return bias_.get(); }
+  const std::shared_ptr<Parameter<float>>& bias_ptr() const { return bias_; }
+  // W, then the bias if any, as ParameterBase<float> (W's value is Storage, the bias's float: the
+  // common part is the gradient, shape, name and frozen flag).
+  std::vector<std::shared_ptr<ParameterBase<float>>> parameters() const {
+    std::vector<std::shared_ptr<ParameterBase<float>>> list;
+    list.reserve(2);
+    list.push_back(weight_);
+    if (bias_) list.push_back(bias_);
+    return list;
+  }
+  Index parameter_count() const { return weight_->size() + (bias_ ? bias_->size() : 0); }
+
+  // weight().grad(); bias()->grad(), or an untouched [V, 1] gradient when there is no bias.
+  RowGradient<float>& weight_grad() { return weight_->grad(); }
+  const RowGradient<float>& weight_grad() const { return weight_->grad(); }
+  RowGradient<float>& bias_grad() { return bias_ ? bias_->grad() : absent_bias_grad_; }
+  const RowGradient<float>& bias_grad() const { return bias_ ? bias_->grad() : absent_bias_grad_; }
   void zero_grad() {
-    weight_grad_.clear();
-    bias_grad_.clear();
+    weight_->zero_grad();
+    if (bias_) bias_->zero_grad();
+  }
+  // True when W and the bias (if any) are frozen; set_frozen applies to both (see ParameterBase).
+  bool frozen() const { return weight_->frozen() && (!bias_ || bias_->frozen()); }
+  void set_frozen(bool frozen) {
+    weight_->set_frozen(frozen);
+    if (bias_) bias_->set_frozen(frozen);
   }
 
   // h float [N, d] -> logits float [N, V] = h float(W)^T + b. See output_projection_forward above.
   // Uses this layer's tile workspace: not to be called concurrently on one object.
   void forward(const ConstMatrixRef<float>& h, MatrixRef<float> logits) {
-    output_projection_forward<Storage>(h, weight_, bias_, logits, workspace_,
+    output_projection_forward<Storage>(h, weight_value(), bias_view(), logits, workspace_,
                                        "LowPrecisionOutputProjection::forward");
   }
   RowMatrix<float> forward(const ConstMatrixRef<float>& h) {
@@ -341,7 +393,8 @@ class LowPrecisionOutputProjection {
   }
 
   // h float [N, d], dlogits float [N, V] -> dh [N, d] = dlogits float(W) (written);
-  // weight_grad() += dlogits^T h (dense); bias_grad() += column sums of dlogits.
+  // weight_grad() += dlogits^T h (dense); bias_grad() += column sums of dlogits. A frozen W or bias
+  // takes nothing (dh is still computed; a frozen W skips the dW product).
   // \throws shape_error on any mismatch; gradients and dh unchanged on throw.
   void backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<float>& dlogits, MatrixRef<float> dh) {
     const char* where = "LowPrecisionOutputProjection::backward";
@@ -349,9 +402,9 @@ class LowPrecisionOutputProjection {
     detail::check_shape(where, "h", h, h.rows(), dim());
     detail::check_shape(where, "dlogits", dlogits, h.rows(), vocab_size());
     detail::check_shape(where, "dh", dh, h.rows(), dim());
-    auto dW = weight_grad_.dense_accumulator();
-    auto db = has_bias() ? bias_grad_.dense_accumulator() : Eigen::Map<RowMatrix<float>>(nullptr, 0, 1);
-    output_projection_backward<Storage>(h, weight_, dlogits, dh, dW, db, workspace_, where);
+    auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<float>>(nullptr, 0, dim()) : weight_->grad().dense_accumulator();
+    auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : Eigen::Map<RowMatrix<float>>(nullptr, 0, 1);
+    output_projection_backward<Storage>(h, weight_value(), dlogits, dh, dW, db, workspace_, where);
   }
   RowMatrix<float> backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<float>& dlogits) {
     detail::check_shape("LowPrecisionOutputProjection::backward", "h", h, h.rows(), dim());
@@ -367,11 +420,19 @@ class LowPrecisionOutputProjection {
     detail::check_size("LowPrecisionOutputProjection", "d", W.cols());
     if (bias.size() != 0) detail::check_shape("LowPrecisionOutputProjection", "bias", bias, W.rows(), 1);
   }
+  static std::shared_ptr<Parameter<float>> make_bias(const ConstMatrixRef<float>& bias) {
+    if (bias.size() == 0) return nullptr;
+    return std::make_shared<Parameter<float>>(RowMatrix<float>(bias), "lm_head.bias");
+  }
+  Eigen::Map<const RowMatrix<Storage>> weight_value() const { return static_cast<const ParameterType&>(*weight_).value(); }
+  Eigen::Map<const RowMatrix<float>> bias_view() const {
+    if (bias_) return static_cast<const Parameter<float>&>(*bias_).value();
+    return {nullptr, 0, 1};
+  }
 
-  RowMatrix<Storage> weight_;
-  RowMatrix<float> bias_;
-  RowGradient<float> weight_grad_;
-  RowGradient<float> bias_grad_;
+  std::shared_ptr<ParameterType> weight_;
+  std::shared_ptr<Parameter<float>> bias_;
+  RowGradient<float> absent_bias_grad_;  // what bias_grad() returns without a bias: never touched
   HeadTileWorkspace workspace_;
 };
 

@@ -22,6 +22,14 @@
 // they are, while the step count still advances for everyone -- and by clip_grad_norm. After a
 // parameter's row count changes (Parameter::resize_rows, resize_vocabulary), resize_state() makes
 // its buffers follow.
+//
+// Low-precision parameters (Parameter<Eigen::bfloat16, float>, Parameter<Eigen::half, float>: the
+// bf16/fp16 layers' tables) are not stepped: Optimizer<float>::add_group rejects them at compile
+// time with a static_assert saying so. Stepping one correctly means widening the value to float,
+// updating in float and rounding once to the storage type (round-to-nearest-even; stochastic
+// rounding is a later issue), which is not implemented yet; rather than update such a value
+// silently in the wrong precision, the optimizers refuse it. clip_grad_norm and unique_parameters
+// do take them (they only read the float gradient).
 #ifndef EMBEDHEAD_OPTIMIZER_HPP
 #define EMBEDHEAD_OPTIMIZER_HPP
 
@@ -43,11 +51,12 @@
 
 namespace embedhead {
 
-// The distinct parameters of `parameters`, in first-seen order: a tied E listed by both the
-// embedding and the head comes out once.
-template <typename Scalar>
-std::vector<std::shared_ptr<Parameter<Scalar>>> unique_parameters(const std::vector<std::shared_ptr<Parameter<Scalar>>>& parameters) {
-  std::vector<std::shared_ptr<Parameter<Scalar>>> unique;
+// The distinct parameters of `parameters`, in first-seen order, nulls dropped: a tied E listed by
+// both the embedding and the head comes out once, whichever way the head was tied. Any element
+// type (Parameter<Value, Grad>, ParameterBase<Grad>). Cost O(n^2) in the list length.
+template <typename P>
+std::vector<std::shared_ptr<P>> unique_parameters(const std::vector<std::shared_ptr<P>>& parameters) {
+  std::vector<std::shared_ptr<P>> unique;
   for (const auto& p : parameters)
     if (p && std::find(unique.begin(), unique.end(), p) == unique.end()) unique.push_back(p);
   return unique;
@@ -190,6 +199,15 @@ class Optimizer {
       slots_.push_back(p.get());
       state_.emplace_back();
     }
+  }
+
+  // A list of low-precision parameters (Parameter<Storage, Scalar>, Storage = bf16 / fp16): a
+  // compile-time error, see the header. (A list of Parameter<Scalar> takes the overload above.)
+  template <typename Storage>
+  void add_group(const std::vector<std::shared_ptr<Parameter<Storage, Scalar>>>&, const ParameterGroupOptions& = {}) {
+    static_assert(!is_low_precision_v<Storage>,
+                  "embedhead optimizers do not step bf16/fp16 parameters (Parameter<Storage, float>) yet: the update "
+                  "would have to run in float and round once to Storage; train a float table and convert_table it");
   }
 
   const std::vector<ParameterGroup<Scalar>>& groups() const { return groups_; }
@@ -596,8 +614,12 @@ class Adagrad : public Optimizer<Scalar> {
 // exceeds max_norm, every gradient is multiplied by max_norm / (norm + 1e-6), as PyTorch's
 // clip_grad_norm_. \throws value_error if max_norm is negative or not finite, or a parameter is
 // null (nothing scaled). Cost O(touched rows * d).
-template <typename Scalar>
-double clip_grad_norm(const std::vector<std::shared_ptr<Parameter<Scalar>>>& parameters, double max_norm) {
+// Any parameter list: Parameter<Scalar>, a low-precision Parameter<Storage, float> or
+// ParameterBase<float> (the gradients are Scalar / float in every case).
+namespace detail {
+template <typename P>
+double clip_grad_norm_impl(const std::vector<std::shared_ptr<P>>& parameters, double max_norm) {
+  using Scalar = typename P::grad_type;
   detail::check_non_negative("clip_grad_norm", "max_norm", max_norm);
   for (std::size_t i = 0; i < parameters.size(); ++i)
     if (!parameters[i]) {
@@ -609,7 +631,7 @@ double clip_grad_norm(const std::vector<std::shared_ptr<Parameter<Scalar>>>& par
   unique.erase(std::remove_if(unique.begin(), unique.end(), [](const auto& p) { return p->frozen(); }), unique.end());
   double squares = 0;
   for (const auto& p : unique) {
-    const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(*p).grad();
+    const RowGradient<Scalar>& g = static_cast<const P&>(*p).grad();
     for (Index i = 0; i < g.num_touched(); ++i) squares += g.touched_row(i).template cast<double>().squaredNorm();
   }
   const double norm = std::sqrt(squares);
@@ -621,6 +643,16 @@ double clip_grad_norm(const std::vector<std::shared_ptr<Parameter<Scalar>>>& par
     }
   }
   return norm;
+}
+}  // namespace detail
+
+template <typename Scalar, typename Value = Scalar>
+double clip_grad_norm(const std::vector<std::shared_ptr<Parameter<Value, Scalar>>>& parameters, double max_norm) {
+  return detail::clip_grad_norm_impl(parameters, max_norm);
+}
+template <typename P, typename = typename P::grad_type>
+double clip_grad_norm(const std::vector<std::shared_ptr<P>>& parameters, double max_norm) {
+  return detail::clip_grad_norm_impl(parameters, max_norm);
 }
 
 // ---- learning-rate schedules ----

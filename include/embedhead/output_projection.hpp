@@ -5,9 +5,13 @@
 //             dW += dlogits^T h                    (accumulated, dense: every row of W is touched)
 //             db += sum_n dlogits[n]               (accumulated)
 //
-// Untied, the head owns W and an optional bias. Tied (tie_to / the TokenEmbedding constructor),
-// W is the embedding's own Parameter -- the same storage and the same gradient -- and there is no
-// bias, so dE = (sparse rows from the embedding's backward) + (dense dlogits^T h from here).
+// Untied, the head owns W and an optional bias. Tied (tie_to / the TokenEmbedding constructor /
+// OutputProjection(embedding.weight_ptr())), W is the embedding's own Parameter -- the same
+// storage and the same gradient -- and there is no bias, so dE = (sparse rows from the
+// embedding's backward) + (dense dlogits^T h from here). Tying is pointer identity and nothing
+// else: is_tied_to(embedding) compares the two weight_ptr()s; no flag is kept beside the pointer,
+// so every way of sharing the table behaves the same (checkpoints, resize_vocabulary,
+// unique_parameters).
 #ifndef EMBEDHEAD_OUTPUT_PROJECTION_HPP
 #define EMBEDHEAD_OUTPUT_PROJECTION_HPP
 
@@ -222,9 +226,10 @@ class OutputProjection {
     if (options.bias) bias_ = std::make_shared<Parameter<Scalar>>(V, 1, "lm_head.bias");
   }
 
-  // Untied, wrapping existing parameters (e.g. loaded weights): W [V, d] and an optional bias
-  // [V, 1] (null for none), values untouched. \throws value_error if weight is null; shape_error
-  // if the bias is not [V, 1].
+  // Wrapping existing parameters (e.g. loaded weights): W [V, d] and an optional bias [V, 1] (null
+  // for none), values untouched. Passing embedding.weight_ptr() without a bias ties the head, as
+  // the TokenEmbedding constructor does. \throws value_error if weight is null; shape_error if the
+  // bias is not [V, 1].
   explicit OutputProjection(std::shared_ptr<Parameter<Scalar>> weight, std::shared_ptr<Parameter<Scalar>> bias = nullptr)
       : weight_(std::move(weight)), bias_(std::move(bias)) {
     if (!weight_) throw value_error("OutputProjection: weight is a null shared_ptr<Parameter>");
@@ -234,7 +239,7 @@ class OutputProjection {
   // Tied to `embedding`: W is the embedding's Parameter (shared, not copied), no bias.
   // \throws value_error if the embedding was moved from (it holds no table).
   explicit OutputProjection(const TokenEmbedding<Scalar>& embedding)
-      : weight_((check_not_moved_from(embedding), embedding.weight_ptr())), tied_(true) {}
+      : weight_((check_not_moved_from(embedding), embedding.weight_ptr())) {}
 
   // Makes W the embedding's Parameter and drops the bias; the old W is released.
   // \throws shape_error if the embedding's [V, d] differs from this head's, value_error if it
@@ -249,12 +254,14 @@ class OutputProjection {
     }
     weight_ = embedding.weight_ptr();
     bias_.reset();
-    tied_ = true;
   }
 
   Index vocab_size() const { return weight_->rows(); }
   Index dim() const { return weight_->cols(); }
-  bool is_tied() const { return tied_; }
+  // True when W is embedding's Parameter (pointer identity), however the head was built.
+  bool is_tied_to(const TokenEmbedding<Scalar>& embedding) const { return weight_ == embedding.weight_ptr(); }
+  // (There is no is_tied() without an argument: whether a head is tied is a fact about the head
+  // and an embedding together, and only pointer identity decides it.)
   bool has_bias() const { return bias_ != nullptr; }
 
   Parameter<Scalar>& weight() { return *weight_; }
@@ -263,8 +270,10 @@ class OutputProjection {
   // The bias [V, 1], or nullptr when there is none (tied, or bias = false).
   Parameter<Scalar>* bias() { return bias_.get(); }
   const Parameter<Scalar>* bias() const { return bias_.get(); }
+  const std::shared_ptr<Parameter<Scalar>>& bias_ptr() const { return bias_; }
 
-  // Every parameter this layer uses, shared ones included (a tied head lists the embedding's E);
+  // Every parameter this layer uses, each once: W, then the bias if any. A tied head lists the
+  // embedding's E (pass both layers' lists through unique_parameters() to register E once);
   // count_parameters() counts each distinct one once.
   std::vector<std::shared_ptr<Parameter<Scalar>>> parameters() const {
     std::vector<std::shared_ptr<Parameter<Scalar>>> list;
@@ -313,6 +322,16 @@ class OutputProjection {
     weight_->zero_grad();
     if (bias_) bias_->zero_grad();
   }
+  // Size of W plus the bias's. A tied head counts the shared table too (count_parameters over both
+  // layers' parameters() counts it once).
+  Index parameter_count() const { return weight_->size() + (bias_ ? bias_->size() : 0); }
+  // True when W and the bias (if any) are frozen. set_frozen applies to both; tied, it freezes the
+  // embedding's table as well (one Parameter).
+  bool frozen() const { return weight_->frozen() && (!bias_ || bias_->frozen()); }
+  void set_frozen(bool frozen) {
+    weight_->set_frozen(frozen);
+    if (bias_) bias_->set_frozen(frozen);
+  }
 
  private:
   static void check_not_moved_from(const TokenEmbedding<Scalar>& embedding) {
@@ -331,7 +350,6 @@ class OutputProjection {
 
   std::shared_ptr<Parameter<Scalar>> weight_;
   std::shared_ptr<Parameter<Scalar>> bias_;
-  bool tied_ = false;
 };
 
 }  // namespace embedhead

@@ -16,6 +16,18 @@
 // then accumulate no gradient into it and the optimizers leave it alone. It can also change its row
 // count in place (resize_rows), so every layer sharing it -- a tied embedding and head -- sees the
 // resized table.
+//
+// The value and the gradient may have different types: Parameter<Value, Grad = Value>. A bf16 or
+// fp16 table is Parameter<Eigen::bfloat16, float> / Parameter<Eigen::half, float>: the value in the
+// 16-bit storage type, the gradient a float RowGradient (LowPrecisionEmbedding and
+// LowPrecisionOutputProjection hold their W so). What does not depend on the value's type -- name,
+// shape, gradient, frozen flag -- lives in the base ParameterBase<Grad>, so the code that only
+// needs those (freezing, zero_grad, clip_grad_norm, count_parameters, the data-parallel exchange)
+// takes any parameter whose gradient is Grad:
+//
+//   ParameterBase<Grad>            name, rows x cols, RowGradient<Grad>, frozen
+//     Parameter<Grad>              + value RowMatrix<Grad>          (float / double tables)
+//     Parameter<Storage, Grad>     + value RowMatrix<Storage>       (Storage = bf16 / fp16, Grad = float)
 #ifndef EMBEDHEAD_PARAMETER_HPP
 #define EMBEDHEAD_PARAMETER_HPP
 
@@ -34,9 +46,20 @@
 namespace embedhead {
 
 namespace detail {
-template <typename Scalar>
+template <typename Value, typename Grad = Value>
 class RowResize;
 }  // namespace detail
+
+// True for the 16-bit storage types a Parameter's value may have besides its gradient's type:
+// Eigen::bfloat16 and Eigen::half.
+template <typename T>
+struct is_low_precision : std::false_type {};
+template <>
+struct is_low_precision<Eigen::bfloat16> : std::true_type {};
+template <>
+struct is_low_precision<Eigen::half> : std::true_type {};
+template <typename T>
+inline constexpr bool is_low_precision_v = is_low_precision<T>::value;
 
 template <typename Scalar>
 class RowGradient {
@@ -147,7 +170,7 @@ class RowGradient {
   }
 
  private:
-  template <typename>
+  template <typename, typename>
   friend class detail::RowResize;
 
   // -> a new gradient of `rows` rows holding this one's rows [0, keep), keep <= min(rows_, rows);
@@ -235,30 +258,25 @@ class RowGradient {
   std::vector<unsigned char> is_new_;  // scratch of merge_sorted_ids: block row w was just added
 };
 
-template <typename Scalar>
-class Parameter {
-  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+// What every parameter has, whatever its value's type: a name, a shape [rows, cols], the
+// row-sparse gradient and the frozen flag. Held through Parameter<Value, Grad>; code that needs no
+// value (freezing, zero_grad, gradient clipping and exchange, counting) takes a ParameterBase<Grad>.
+// Not constructible on its own, and never deleted through (shared_ptr<ParameterBase<Grad>> made
+// from a shared_ptr<Parameter<...>> deletes the Parameter).
+template <typename Grad>
+class ParameterBase {
+  static_assert(std::is_floating_point_v<Grad>, "Grad must be a floating-point type");
 
  public:
-  // A zero-initialised [rows, cols] parameter. \throws value_error if rows or cols < 1.
-  Parameter(Index rows, Index cols, std::string name = {})
-      : value_((check(rows, cols), RowMatrix<Scalar>::Zero(rows, cols))),
-        grad_(rows, cols),
-        name_(std::move(name)) {}
+  using grad_type = Grad;
 
-  Index rows() const { return value_.rows(); }
-  Index cols() const { return value_.cols(); }
-  Index size() const { return value_.size(); }
+  Index rows() const { return grad_.rows(); }
+  Index cols() const { return grad_.cols(); }
+  Index size() const { return grad_.rows() * grad_.cols(); }
   const std::string& name() const { return name_; }
 
-  // The values [rows, cols]. A Map so callers can read and write entries but never resize.
-  Eigen::Map<RowMatrix<Scalar>> value() { return {value_.data(), value_.rows(), value_.cols()}; }
-  Eigen::Map<const RowMatrix<Scalar>> value() const {
-    return {value_.data(), value_.rows(), value_.cols()};
-  }
-
-  RowGradient<Scalar>& grad() { return grad_; }
-  const RowGradient<Scalar>& grad() const { return grad_; }
+  RowGradient<Grad>& grad() { return grad_; }
+  const RowGradient<Grad>& grad() const { return grad_; }
   void zero_grad() { grad_.clear(); }
 
   // A frozen parameter takes no gradient and no optimizer update: the layers' backward passes skip
@@ -270,6 +288,50 @@ class Parameter {
   void set_frozen(bool frozen) {
     if (frozen) zero_grad();
     frozen_ = frozen;
+  }
+
+ protected:
+  // \pre rows, cols >= 1 (Parameter checks them first).
+  ParameterBase(Index rows, Index cols, std::string name) : grad_(rows, cols), name_(std::move(name)) {}
+  ParameterBase(const ParameterBase&) = default;
+  ParameterBase(ParameterBase&&) = default;
+  ParameterBase& operator=(const ParameterBase&) = default;
+  ParameterBase& operator=(ParameterBase&&) = default;
+  ~ParameterBase() = default;
+
+ private:
+  template <typename, typename>
+  friend class detail::RowResize;
+
+  RowGradient<Grad> grad_;
+  std::string name_;
+  bool frozen_ = false;
+};
+
+// A value matrix [rows, cols] of Value and its gradient, a RowGradient<Grad>. Value is Grad (float
+// or double), or a 16-bit storage type (Eigen::bfloat16 / Eigen::half) with Grad = float.
+template <typename Value, typename Grad = Value>
+class Parameter : public ParameterBase<Grad> {
+  static_assert(std::is_same_v<Value, Grad> || (is_low_precision_v<Value> && std::is_same_v<Grad, float>),
+                "Parameter<Value, Grad>: Value must be Grad (float or double), or Eigen::bfloat16 / Eigen::half "
+                "with Grad = float");
+
+ public:
+  using value_type = Value;
+
+  // A zero-initialised [rows, cols] parameter. \throws value_error if rows or cols < 1.
+  Parameter(Index rows, Index cols, std::string name = {})
+      : ParameterBase<Grad>((check(rows, cols), rows), cols, std::move(name)), value_(RowMatrix<Value>::Zero(rows, cols)) {}
+  // Takes `value` [rows, cols] as the initial value (by value: an rvalue is moved in, not copied).
+  // \throws value_error if it has fewer than one row or column.
+  explicit Parameter(RowMatrix<Value> value, std::string name = {})
+      : ParameterBase<Grad>((check(value.rows(), value.cols()), value.rows()), value.cols(), std::move(name)),
+        value_(std::move(value)) {}
+
+  // The values [rows, cols]. A Map so callers can read and write entries but never resize.
+  Eigen::Map<RowMatrix<Value>> value() { return {value_.data(), value_.rows(), value_.cols()}; }
+  Eigen::Map<const RowMatrix<Value>> value() const {
+    return {value_.data(), value_.rows(), value_.cols()};
   }
 
   // Changes the row count to new_rows in place: this object stays, so every layer holding it (a
@@ -284,12 +346,12 @@ class Parameter {
   // a sparse gradient or O(new_rows * cols) for a dense one; the old storage is freed.
   void resize_rows(Index new_rows) {
     detail::check_size("Parameter::resize_rows", "new_rows", new_rows);
-    detail::RowResize<Scalar> staged(*this, new_rows, std::min(rows(), new_rows));
+    detail::RowResize<Value, Grad> staged(*this, new_rows, std::min(this->rows(), new_rows));
     staged.commit();
   }
 
  private:
-  template <typename>
+  template <typename, typename>
   friend class detail::RowResize;
 
   static int check(Index rows, Index cols) {
@@ -298,10 +360,7 @@ class Parameter {
     return 0;
   }
 
-  RowMatrix<Scalar> value_;
-  RowGradient<Scalar> grad_;
-  std::string name_;
-  bool frozen_ = false;
+  RowMatrix<Value> value_;
 };
 
 namespace detail {
@@ -311,41 +370,42 @@ namespace detail {
 // (every allocation happens here; the target is not changed), commit() installs them without
 // throwing. Rows [0, keep) keep their values and gradients, rows [keep, new_rows) are zero with no
 // gradient until the caller writes value() before committing. \pre 0 <= keep <= min(rows, new_rows).
-template <typename Scalar>
+template <typename Value, typename Grad>
 class RowResize {
  public:
-  RowResize(Parameter<Scalar>& target, Index new_rows, Index keep)
-      : target_(&target), value_(new_rows, target.cols()), grad_(target.grad_.resized_copy(new_rows, keep)) {
+  RowResize(Parameter<Value, Grad>& target, Index new_rows, Index keep)
+      : target_(&target),
+        value_(new_rows, target.cols()),
+        grad_(static_cast<ParameterBase<Grad>&>(target).grad_.resized_copy(new_rows, keep)) {
     value_.topRows(keep) = target.value_.topRows(keep);
     value_.bottomRows(new_rows - keep).setZero();
   }
 
-  Parameter<Scalar>& target() const { return *target_; }
+  Parameter<Value, Grad>& target() const { return *target_; }
   // The new values [new_rows, cols], writable until commit().
-  RowMatrix<Scalar>& value() { return value_; }
+  RowMatrix<Value>& value() { return value_; }
 
   // Installs the new value and gradient; the old ones are freed with this object.
   void commit() noexcept {
-    static_assert(std::is_nothrow_move_constructible_v<RowGradient<Scalar>> &&
-                      std::is_nothrow_move_assignable_v<RowGradient<Scalar>>,
+    static_assert(std::is_nothrow_move_constructible_v<RowGradient<Grad>> &&
+                      std::is_nothrow_move_assignable_v<RowGradient<Grad>>,
                   "commit() must not throw");
     target_->value_.swap(value_);
-    std::swap(target_->grad_, grad_);
+    std::swap(static_cast<ParameterBase<Grad>*>(target_)->grad_, grad_);
   }
 
  private:
-  Parameter<Scalar>* target_;
-  RowMatrix<Scalar> value_;
-  RowGradient<Scalar> grad_;
+  Parameter<Value, Grad>* target_;
+  RowMatrix<Value> value_;
+  RowGradient<Grad> grad_;
 };
 
 }  // namespace detail
 
-// Total size of the distinct parameters in `params`; a Parameter listed twice (a tied E) counts
-// once.
-template <typename Scalar>
-Index count_parameters(const std::vector<std::shared_ptr<Parameter<Scalar>>>& params) {
-  std::vector<const Parameter<Scalar>*> seen;
+namespace detail {
+template <typename P>
+Index count_distinct(const std::vector<std::shared_ptr<P>>& params) {
+  std::vector<const P*> seen;
   Index total = 0;
   for (const auto& p : params) {
     if (!p || std::find(seen.begin(), seen.end(), p.get()) != seen.end()) continue;
@@ -353,6 +413,19 @@ Index count_parameters(const std::vector<std::shared_ptr<Parameter<Scalar>>>& pa
     total += p->size();
   }
   return total;
+}
+}  // namespace detail
+
+// params -> total size (rows * cols) of the distinct parameters; a Parameter listed twice (a tied
+// E) counts once, null entries count nothing. For lists of Parameter<Value, Grad> and of
+// ParameterBase<Grad> (a low-precision head's parameters()). Cost O(n^2) in the list length.
+template <typename Grad, typename Value = Grad>
+Index count_parameters(const std::vector<std::shared_ptr<Parameter<Value, Grad>>>& params) {
+  return detail::count_distinct(params);
+}
+template <typename P, typename = typename P::grad_type>
+Index count_parameters(const std::vector<std::shared_ptr<P>>& params) {
+  return detail::count_distinct(params);
 }
 
 }  // namespace embedhead

@@ -97,7 +97,12 @@ class LearnedPositionEmbedding {
   Parameter<Scalar>& weight() { return *weight_; }
   const Parameter<Scalar>& weight() const { return *weight_; }
   const std::shared_ptr<Parameter<Scalar>>& weight_ptr() const { return weight_; }
+  // -> {weight_ptr()}: the one parameter (no bias).
+  std::vector<std::shared_ptr<Parameter<Scalar>>> parameters() const { return {weight_}; }
   Index parameter_count() const { return weight_->size(); }
+  // weight().frozen() / set_frozen(): see Parameter.
+  bool frozen() const { return weight_->frozen(); }
+  void set_frozen(bool frozen) { weight_->set_frozen(frozen); }
 
   // x [B*T, d] -> out [B*T, d] = x + P[start + t]; out may be x. See add_position_rows.
   void forward(const ConstMatrixRef<Scalar>& x, Index B, Index T, MatrixRef<Scalar> out, Index start = 0) const {

@@ -82,6 +82,12 @@ class QuantizedEmbedding {
   // Q [V, d] and scales [V, 1], read-only (they are built together).
   const RowMatrix<std::int8_t>& values() const { return values_; }
   const RowMatrix<float>& scales() const { return scales_; }
+  // The entries of the table it stands for, V*d (the V scales are quantization data, not
+  // parameters). The layer contract's read-only part only: this table is inference-only, so it has
+  // no Parameter, gradient, zero_grad or frozen flag -- rounding to the int8 grid has no useful
+  // gradient, and training it would need a float master table (quantization-aware training), which
+  // is TokenEmbedding<float> followed by QuantizedEmbedding(E) again.
+  Index parameter_count() const { return values_.size(); }
   // Bytes held: V*d int8 values + V float scales.
   Index bytes() const {
     return values_.size() * static_cast<Index>(sizeof(std::int8_t)) + scales_.size() * static_cast<Index>(sizeof(float));

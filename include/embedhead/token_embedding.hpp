@@ -24,6 +24,7 @@
 #include <optional>
 #include <sstream>
 #include <type_traits>
+#include <vector>
 
 namespace embedhead {
 
@@ -167,6 +168,8 @@ class TokenEmbedding {
   const Parameter<Scalar>& weight() const { return *weight_; }
   // Shared ownership, for tying an OutputProjection to this table.
   const std::shared_ptr<Parameter<Scalar>>& weight_ptr() const { return weight_; }
+  // -> {weight_ptr()}: the one parameter (no bias).
+  std::vector<std::shared_ptr<Parameter<Scalar>>> parameters() const { return {weight_}; }
   Index parameter_count() const { return weight_->size(); }
 
   // ids [B, T] -> out [B*T, d]. See embedding_forward.

@@ -148,6 +148,10 @@ class VocabParallelEmbedding {
   Parameter<Scalar>& weight() { return *weight_; }
   const Parameter<Scalar>& weight() const { return *weight_; }
   const std::shared_ptr<Parameter<Scalar>>& weight_ptr() const { return weight_; }
+  // -> {weight_ptr()}: the one parameter, this rank's shard (no bias).
+  std::vector<std::shared_ptr<Parameter<Scalar>>> parameters() const { return {weight_}; }
+  // This rank's shard size, rows * d (the layer's whole table is V * d across the ranks).
+  Index parameter_count() const { return weight_->size(); }
 
   // ids [B, T] (replicated) -> out [B*T, d] (replicated) = s E[ids]: this rank writes the rows of
   // the ids it owns and zeros elsewhere, then one all-reduce sum of N*d values completes every row
@@ -311,13 +315,15 @@ class VocabParallelOutputProjection {
   // \throws value_error if the embedding was moved from.
   explicit VocabParallelOutputProjection(const VocabParallelEmbedding<Scalar>& embedding)
       : comm_(&embedding.communicator()), V_(embedding.vocab_size()), shard_(embedding.shard()),
-        weight_((check_not_moved_from(embedding), embedding.weight_ptr())), tied_(true) {}
+        weight_((check_not_moved_from(embedding), embedding.weight_ptr())) {}
 
   Index vocab_size() const { return V_; }  // V, the global vocabulary
   Index dim() const { return weight_->cols(); }
   VocabShard shard() const { return shard_; }
   Communicator& communicator() const { return *comm_; }
-  bool is_tied() const { return tied_; }
+  // True when W is embedding's shard Parameter (pointer identity), however the head was built (the
+  // tying constructor, or wrapping embedding.weight_ptr()).
+  bool is_tied_to(const VocabParallelEmbedding<Scalar>& embedding) const { return weight_ == embedding.weight_ptr(); }
   bool has_bias() const { return bias_ != nullptr; }
 
   // The shards: W [rows, d], bias [rows, 1] or nullptr (tied, or bias = false).
@@ -326,8 +332,9 @@ class VocabParallelOutputProjection {
   const std::shared_ptr<Parameter<Scalar>>& weight_ptr() const { return weight_; }
   Parameter<Scalar>* bias() { return bias_.get(); }
   const Parameter<Scalar>* bias() const { return bias_.get(); }
+  const std::shared_ptr<Parameter<Scalar>>& bias_ptr() const { return bias_; }
 
-  // The shards this layer uses (a tied head lists the embedding's).
+  // The shards this layer uses, each once (a tied head lists the embedding's).
   std::vector<std::shared_ptr<Parameter<Scalar>>> parameters() const {
     std::vector<std::shared_ptr<Parameter<Scalar>>> list;
     list.push_back(weight_);
@@ -385,6 +392,15 @@ class VocabParallelOutputProjection {
     weight_->zero_grad();
     if (bias_) bias_->zero_grad();
   }
+  // This rank's shard sizes: W's plus the bias's.
+  Index parameter_count() const { return weight_->size() + (bias_ ? bias_->size() : 0); }
+  // True when W and the bias (if any) are frozen; set_frozen applies to both (tied: the
+  // embedding's shard too).
+  bool frozen() const { return weight_->frozen() && (!bias_ || bias_->frozen()); }
+  void set_frozen(bool frozen) {
+    weight_->set_frozen(frozen);
+    if (bias_) bias_->set_frozen(frozen);
+  }
 
  private:
   static VocabShard validate_new(Index V, Index d, const Communicator& comm, const OutputProjectionOptions& options) {
@@ -420,7 +436,6 @@ class VocabParallelOutputProjection {
   VocabShard shard_;
   std::shared_ptr<Parameter<Scalar>> weight_;
   std::shared_ptr<Parameter<Scalar>> bias_;
-  bool tied_ = false;
 };
 
 // ---- the loss ----
