@@ -8,8 +8,8 @@
 // scale = 1 / count for Reduction::mean, 1 for sum and none (none: dz is d loss_n / d z), times
 // gradient_scale. Take logits, not probabilities: applying softmax first is the classic bug.
 //
-// Options that large-vocabulary training uses, all off by default (detail::softmax_loss_row has
-// the formulas): label smoothing eps (PyTorch's: (1 - eps) * loss_n + eps * mean_j(lse - z_j)),
+// Options that large-vocabulary training uses, all off by default (detail/softmax.hpp has the
+// formulas): label smoothing eps (PyTorch's: (1 - eps) * loss_n + eps * mean_j(lse - z_j)),
 // z-loss (z_loss * lse^2 added per row, PaLM), final-logit soft-capping (z -> c tanh(z / c) before
 // the softmax, Gemma 2) and a padded vocabulary (only the first valid_vocab columns are classes;
 // the rest never count and get dz = 0).
@@ -17,7 +17,7 @@
 #define EMBEDHEAD_CROSS_ENTROPY_HPP
 
 #include "detail/checks.hpp"
-#include "detail/kernels.hpp"
+#include "detail/softmax.hpp"
 #include "types.hpp"
 
 #include <cmath>
@@ -140,6 +140,7 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
     if (static_cast<Index>(targets(n / T, n % T)) != options.ignore_index) ++result.count;
   result.weight_sum = static_cast<double>(result.count);
   const double scale = reduction_scale(options.reduction, result.weight_sum, options.gradient_scale);
+  const SoftmaxTerms terms = softmax_terms(options, classes);
   // Soft-capping needs a row to write the capped logits to; without dlogits that is this one.
   std::vector<Scalar> scratch(!dlogits && options.softcap > 0 ? static_cast<std::size_t>(classes) : 0);
   for (Index n = 0; n < N; ++n) {
@@ -151,8 +152,7 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
     }
     // The kernel reads z_y and the max before it writes, so dlogits may be logits (in place).
     Scalar* work = dlogits ? dlogits->row(n).data() : scratch.data();
-    const RowLoss row = softmax_loss_row<Scalar>(logits.row(n).data(), work, classes, y, options.label_smoothing,
-                                                 options.z_loss, options.softcap, dlogits != nullptr, scale);
+    const RowLoss row = softmax_loss_row<Scalar>(logits.row(n).data(), work, y, terms, dlogits != nullptr, scale);
     if (dlogits && classes < V) dlogits->row(n).tail(V - classes).setZero();
     add_row_loss(row, 1.0, result, losses, n);
   }

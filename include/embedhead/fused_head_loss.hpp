@@ -41,6 +41,7 @@
 #include "detail/checks.hpp"
 #include "detail/gemm.hpp"
 #include "detail/kernels.hpp"
+#include "detail/softmax.hpp"
 #include "output_projection.hpp"
 #include "types.hpp"
 
@@ -74,7 +75,7 @@ struct FusedHeadLossWorkspace {
   std::vector<Scalar> dhidden;  // [count, d] their dh, accumulated over the blocks
   std::vector<Scalar> logits;   // [count, vocab_block] one block's logits, then its dz
   std::vector<Index> tokens;    // token index n of each counted row
-  std::vector<double> row_max, row_sum, row_target, row_logit_sum;  // pass 1's running statistics
+  std::vector<detail::SoftmaxRowStats> row_stats;  // pass 1's running statistics
   std::vector<double> lse;      // each counted row's log-sum-exp
   std::vector<double> reduced;  // vocabulary-parallel: the per-row sums all-reduced in one call
 };
@@ -110,26 +111,15 @@ inline Index fused_vocab_block(Index option, Index classes) {
   return std::min(classes, std::clamp<Index>(rows, 256, 4096));
 }
 
-// After pass 1 on every rank's shard: each counted row's (max, sum_exp, target logit, sum of
-// logits) over the local columns -> the same over all V columns, on every rank. A rank with no
-// local class has max -inf and sum 0, and contributes 0 after the rescale (exp(-inf) = 0).
+// After pass 1 on every rank's shard: each counted row's statistics (max, sum_exp, target logit,
+// sum of logits) over the local columns -> the same over all V columns, on every rank: the row
+// maxima all-reduced (max), each rank's sum of exponentials rescaled to them, then the sums
+// all-reduced. A rank with no local class has max -inf and sum 0, and contributes 0.
 template <typename Scalar>
-void combine_vocab_slices(Communicator& comm, FusedHeadLossWorkspace<Scalar>& ws, Index count, bool logit_sums) {
-  const std::size_t rows = static_cast<std::size_t>(count);
-  std::copy_n(ws.row_max.data(), rows, ws.lse.data());  // ws.lse: this rank's maxima, for the rescale
-  comm.all_reduce_max(ws.row_max.data(), count);
-  const std::size_t parts = logit_sums ? 3 : 2;
-  ws.reduced.resize(parts * rows);
-  for (std::size_t i = 0; i < rows; ++i) {
-    const double local_sum = ws.row_sum[i];
-    ws.reduced[i] = local_sum == 0.0 ? 0.0 : local_sum * std::exp(ws.lse[i] - ws.row_max[i]);
-    ws.reduced[rows + i] = ws.row_target[i];
-    if (logit_sums) ws.reduced[2 * rows + i] = ws.row_logit_sum[i];
-  }
-  comm.all_reduce_sum(ws.reduced.data(), static_cast<Index>(parts * rows));
-  std::copy_n(ws.reduced.data(), rows, ws.row_sum.data());
-  std::copy_n(ws.reduced.data() + rows, rows, ws.row_target.data());
-  if (logit_sums) std::copy_n(ws.reduced.data() + 2 * rows, rows, ws.row_logit_sum.data());
+void combine_vocab_slices(Communicator& comm, FusedHeadLossWorkspace<Scalar>& ws, Index count,
+                          const SoftmaxTerms& terms) {
+  all_reduce_row_max(comm, ws.row_stats.data(), count, ws.reduced);
+  all_reduce_row_sums(comm, ws.row_stats.data(), count, terms, ws.reduced);
 }
 
 // A vocabulary shard for fused_head_loss_pass: W holds rows [begin, begin + W.rows()) of the
@@ -257,12 +247,11 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   // uses the single-process block. (A shard that is all padding has no block and no pass.)
   const Index block = fused_vocab_block(options.vocab_block, slice ? local_classes : classes);
   ws.logits.resize(static_cast<std::size_t>(count * block));
-  for (auto* v : {&ws.row_max, &ws.row_sum, &ws.row_target, &ws.row_logit_sum, &ws.lse}) v->resize(static_cast<std::size_t>(count));
-  std::fill(ws.row_max.begin(), ws.row_max.end(), -std::numeric_limits<double>::infinity());
-  std::fill(ws.row_sum.begin(), ws.row_sum.end(), 0.0);
-  std::fill(ws.row_target.begin(), ws.row_target.end(), 0.0);  // a shard without the target adds 0
-  std::fill(ws.row_logit_sum.begin(), ws.row_logit_sum.end(), 0.0);
-  const double smoothing = options.label_smoothing, softcap = options.softcap;
+  // No column yet: max -inf, sums 0 (a shard without the target adds s_y = 0).
+  ws.row_stats.assign(static_cast<std::size_t>(count), SoftmaxRowStats{});
+  ws.lse.resize(static_cast<std::size_t>(count));
+  const SoftmaxTerms terms = softmax_terms(options, classes);
+  const double softcap = options.softcap;
   const Scalar cap = static_cast<Scalar>(softcap);
 
   // logits [count, width] = hidden W[v0, v0 + width)^T (+ b), then soft-capped; in fixed pieces.
@@ -287,31 +276,16 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
     auto logits = block_logits(v0, width);
     parallel_rows(count, [&](Index r) {
       const std::size_t i = static_cast<std::size_t>(r);
-      const Scalar* s = logits.row(r).data();
-      const Scalar block_max = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(s, width).maxCoeff();
-      double& running_max = ws.row_max[i];
-      double& running_sum = ws.row_sum[i];
-      if (block_max > running_max) {
-        running_sum *= std::exp(running_max - static_cast<double>(block_max));  // exp(-inf) = 0 at the first block
-        running_max = static_cast<double>(block_max);
-      }
-      running_sum += static_cast<double>(sum_exp_shifted(s, width, static_cast<Scalar>(running_max), static_cast<Scalar*>(nullptr)));
       const Index y = target_of(ws.tokens[i]) - begin;  // in W's local numbering
-      if (y >= v0 && y < v0 + width) ws.row_target[i] = static_cast<double>(s[y - v0]);
-      if (smoothing > 0)
-        ws.row_logit_sum[i] += Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(s, width).template cast<double>().sum();
+      ws.row_stats[i].accumulate(logits.row(r).data(), width, y - v0, terms);  // the online rescale
     });
   }
-  if (slice) combine_vocab_slices(*slice->comm, ws, count, smoothing > 0);
+  if (slice) combine_vocab_slices(*slice->comm, ws, count, terms);
   // lse and the loss of each row, summed in token order.
   for (Index r = 0; r < count; ++r) {
     const std::size_t i = static_cast<std::size_t>(r);
     const Index n = ws.tokens[i];
-    RowLoss row;
-    row.lse = ws.row_max[i] + std::log(ws.row_sum[i]);
-    row.ce = row.lse - (1.0 - smoothing) * ws.row_target[i];
-    if (smoothing > 0) row.ce -= smoothing / static_cast<double>(classes) * ws.row_logit_sum[i];
-    row.z_loss = options.z_loss * row.lse * row.lse;
+    const RowLoss row = row_loss(ws.row_stats[i], terms);
     ws.lse[i] = row.lse;
     add_row_loss<Scalar>(row, weight_of(n), result, want_losses ? losses : nullptr, n);
     if (want_lse) (*lse)(n, 0) = static_cast<Scalar>(row.lse);
@@ -324,25 +298,12 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
     const Index width = std::min(block, local_classes - v0);
     auto logits = block_logits(v0, width);
     parallel_rows(count, [&](Index r) {
-      // dz_j = w (a softmax_j - b - c [j = y]) (1 - (s_j / cap)^2), a = 1 + 2 z_loss lse,
-      // b = eps / classes, c = 1 - eps (detail::softmax_loss_row has the derivation).
+      // dz from exp(s - lse), the logits recomputed (detail/softmax.hpp has the formulas).
       const std::size_t i = static_cast<std::size_t>(r);
-      const double lse_n = ws.lse[i], w = weight_of(ws.tokens[i]) * scale;
-      const Scalar a = static_cast<Scalar>(w * (options.z_loss > 0 ? 1.0 + 2.0 * options.z_loss * lse_n : 1.0));
-      const Scalar b = static_cast<Scalar>(w * smoothing / static_cast<double>(classes));
-      const Scalar c = static_cast<Scalar>(w * (1.0 - smoothing));
-      const Scalar shift = static_cast<Scalar>(lse_n);
-      Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> s(logits.row(r).data(), width);
+      const double w = weight_of(ws.tokens[i]) * scale;
+      const SoftmaxGradient<Scalar> k = softmax_gradient_at_lse<Scalar>(ws.lse[i], w, terms);
       const Index y = target_of(ws.tokens[i]) - begin;  // in W's local numbering
-      const bool target_here = y >= v0 && y < v0 + width;
-      if (softcap > 0) {
-        const Scalar t_y = target_here ? s(y - v0) / cap : Scalar(0);
-        s = ((s - shift).exp() * a - b) * (Scalar(1) - (s / cap).square());
-        if (target_here) s(y - v0) -= c * (Scalar(1) - t_y * t_y);
-      } else {
-        s = (s - shift).exp() * a - b;
-        if (target_here) s(y - v0) -= c;
-      }
+      apply_softmax_gradient(logits.row(r).data(), width, y - v0, k, terms, /*holds_exp=*/false);
     });
     const gemm::Op<Scalar, gemm::Layout::col_major, gemm::Layout::row_major> dW_product{
         width, d, count, logits.data(), width, hidden.data(), hidden.outerStride(),

@@ -30,6 +30,7 @@
 #include "detail/checks.hpp"
 #include "detail/kernels.hpp"
 #include "detail/parallel.hpp"
+#include "detail/softmax.hpp"
 #include "init.hpp"
 #include "output_projection.hpp"
 #include "parameter.hpp"
@@ -442,14 +443,14 @@ class VocabParallelOutputProjection {
 
 namespace detail {
 
-// The vocabulary-parallel loss, with or without the gradient. The formulas are
-// softmax_loss_row's (kernels.hpp), computed from per-rank partial results:
+// The vocabulary-parallel loss, with or without the gradient: the plain loss's arithmetic, max
+// first (detail/softmax.hpp), from per-rank partial results:
 //   pass 1  s = softcap(z) on the local classes (written to dlocal when there is one), the local
 //           row max; all-reduce max -> m, the global row max
-//   pass 2  local sum_j exp(s_j - m) (exp written to dlocal without soft-capping), s_y on the
-//           target's owner, sum_j s_j (label smoothing); one all-reduce sum of 2N (3N) doubles
-//   pass 3  lse, the row loss, and dz for the local columns: a exp(s_j - m) - b - c_y [j = y],
-//           times 1 - (s_j / c)^2 with soft-capping
+//   pass 2  the row statistics at m over the local columns: sum_j exp(s_j - m) (exp written to
+//           dlocal without soft-capping), s_y on the target's owner, sum_j s_j (label smoothing);
+//           one all-reduce sum of 2N (3N) doubles
+//   pass 3  lse, the row loss, and dz for the local columns (at the max)
 // With one rank this is softmax_loss_row's arithmetic operation for operation.
 template <typename Scalar, typename Id>
 CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V,
@@ -479,10 +480,9 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
   const Index classes = classes_of(options, V);
   // This rank's classes: local columns [0, local_classes); the rest are vocabulary padding.
   const Index local_classes = std::clamp<Index>(classes - shard.begin, 0, shard.rows());
-  const double eps = options.label_smoothing, softcap = options.softcap;
+  const SoftmaxTerms terms = softmax_terms(options, classes);
+  const bool softcap = options.softcap > 0;
   const bool gradient = dlocal != nullptr;
-  const Scalar c = static_cast<Scalar>(softcap);
-  using Row = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
 
   CrossEntropyResult result;
   for (Index n = 0; n < N; ++n)
@@ -492,42 +492,35 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
   auto counted = [&](Index n) { return static_cast<Index>(targets(n / T, n % T)) != options.ignore_index; };
 
   // Without dlocal, soft-capped values go to a scratch row (and are recomputed in pass 2).
-  std::vector<Scalar> scratch(!gradient && softcap > 0 ? static_cast<std::size_t>(local_classes) : 0);
+  std::vector<Scalar> scratch(!gradient && softcap ? static_cast<std::size_t>(local_classes) : 0);
   auto capped_row = [&](Index n) -> const Scalar* {  // s for row n's local classes
-    if (!(softcap > 0)) return local_logits.row(n).data();
+    if (!softcap) return local_logits.row(n).data();
     Scalar* work = gradient ? dlocal->row(n).data() : scratch.data();
-    Eigen::Map<Row>(work, local_classes) = (Eigen::Map<const Row>(local_logits.row(n).data(), local_classes) / c).tanh() * c;
+    softcap_row(local_logits.row(n).data(), work, local_classes, static_cast<Scalar>(options.softcap));
     return work;
   };
 
-  // Pass 1: the row maxima (-inf where this rank holds no class; 0 for ignored rows, unused).
-  std::vector<Scalar> maxima(static_cast<std::size_t>(N), Scalar(0));
-  for (Index n = 0; n < N; ++n) {
-    if (!counted(n)) continue;
-    maxima[static_cast<std::size_t>(n)] =
-        local_classes > 0 ? Eigen::Map<const Row>(capped_row(n), local_classes).maxCoeff()
-                          : -std::numeric_limits<Scalar>::infinity();
-  }
-  if (N > 0) comm.all_reduce_max(maxima.data(), N);
+  // Pass 1: the row maxima (-inf where this rank holds no class, and for ignored rows, unused).
+  std::vector<SoftmaxRowStats> stats(static_cast<std::size_t>(N));
+  std::vector<double> buffer;
+  for (Index n = 0; n < N; ++n)
+    if (counted(n) && local_classes > 0)
+      stats[static_cast<std::size_t>(n)].max = static_cast<double>(row_max(capped_row(n), local_classes));
+  all_reduce_row_max(comm, stats.data(), N, buffer);
 
-  // Pass 2: [sum_exp, s_y, (sum_s)] per row, this rank's part; the owner alone adds s_y.
-  const Index stats = eps > 0 ? 3 : 2;
-  std::vector<double> partial(static_cast<std::size_t>(stats * N), 0.0);
+  // Pass 2: [sum_exp, s_y, (sum_s)] per row at the global max, this rank's part; the owner alone
+  // has s_y.
   for (Index n = 0; n < N; ++n) {
     if (!counted(n) || local_classes == 0) continue;
     const Index y = static_cast<Index>(targets(n / T, n % T));
     // With soft-capping and a gradient, pass 1 left s in dlocal; without a gradient, recompute.
-    const Scalar* s = softcap > 0 && gradient ? dlocal->row(n).data() : capped_row(n);
-    double* p = &partial[static_cast<std::size_t>(stats * n)];
-    if (shard.owns(y)) p[1] = static_cast<double>(s[y - shard.begin]);
-    if (eps > 0) p[2] = Eigen::Map<const Row>(s, local_classes).template cast<double>().sum();
+    const Scalar* s = softcap && gradient ? dlocal->row(n).data() : capped_row(n);
     // Without soft-capping, exp(s - m) goes straight into dlocal (the gradient's first step);
-    // s_y and sum_s were read first, so dlocal may be local_logits.
-    const bool exp_into_work = gradient && !(softcap > 0);
-    p[0] = static_cast<double>(sum_exp_shifted(s, local_classes, maxima[static_cast<std::size_t>(n)],
-                                               exp_into_work ? dlocal->row(n).data() : nullptr));
+    // s_y and sum_s are read first, so dlocal may be local_logits.
+    stats[static_cast<std::size_t>(n)].add_at_max(s, local_classes, y - shard.begin, terms,
+                                                  gradient && !softcap ? dlocal->row(n).data() : nullptr);
   }
-  if (N > 0) comm.all_reduce_sum(partial.data(), stats * N);
+  all_reduce_row_sums(comm, stats.data(), N, terms, buffer);
 
   // Pass 3: the losses (identical on every rank: the same reduced values, the same order) and dz.
   for (Index n = 0; n < N; ++n) {
@@ -536,35 +529,17 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
       continue;
     }
     const Index y = static_cast<Index>(targets(n / T, n % T));
-    const double* p = &partial[static_cast<std::size_t>(stats * n)];
-    const Scalar m = maxima[static_cast<std::size_t>(n)];
-    const double sum_exp = p[0], s_y = p[1];
-    RowLoss row;
-    row.lse = static_cast<double>(m) + std::log(sum_exp);
-    row.ce = row.lse - (1.0 - eps) * s_y;
-    if (eps > 0) row.ce -= eps / static_cast<double>(classes) * p[2];
-    row.z_loss = options.z_loss * row.lse * row.lse;
+    const SoftmaxRowStats& row_stats = stats[static_cast<std::size_t>(n)];
+    const RowLoss row = row_loss(row_stats, terms);
     add_row_loss<Scalar>(row, 1.0, result, nullptr, n);
     if (!gradient) continue;
 
     auto d_row = dlocal->row(n);
     if (local_classes < shard.rows()) d_row.tail(shard.rows() - local_classes).setZero();
     if (local_classes == 0) continue;
-    const double a = scale * (options.z_loss > 0 ? 1.0 + 2.0 * options.z_loss * row.lse : 1.0) / sum_exp;
-    const double b = scale * eps / static_cast<double>(classes);
-    const double c_y = scale * (1.0 - eps);
-    Eigen::Map<Row> w(d_row.data(), local_classes);
-    const bool owner = shard.owns(y);
-    if (!(softcap > 0)) {
-      w *= static_cast<Scalar>(a);
-      if (b != 0) w -= static_cast<Scalar>(b);
-      if (owner) w(y - shard.begin) -= static_cast<Scalar>(c_y);
-    } else {
-      // w holds s; dz = g (1 - (s / c)^2), the derivative of c tanh(z / c).
-      const Scalar t_y = static_cast<Scalar>(s_y) / c;
-      w = ((w - m).exp() * static_cast<Scalar>(a) - static_cast<Scalar>(b)) * (Scalar(1) - (w / c).square());
-      if (owner) w(y - shard.begin) -= static_cast<Scalar>(c_y) * (Scalar(1) - t_y * t_y);
-    }
+    apply_softmax_gradient(d_row.data(), local_classes, y - shard.begin,
+                           softmax_gradient_at_max<Scalar>(row_stats, row.lse, scale, terms), terms,
+                           /*holds_exp=*/!softcap);
   }
   finish_reduction(result, options.reduction);
   return result;

@@ -1,0 +1,299 @@
+// embedhead internal: the softmax cross-entropy's arithmetic, written once for every loss -- the
+// plain loss (cross_entropy.hpp), the fused head loss (fused_head_loss.hpp, also over a vocabulary
+// shard) and the vocabulary-parallel loss (vocab_parallel.hpp). No API promise.
+//
+// One row: logits z over the classes j < C (C = valid_vocab, else V), target y, the options eps
+// (label smoothing, PyTorch's), z_loss (PaLM's) and softcap c (Gemma 2's), and the row's gradient
+// weight w (token weight x the reduction's scale x gradient_scale):
+//   s_j   = c tanh(z_j / c) if c > 0, else z_j                          softcap_row
+//   m     = max_j s_j                                                   row_max
+//   S     = sum_j exp(s_j - m)                                          SoftmaxRowStats
+//   lse   = m + log S                                                   row_loss
+//   ce    = lse - (1 - eps) s_y - (eps / C) sum_j s_j                   row_loss
+//   zl    = z_loss lse^2                                                row_loss
+//   dz_j  = w (a p_j - eps / C - (1 - eps) [j = y]) (1 - (s_j / c)^2 if c > 0)
+//           a = 1 + 2 z_loss lse,  p_j = softmax(s)_j = exp(s_j - lse) = exp(s_j - m) / S
+//                                                                       apply_softmax_gradient
+// The row's loss is ce + zl; the callers weight it and reduce over the rows.
+//
+// The statistics (m, S, s_y, sum_j s_j) of a row split into blocks of columns -- blocks of the
+// vocabulary in the fused loss, shards on the ranks -- combine by the online rescale of Milakov &
+// Gimelshein (2018):
+//   m = max(m1, m2),  S = S1 exp(m1 - m) + S2 exp(m2 - m),  s_y = s_y1 + s_y2,  sum s = sum1 + sum2
+// (the block without the target adds s_y = 0; a block with no column has m = -inf, S = 0).
+// SoftmaxRowStats::accumulate applies it block by block, all_reduce_row_max + all_reduce_row_sums
+// across ranks. Two orders of work, each kept because the results depend on it:
+//   max first  the row's max over all its columns is known before S is summed, so every
+//              exponential is exp(s_j - m) and nothing is rescaled: the plain loss (one block,
+//              the whole row) and the vocabulary-parallel loss (the max all-reduced first);
+//   online     each block of columns is added at the running max, S rescaled when the max grows:
+//              the fused loss, its blocks and its shards.
+// The gradient likewise comes in two forms of the same formula: from exp(s_j - m) / S (max first:
+// the exponentials S was summed from are reused when there is no softcap) and from exp(s_j - lse)
+// (the fused loss, whose logits are recomputed block by block).
+//
+// A new loss option belongs here: a field of SoftmaxTerms (read in softmax_terms), the statistic
+// it needs in SoftmaxRowStats (add_at_max, and the summed parts if ranks must add it), its term in
+// row_loss and its coefficient in SoftmaxGradient / apply_softmax_gradient.
+#ifndef EMBEDHEAD_DETAIL_SOFTMAX_HPP
+#define EMBEDHEAD_DETAIL_SOFTMAX_HPP
+
+#include "../types.hpp"
+
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <vector>
+
+namespace embedhead {
+namespace detail {
+
+// The options the row arithmetic reads, and the number of classes C.
+struct SoftmaxTerms {
+  double label_smoothing = 0;  // eps
+  double z_loss = 0;           // coefficient of lse^2
+  double softcap = 0;          // c > 0: s = c tanh(z / c); 0: off
+  Index classes = 0;           // C: the columns that are classes
+  bool logit_sums() const { return label_smoothing > 0; }  // sum_j s_j is needed
+};
+
+// From any options struct with the CrossEntropyOptions fields.
+template <typename Options>
+SoftmaxTerms softmax_terms(const Options& options, Index classes) {
+  SoftmaxTerms terms;
+  terms.label_smoothing = options.label_smoothing;
+  terms.z_loss = options.z_loss;
+  terms.softcap = options.softcap;
+  terms.classes = classes;
+  return terms;
+}
+
+// c tanh(z / c), elementwise, as an Eigen array expression (z an array expression, c > 0).
+template <typename Derived>
+auto softcapped(const Eigen::ArrayBase<Derived>& z, typename Derived::Scalar c) {
+  return (z / c).tanh() * c;
+}
+
+// out [width] = c tanh(z / c) of z [width] (out may be z).
+template <typename Scalar>
+void softcap_row(const Scalar* z, Scalar* out, Index width, Scalar c) {
+  using Row = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
+  Eigen::Map<Row>(out, width) = softcapped(Eigen::Map<const Row>(z, width), c);
+}
+
+// max_j s_j over s [width], width >= 1.
+template <typename Scalar>
+Scalar row_max(const Scalar* s, Index width) {
+  return Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(s, width).maxCoeff();
+}
+
+// s [width] -> sum_j exp(s_j - m), also writing exp(s_j - m) to out[j] when out is not null (out
+// may be s). The summation order -- 16 running lanes, a fixed tree over them, then the tail --
+// depends only on width: not on the row's alignment, nor on whether out is written. So the loss is
+// bit-identical with or without the gradient and wherever the logits live in memory.
+template <typename Scalar>
+Scalar sum_exp_shifted(const Scalar* s, Index width, Scalar m, Scalar* out) {
+  constexpr Index kLanes = 16;
+  using Lanes = Eigen::Array<Scalar, kLanes, 1>;
+  Lanes acc = Lanes::Zero();
+  Index j = 0;
+  for (; j + kLanes <= width; j += kLanes) {
+    const Lanes e = (Eigen::Map<const Lanes>(s + j) - m).exp();
+    if (out) Eigen::Map<Lanes>(out + j) = e;
+    acc += e;
+  }
+  Scalar tail(0);
+  for (; j < width; ++j) {
+    const Scalar e = std::exp(s[j] - m);
+    if (out) out[j] = e;
+    tail += e;
+  }
+  return acc.sum() + tail;
+}
+
+// One row's statistics over the columns seen so far (a block of them, a shard, or all), in double.
+struct SoftmaxRowStats {
+  double max = -std::numeric_limits<double>::infinity();  // m (-inf: no column yet)
+  double sum_exp = 0;                                     // S = sum_j exp(s_j - max)
+  double target = 0;                                      // s_y, 0 where y is not among the columns
+  double logit_sum = 0;                                   // sum_j s_j, with SoftmaxTerms::logit_sums()
+
+  // max <- new_max (>= max), S rescaled to it; S = 0 stays 0 (also for max = -inf).
+  void rescale_to(double new_max) {
+    sum_exp = sum_exp == 0.0 ? 0.0 : sum_exp * std::exp(max - new_max);
+    max = new_max;
+  }
+
+  // Adds the block s [width] (soft-capped logits) at the current max, which must be at least the
+  // block's: exp(s_j - Scalar(max)) is summed (and written to exp_out when not null; exp_out may
+  // be s: s_y and sum_j s_j are read first). target_column: y's column in the block (ignored outside
+  // [0, width)).
+  template <typename Scalar>
+  void add_at_max(const Scalar* s, Index width, Index target_column, const SoftmaxTerms& terms, Scalar* exp_out) {
+    if (target_column >= 0 && target_column < width) target = static_cast<double>(s[target_column]);
+    if (terms.logit_sums())
+      logit_sum += Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(s, width).template cast<double>().sum();
+    sum_exp += static_cast<double>(sum_exp_shifted(s, width, static_cast<Scalar>(max), exp_out));
+  }
+
+  // The online step: the block's max, S rescaled when it exceeds the running max, then the block
+  // added at the (new) running max.
+  template <typename Scalar>
+  void accumulate(const Scalar* s, Index width, Index target_column, const SoftmaxTerms& terms) {
+    const Scalar block_max = row_max(s, width);
+    if (block_max > max) rescale_to(static_cast<double>(block_max));
+    add_at_max(s, width, target_column, terms, static_cast<Scalar*>(nullptr));
+  }
+
+  // The statistics that ranks (or blocks) add once they share one max: S, s_y (one holder plus
+  // zeros, so exact) and, for label smoothing, sum_j s_j -- summed_parts(terms) values.
+  static int summed_parts(const SoftmaxTerms& terms) { return terms.logit_sums() ? 3 : 2; }
+  void store_sums(double* parts, const SoftmaxTerms& terms) const {
+    parts[0] = sum_exp;
+    parts[1] = target;
+    if (terms.logit_sums()) parts[2] = logit_sum;
+  }
+  void load_sums(const double* parts, const SoftmaxTerms& terms) {
+    sum_exp = parts[0];
+    target = parts[1];
+    if (terms.logit_sums()) logit_sum = parts[2];
+  }
+};
+
+// Across the ranks of comm (a Communicator, communicator.hpp; a template parameter so that this
+// header does not need it), each holding statistics of the same rows over its own columns:
+// every row's max <- the max over the ranks, and each rank's S rescaled to it (a rank with no
+// column contributes S = 0). One all-reduce of `rows` doubles; buffer is scratch.
+template <typename Comm>
+void all_reduce_row_max(Comm& comm, SoftmaxRowStats* stats, Index rows, std::vector<double>& buffer) {
+  if (rows == 0) return;
+  const std::size_t n = static_cast<std::size_t>(rows);
+  buffer.resize(n);
+  for (std::size_t i = 0; i < n; ++i) buffer[i] = stats[i].max;
+  comm.all_reduce_max(buffer.data(), rows);
+  for (std::size_t i = 0; i < n; ++i) stats[i].rescale_to(buffer[i]);
+}
+
+// Then, with one max per row on every rank: S, s_y (and sum_j s_j) <- their sums over the ranks,
+// the same on every rank. One all-reduce of summed_parts(terms) * rows doubles.
+template <typename Comm>
+void all_reduce_row_sums(Comm& comm, SoftmaxRowStats* stats, Index rows, const SoftmaxTerms& terms,
+                         std::vector<double>& buffer) {
+  if (rows == 0) return;
+  const std::size_t n = static_cast<std::size_t>(rows);
+  const std::size_t parts = static_cast<std::size_t>(SoftmaxRowStats::summed_parts(terms));
+  buffer.resize(parts * n);
+  for (std::size_t i = 0; i < n; ++i) stats[i].store_sums(&buffer[parts * i], terms);
+  comm.all_reduce_sum(buffer.data(), static_cast<Index>(parts * n));
+  for (std::size_t i = 0; i < n; ++i) stats[i].load_sums(&buffer[parts * i], terms);
+}
+
+// A row's loss, from its statistics over all its columns.
+struct RowLoss {
+  double ce = 0;      // cross-entropy of the row (label smoothing included)
+  double z_loss = 0;  // z_loss * lse^2
+  double lse = 0;     // log-sum-exp of the (soft-capped) logits
+};
+
+inline RowLoss row_loss(const SoftmaxRowStats& stats, const SoftmaxTerms& terms) {
+  RowLoss row;
+  row.lse = stats.max + std::log(stats.sum_exp);
+  row.ce = row.lse - (1.0 - terms.label_smoothing) * stats.target;
+  if (terms.logit_sums()) row.ce -= terms.label_smoothing / static_cast<double>(terms.classes) * stats.logit_sum;
+  row.z_loss = terms.z_loss * row.lse * row.lse;
+  return row;
+}
+
+// The gradient of a row in the form dz_j = (a exp(s_j - shift) - b - c [j = y]) (1 - (s_j / cap)^2),
+// the last factor with softcap only: b = w eps / C, c = w (1 - eps), and
+//   at the max  shift = m,    a = w (1 + 2 z_loss lse) / S    (softmax_gradient_at_max)
+//   at the lse  shift = lse,  a = w (1 + 2 z_loss lse)        (softmax_gradient_at_lse)
+template <typename Scalar>
+struct SoftmaxGradient {
+  Scalar shift = 0, a = 0, b = 0, c = 0;
+  bool smoothing = false;  // b != 0 (in double)
+};
+
+template <typename Scalar>
+SoftmaxGradient<Scalar> make_softmax_gradient(double shift, double a, double weight, const SoftmaxTerms& terms) {
+  const double b = weight * terms.label_smoothing / static_cast<double>(terms.classes);
+  SoftmaxGradient<Scalar> k;
+  k.shift = static_cast<Scalar>(shift);
+  k.a = static_cast<Scalar>(a);
+  k.b = static_cast<Scalar>(b);
+  k.c = static_cast<Scalar>(weight * (1.0 - terms.label_smoothing));
+  k.smoothing = b != 0;
+  return k;
+}
+
+// w (1 + 2 z_loss lse): a at the lse, a S at the max.
+inline double softmax_gradient_factor(double lse, double weight, const SoftmaxTerms& terms) {
+  return weight * (terms.z_loss > 0 ? 1.0 + 2.0 * terms.z_loss * lse : 1.0);
+}
+
+template <typename Scalar>
+SoftmaxGradient<Scalar> softmax_gradient_at_max(const SoftmaxRowStats& stats, double lse, double weight,
+                                                const SoftmaxTerms& terms) {
+  return make_softmax_gradient<Scalar>(stats.max, softmax_gradient_factor(lse, weight, terms) / stats.sum_exp, weight,
+                                       terms);
+}
+
+template <typename Scalar>
+SoftmaxGradient<Scalar> softmax_gradient_at_lse(double lse, double weight, const SoftmaxTerms& terms) {
+  return make_softmax_gradient<Scalar>(lse, softmax_gradient_factor(lse, weight, terms), weight, terms);
+}
+
+// w [width] <- dz of a block of the row's columns, target_column = y's column in the block
+// (ignored outside [0, width)). w holds the block's soft-capped logits s, or, when holds_exp is
+// set (at the max, no softcap: the exponentials written by add_at_max), exp(s_j - m).
+template <typename Scalar>
+void apply_softmax_gradient(Scalar* w, Index width, Index target_column, const SoftmaxGradient<Scalar>& k,
+                            const SoftmaxTerms& terms, bool holds_exp) {
+  Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> row(w, width);
+  const bool target_here = target_column >= 0 && target_column < width;
+  if (terms.softcap > 0) {
+    // dz = g (1 - (s / cap)^2), the derivative of cap tanh(z / cap).
+    const Scalar cap = static_cast<Scalar>(terms.softcap);
+    const Scalar t_y = target_here ? w[target_column] / cap : Scalar(0);
+    row = ((row - k.shift).exp() * k.a - k.b) * (Scalar(1) - (row / cap).square());
+    if (target_here) w[target_column] -= k.c * (Scalar(1) - t_y * t_y);
+  } else if (holds_exp) {
+    row *= k.a;
+    if (k.smoothing) row -= k.b;
+    if (target_here) w[target_column] -= k.c;
+  } else {
+    row = (row - k.shift).exp() * k.a - k.b;
+    if (target_here) w[target_column] -= k.c;
+  }
+}
+
+// The whole row at once, max first (the plain loss): z [C] raw logits (C = terms.classes), target
+// y in [0, C). work is a C-long buffer the kernel may overwrite (it may be z itself); it is
+// required when `gradient` is set or softcap > 0, and may be null otherwise. With `gradient`,
+// work <- dz for row weight `weight`. z_y, the max and the sums are read before work is written.
+template <typename Scalar>
+RowLoss softmax_loss_row(const Scalar* z, Scalar* work, Index y, const SoftmaxTerms& terms, bool gradient,
+                         double weight) {
+  const Index C = terms.classes;
+  const Scalar* s = z;
+  if (terms.softcap > 0) {
+    softcap_row(z, work, C, static_cast<Scalar>(terms.softcap));
+    s = work;
+  }
+  SoftmaxRowStats stats;
+  stats.max = static_cast<double>(row_max(s, C));
+  // Without soft-capping, exp(s - m) goes straight into work (the gradient's first step).
+  const bool exp_into_work = gradient && !(terms.softcap > 0);
+  stats.add_at_max(s, C, y, terms, exp_into_work ? work : nullptr);
+  const RowLoss row = row_loss(stats, terms);
+  if (gradient) {
+    const SoftmaxGradient<Scalar> k = softmax_gradient_at_max<Scalar>(stats, row.lse, weight, terms);
+    apply_softmax_gradient(work, C, y, k, terms, /*holds_exp=*/exp_into_work);
+  }
+  return row;
+}
+
+}  // namespace detail
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_DETAIL_SOFTMAX_HPP
