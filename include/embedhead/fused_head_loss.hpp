@@ -265,7 +265,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
       const Index p_width = p1 - p0;
       auto out = logits.middleCols(p0, p_width);
       if (bias.size() != 0) out.rowwise() += bias.col(0).segment(v0 + p0, p_width).transpose();
-      if (softcap > 0) out = ((out.array() / cap).tanh() * cap).matrix();
+      if (softcap > 0) out = softcapped(out.array(), cap).matrix();
     });
     return logits;
   };
