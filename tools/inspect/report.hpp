@@ -21,6 +21,7 @@
 #include <fstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -266,8 +267,11 @@ inline std::string scatter_svg(const ReportData& r, const std::string& title) {
     xs[static_cast<std::size_t>(i)] = r.points(i, 0);
     ys[static_cast<std::size_t>(i)] = r.points(i, 1);
   }
-  auto [xlo, xhi] = data_range(xs.data(), xs.data() + n);
-  auto [ylo, yhi] = data_range(ys.data(), ys.data() + n);
+  // Plain variables, not structured bindings: the lambdas below capture them, which C++17 (and
+  // clang 14) does not allow for a binding.
+  double xlo, xhi, ylo, yhi;
+  std::tie(xlo, xhi) = data_range(xs.data(), xs.data() + n);
+  std::tie(ylo, yhi) = data_range(ys.data(), ys.data() + n);
   const double xpad = (xhi - xlo) * 0.04, ypad = (yhi - ylo) * 0.06;
   xlo -= xpad; xhi += xpad; ylo -= ypad; yhi += ypad;
   const auto xmap = [&](double x) { return f.x0() + (x - xlo) / (xhi - xlo) * (f.x1() - f.x0()); };
