@@ -1,6 +1,6 @@
 // Parameter budgets of the token table and the LM head for a few published models, computed by
 // embedhead::embedding_head_budget from (V, d) alone, next to the figures the specification's
-// source chapters give (docs: /work/shared/seeds/README.md, "Parameter shares" and
+// source chapters give (docs: ../shared/seeds/README.md, "Parameter shares" and
 // "ANDREA-120M"). Exits with status 1 if a computed count disagrees with a quoted one.
 #include <embedhead/embedhead.hpp>
 

@@ -1,4 +1,4 @@
-// The worked examples and exercises of the specification (/work/shared/seeds/README.md and the
+// The worked examples and exercises of the specification (../shared/seeds/README.md and the
 // three source chapters it digests) that concern the embedding, position, dropout and head layers,
 // with the chapters' own numbers as expected values. Test names cite the chapter:
 //   seed 000 = 000_6a1967a2a2b9a927.txt (Russian, "Embeddings and the output projection")
