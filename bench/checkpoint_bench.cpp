@@ -15,7 +15,7 @@
 // bytes_per_second = table bytes in float (V*d*4) for every row, so rates compare directly.
 #include "bench_support.hpp"
 
-#include <embedhead/checkpoint.hpp>
+#include <embedhead/io/checkpoint.hpp>
 
 #include "gbench_main.hpp"
 

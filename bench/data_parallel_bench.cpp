@@ -23,10 +23,10 @@
 // bench_support.hpp comes first: its pragma must precede every other include.
 #include "bench_support.hpp"
 
-#include <embedhead/data_parallel.hpp>
+#include <embedhead/parallel/data_parallel.hpp>
 #include "mpi_gbench_main.hpp"
 
-#include <embedhead/mpi_communicator.hpp>
+#include <embedhead/parallel/mpi_communicator.hpp>
 
 #include <benchmark/benchmark.h>
 

@@ -1,4 +1,4 @@
-// Embedding geometry (geometry.hpp), on 1 and 2 OpenMP threads when built with OpenMP:
+// Embedding geometry (analysis/geometry.hpp), on 1 and 2 OpenMP threads when built with OpenMP:
 //
 //   EigenGemm/threads:T       the plain Eigen product S [Q, V] = queries [Q, d] E^T at the
 //                             neighbour search's shape (Q = 1000, d = 768, V = 50257): the "GEMM
@@ -21,7 +21,7 @@
 
 #include "../tests/reference/naive.hpp"
 
-#include <embedhead/geometry.hpp>
+#include <embedhead/analysis/geometry.hpp>
 
 #include <benchmark/benchmark.h>
 

@@ -15,7 +15,7 @@
 
 #include <benchmark/benchmark.h>
 
-#include <embedhead/mpi_communicator.hpp>
+#include <embedhead/parallel/mpi_communicator.hpp>
 
 #include <Eigen/Core>
 

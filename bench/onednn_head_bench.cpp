@@ -1,4 +1,4 @@
-// The LM head's forward GEMM in bf16 through oneDNN (include/embedhead/onednn_head.hpp) beside
+// The LM head's forward GEMM in bf16 through oneDNN (include/embedhead/backends/onednn_head.hpp) beside
 // the fp32 Eigen head, GPT-2 shape N = 1024, d = 768, V = 50257, bias included, in one binary:
 //
 //   EigenHeadFp32/threads:T   OutputProjection::forward: logits = h W^T + b, all fp32 (Eigen GEMM)
@@ -14,7 +14,7 @@
 #include "gbench_main.hpp"
 
 #include <embedhead/embedhead.hpp>
-#include <embedhead/onednn_head.hpp>
+#include <embedhead/backends/onednn_head.hpp>
 
 #include <benchmark/benchmark.h>
 

@@ -14,7 +14,11 @@
 
 #include "gbench_main.hpp"
 
-#include <embedhead/optimizer.hpp>
+#include <embedhead/optim/adagrad.hpp>
+#include <embedhead/optim/adamw.hpp>
+#include <embedhead/optim/lazy_adam.hpp>
+#include <embedhead/optim/optimizer.hpp>
+#include <embedhead/optim/sgd.hpp>
 
 #include <benchmark/benchmark.h>
 

@@ -21,7 +21,7 @@
 // (float rounding of sums taken in another order, amplified a little by AdamW's division by
 // sqrt(v)). `--quick` runs 20 steps (ctest runs it under mpirun -np 2 and -np 3).
 #include <embedhead/embedhead.hpp>
-#include <embedhead/mpi_communicator.hpp>
+#include <embedhead/parallel/mpi_communicator.hpp>
 
 #include "corpus.hpp"
 

@@ -20,9 +20,9 @@
 //   --out     where to write PREFIX.safetensors, PREFIX.vocab (one token per line), PREFIX.unseen
 //             and PREFIX.known (comma-separated ids) for embedhead-inspect; default
 //             "undertrained_tokens" in the working directory
-#include <embedhead/checkpoint.hpp>
+#include <embedhead/io/checkpoint.hpp>
 #include <embedhead/embedhead.hpp>
-#include <embedhead/geometry.hpp>
+#include <embedhead/analysis/geometry.hpp>
 
 #include "corpus.hpp"
 

@@ -1,5 +1,5 @@
-// libFuzzer target for the safetensors reader (include/embedhead/safetensors.hpp) and the
-// checkpoint readers built on it (include/embedhead/checkpoint.hpp).
+// libFuzzer target for the safetensors reader (include/embedhead/io/safetensors.hpp) and the
+// checkpoint readers built on it (include/embedhead/io/checkpoint.hpp).
 //
 // Every input is handed to SafetensorsFile::from_bytes. When it parses, every tensor of a
 // convertible dtype is read as a float table (numel <= 2^20, so a zero-sized dimension cannot make
@@ -8,8 +8,9 @@
 // library may reject an input only with its documented exceptions: format_error, shape_error,
 // value_error. Any other exception, a sanitizer report (ASan, UBSan), an Eigen assertion (the
 // build keeps assertions on), a leak, a timeout or running out of memory is a finding.
-#include <embedhead/checkpoint.hpp>
-#include <embedhead/safetensors.hpp>
+#include <embedhead/io/checkpoint.hpp>
+#include <embedhead/io/optimizer_state.hpp>
+#include <embedhead/io/safetensors.hpp>
 
 #include <cmath>
 #include <cstddef>

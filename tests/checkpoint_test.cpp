@@ -1,8 +1,11 @@
-// Tests for include/embedhead/checkpoint.hpp: Hugging Face layouts (GPT-2, Llama, Gemma) saved
+// Tests for include/embedhead/io/checkpoint.hpp: Hugging Face layouts (GPT-2, Llama, Gemma) saved
 // and loaded, the tied/untied rules in both directions, all-or-nothing loading (every layer
 // compared bit for bit with a snapshot after each failed load, for bad layouts and for corrupted
 // files), and optimizer state restored so that training continues bit-identically.
-#include <embedhead/checkpoint.hpp>
+#include <embedhead/io/checkpoint.hpp>
+#include <embedhead/io/optimizer_state.hpp>
+#include <embedhead/optim/adamw.hpp>
+#include <embedhead/optim/sgd.hpp>
 
 #include <catch2/catch.hpp>
 

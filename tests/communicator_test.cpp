@@ -1,6 +1,6 @@
 // The Communicator interface, vocab_shard and check_on_every_rank; built single-process and under
 // mpirun with 1, 2 and 3 ranks (tests/parallel/world.hpp).
-#include <embedhead/communicator.hpp>
+#include <embedhead/parallel/communicator.hpp>
 
 #include "parallel/world.hpp"
 

@@ -5,8 +5,9 @@
 // other rank's input and compute the expected sum itself, in rank order (the order the sparse path
 // adds in, hence exact comparisons for it). Tests use CHECK wherever a collective follows.
 #include <embedhead/cross_entropy.hpp>
-#include <embedhead/data_parallel.hpp>
-#include <embedhead/optimizer.hpp>
+#include <embedhead/parallel/data_parallel.hpp>
+#include <embedhead/optim/optimizer.hpp>
+#include <embedhead/optim/sgd.hpp>
 #include <embedhead/output_projection.hpp>
 #include <embedhead/token_embedding.hpp>
 

@@ -1,4 +1,4 @@
-// Tests for geometry.hpp against naive references in double (tests/reference/naive.hpp):
+// Tests for analysis/geometry.hpp against naive references in double (tests/reference/naive.hpp):
 // per-row statistics, the exact anisotropy formula vs the O(V^2) mean, neighbours vs brute-force
 // all-pairs top-k (ties, duplicates, k > V, exclusions, zero rows), PCA vs
 // Eigen::SelfAdjointEigenSolver on the covariance, projection, analogies on a constructed table,
@@ -6,7 +6,7 @@
 //
 // This file is also built with OpenMP as geometry_threads_test (tests/CMakeLists.txt); there the
 // last test case checks that 1 and 2 threads give bit-identical results.
-#include <embedhead/geometry.hpp>
+#include <embedhead/analysis/geometry.hpp>
 
 #include "reference/naive.hpp"
 #include "reference/test_support.hpp"

@@ -63,7 +63,7 @@ std::vector<RowMatrix<float>> values_of(const Layer& layer) {
 }
 
 // The layer's parameters whose value is float: what Optimizer<float> steps. A low-precision W is
-// left out (the optimizers reject it at compile time, see optimizer.hpp).
+// left out (the optimizers reject it at compile time, see optim/optimizer.hpp).
 template <typename Layer>
 std::vector<std::shared_ptr<Parameter<float>>> float_parameters(const Layer& layer) {
   std::vector<std::shared_ptr<Parameter<float>>> list;

@@ -1,9 +1,9 @@
-// Tests for include/embedhead/npy.hpp: the bytes save_npy writes (against the format as numpy
+// Tests for include/embedhead/io/npy.hpp: the bytes save_npy writes (against the format as numpy
 // documents it, spelled out here by hand), round trips in both dtypes, 1-D files and dtype
 // conversion on load, and every malformed file (hand-built byte strings) refused with a message
 // naming the problem while the destination keeps its values. numpy itself reads and writes these
 // files in the python-labelled tests (tests/python/safetensors_fixture.py).
-#include <embedhead/npy.hpp>
+#include <embedhead/io/npy.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -1,4 +1,4 @@
-// Tests for include/embedhead/onednn_head.hpp: the bf16 head GEMM through oneDNN. Built only with
+// Tests for include/embedhead/backends/onednn_head.hpp: the bf16 head GEMM through oneDNN. Built only with
 // EMBEDHEAD_WITH_ONEDNN=ON and oneDNN found (it links embedhead::onednn).
 //
 // The reference is the same product in double on the bf16-rounded inputs (W stored in bf16, h
@@ -6,7 +6,7 @@
 // roundings per logit, bounded here by k * 2^-24 * sum |terms| with slack. A second check against
 // fp32 h (not rounded) uses the bf16 input tolerance 2^-8 * sum |terms|.
 #include <catch2/catch.hpp>
-#include <embedhead/onednn_head.hpp>
+#include <embedhead/backends/onednn_head.hpp>
 
 #include <cmath>
 #include <string>

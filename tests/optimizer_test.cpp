@@ -1,4 +1,4 @@
-// Tests for include/embedhead/optimizer.hpp.
+// Tests for include/embedhead/optim/optimizer.hpp.
 //
 // Reference trajectories come from naive dense re-implementations in double below (the
 // torch.optim formulas written over full [V, d] gradient matrices, zeros where a row is
@@ -7,7 +7,13 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
-#include <embedhead/optimizer.hpp>
+#include <embedhead/optim/adagrad.hpp>
+#include <embedhead/optim/adamw.hpp>
+#include <embedhead/optim/clip.hpp>
+#include <embedhead/optim/lazy_adam.hpp>
+#include <embedhead/optim/optimizer.hpp>
+#include <embedhead/optim/schedule.hpp>
+#include <embedhead/optim/sgd.hpp>
 #include <embedhead/output_projection.hpp>
 #include <embedhead/token_embedding.hpp>
 #include <limits>

@@ -6,9 +6,9 @@
 // The last test case writes checkpoints (F32, F16, BF16), a double table rounded to BF16 / F16 /
 // F32 and .npy files into $EMBEDHEAD_INTEROP_DIR/cpp, which the script's `check` step then reads
 // and compares with its own rounding of the sources.
-#include <embedhead/checkpoint.hpp>
-#include <embedhead/npy.hpp>
-#include <embedhead/safetensors.hpp>
+#include <embedhead/io/checkpoint.hpp>
+#include <embedhead/io/npy.hpp>
+#include <embedhead/io/safetensors.hpp>
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>

@@ -1,8 +1,8 @@
-// Tests for include/embedhead/safetensors.hpp: the reader's validation (every malformed-file case
+// Tests for include/embedhead/io/safetensors.hpp: the reader's validation (every malformed-file case
 // is a hand-built byte string, not a file made by our writer), dtype conversion against
 // independent references (half and bfloat16 decoded bit by bit here; nearest-value search for
 // rounding), the writer's layout and atomic write, and the errors of both.
-#include <embedhead/safetensors.hpp>
+#include <embedhead/io/safetensors.hpp>
 
 #include <catch2/catch.hpp>
 

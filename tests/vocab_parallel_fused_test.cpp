@@ -1,4 +1,4 @@
-// Tests for include/embedhead/vocab_parallel_fused_head_loss.hpp: the fused head + loss over a
+// Tests for include/embedhead/parallel/vocab_parallel_fused_head_loss.hpp: the fused head + loss over a
 // vocabulary shard; built single-process and under mpirun with 1, 2 and 3 ranks
 // (tests/parallel/world.hpp).
 //
@@ -11,7 +11,7 @@
 // 3; valid_vocab = 36 then leaves the third rank's shard wholly in the padding.
 #include <embedhead/fused_head_loss.hpp>
 #include <embedhead/output_projection.hpp>
-#include <embedhead/vocab_parallel_fused_head_loss.hpp>
+#include <embedhead/parallel/vocab_parallel_fused_head_loss.hpp>
 
 #include "parallel/world.hpp"
 #include "reference/test_support.hpp"

@@ -7,7 +7,10 @@
 // taken before the resize, and a padded model's loss compared with an unpadded one's.
 #include <embedhead/cross_entropy.hpp>
 #include <embedhead/fused_head_loss.hpp>
-#include <embedhead/optimizer.hpp>
+#include <embedhead/optim/adamw.hpp>
+#include <embedhead/optim/lazy_adam.hpp>
+#include <embedhead/optim/optimizer.hpp>
+#include <embedhead/optim/sgd.hpp>
 #include <embedhead/output_projection.hpp>
 #include <embedhead/token_embedding.hpp>
 #include <embedhead/vocabulary.hpp>

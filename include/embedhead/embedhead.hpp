@@ -1,28 +1,57 @@
-// embedhead: the umbrella header. Includes every public header.
+// embedhead: the umbrella header -- every public header that needs nothing beyond Eigen (and
+// OpenMP when built with it). The headers with an extra dependency are included on their own:
+//   io/safetensors.hpp, io/checkpoint.hpp, io/optimizer_state.hpp   nlohmann/json, POSIX
+//   parallel/mpi_communicator.hpp                                    MPI
+//   backends/onednn_head.hpp                                         oneDNN
+//
+// The layout: the layers, their losses and their shared types at the top level; folders for what
+// sits beside them -- optim/ (optimizers, clipping, schedules), io/ (files), parallel/ (ranks),
+// analysis/ (table geometry), backends/ (other GEMM libraries) -- and detail/ (no API promise).
 #ifndef EMBEDHEAD_EMBEDHEAD_HPP
 #define EMBEDHEAD_EMBEDHEAD_HPP
 
 #include "version.hpp"
 
-#include "cross_entropy.hpp"
-#include "data_parallel.hpp"
-#include "dropout.hpp"
+// Types, errors, parameters and initialisation.
 #include "errors.hpp"
-#include "fused_head_loss.hpp"
-#include "geometry.hpp"
 #include "init.hpp"
-#include "low_precision.hpp"
-#include "npy.hpp"
-#include "optimizer.hpp"
-#include "output_projection.hpp"
 #include "parameter.hpp"
+#include "scatter_workspace.hpp"
+#include "types.hpp"
+
+// The layers and the losses on the head.
+#include "cross_entropy.hpp"
+#include "dropout.hpp"
+#include "fused_head_loss.hpp"
+#include "low_precision.hpp"
+#include "output_projection.hpp"
 #include "parameter_count.hpp"
 #include "position_embedding.hpp"
 #include "quantized_embedding.hpp"
 #include "token_embedding.hpp"
-#include "types.hpp"
-#include "vocab_parallel.hpp"
-#include "vocab_parallel_fused_head_loss.hpp"
 #include "vocabulary.hpp"
+
+// Optimizers.
+#include "optim/adagrad.hpp"
+#include "optim/adamw.hpp"
+#include "optim/clip.hpp"
+#include "optim/lazy_adam.hpp"
+#include "optim/optimizer.hpp"
+#include "optim/schedule.hpp"
+#include "optim/sgd.hpp"
+
+// Files without JSON: .npy.
+#include "io/npy.hpp"
+
+// Several ranks over a Communicator (MPI itself: parallel/mpi_communicator.hpp).
+#include "parallel/communicator.hpp"
+#include "parallel/data_parallel.hpp"
+#include "parallel/vocab_parallel_cross_entropy.hpp"
+#include "parallel/vocab_parallel_embedding.hpp"
+#include "parallel/vocab_parallel_fused_head_loss.hpp"
+#include "parallel/vocab_parallel_output_projection.hpp"
+
+// The geometry of a trained table.
+#include "analysis/geometry.hpp"
 
 #endif  // EMBEDHEAD_EMBEDHEAD_HPP

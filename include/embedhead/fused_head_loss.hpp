@@ -24,9 +24,9 @@
 // w_n >= 0 (mean divides by their sum over counted tokens), the log-sum-exp of every row as an
 // output (for z-loss monitoring), and per-token losses (Reduction::none).
 //
-// Vocabulary-parallel (vocab_parallel_fused_head_loss.hpp): the same pass runs on one rank's
+// Vocabulary-parallel (parallel/vocab_parallel_fused_head_loss.hpp): the same pass runs on one rank's
 // shard of W's rows, with the per-row statistics and dh combined across ranks in three
-// all-reduces (detail::fused_head_loss_pass's VocabSlice).
+// all-reduces (detail::fused_head_loss_pass's VocabSlice, implemented there over the Communicator).
 //
 // Threads (when built with OpenMP): each GEMM is cut into fixed pieces -- 256 rows of the block
 // for the logits and dW, 128 columns of d for dh -- and each row's softmax is one thread's, so
@@ -36,7 +36,6 @@
 #ifndef EMBEDHEAD_FUSED_HEAD_LOSS_HPP
 #define EMBEDHEAD_FUSED_HEAD_LOSS_HPP
 
-#include "communicator.hpp"
 #include "cross_entropy.hpp"
 #include "detail/checks.hpp"
 #include "detail/gemm.hpp"
@@ -111,23 +110,20 @@ inline Index fused_vocab_block(Index option, Index classes) {
   return std::min(classes, std::clamp<Index>(rows, 256, 4096));
 }
 
-// After pass 1 on every rank's shard: each counted row's statistics (max, sum_exp, target logit,
-// sum of logits) over the local columns -> the same over all V columns, on every rank: the row
-// maxima all-reduced (max), each rank's sum of exponentials rescaled to them, then the sums
-// all-reduced. A rank with no local class has max -inf and sum 0, and contributes 0.
-template <typename Scalar>
-void combine_vocab_slices(Communicator& comm, FusedHeadLossWorkspace<Scalar>& ws, Index count,
-                          const SoftmaxTerms& terms) {
-  all_reduce_row_max(comm, ws.row_stats.data(), count, ws.reduced);
-  all_reduce_row_sums(comm, ws.row_stats.data(), count, terms, ws.reduced);
-}
-
 // A vocabulary shard for fused_head_loss_pass: W holds rows [begin, begin + W.rows()) of the
-// global [V, d] head, and the other rows live on the other ranks of comm.
+// global [V, d] head, and the other rows live on other ranks. Its two collective steps are the
+// caller's (parallel/vocab_parallel_fused_head_loss.hpp does them over a Communicator), so this
+// single-process header knows nothing of ranks.
+template <typename Scalar>
 struct VocabSlice {
-  Index begin = 0;               // global row of W's row 0
-  Index V = 0;                   // the global vocabulary
-  Communicator* comm = nullptr;  // the ranks holding the other shards
+  Index begin = 0;  // global row of W's row 0
+  Index V = 0;      // the global vocabulary
+  VocabSlice(Index begin_row, Index vocabulary) : begin(begin_row), V(vocabulary) {}
+  virtual ~VocabSlice() = default;
+  // After pass 1: ws.row_stats[0, count) over the local columns -> the same over all V columns.
+  virtual void combine_row_stats(FusedHeadLossWorkspace<Scalar>& ws, Index count, const SoftmaxTerms& terms) const = 0;
+  // At the end: dh [size] (contiguous), this rank's partial sum -> the sum over every rank.
+  virtual void sum_over_ranks(Scalar* dh, Index size) const = 0;
 };
 
 // Every check of fused_head_loss_pass, in its order, before anything is written: W_rows is W's
@@ -181,7 +177,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
                                         MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db, MatrixRef<Scalar>* lse,
                                         MatrixRef<Scalar>* losses, const FusedHeadLossOptions& options,
                                         FusedHeadLossWorkspace<Scalar>& ws, const char* where,
-                                        const VocabSlice* slice = nullptr) {
+                                        const VocabSlice<Scalar>* slice = nullptr) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   // rows: W's rows; V: the global vocabulary; begin: the global id of W's row 0.
   const Index N = h.rows(), rows = W.rows(), d = W.cols(), T = targets.cols();
@@ -280,7 +276,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
       ws.row_stats[i].accumulate(logits.row(r).data(), width, y - v0, terms);  // the online rescale
     });
   }
-  if (slice) combine_vocab_slices(*slice->comm, ws, count, terms);
+  if (slice) slice->combine_row_stats(ws, count, terms);
   // lse and the loss of each row, summed in token order.
   for (Index r = 0; r < count; ++r) {
     const std::size_t i = static_cast<std::size_t>(r);
@@ -320,7 +316,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   }
   // Vocabulary-parallel: each rank's dhidden is the sum over its own columns; dh is the sum
   // over all of them (dhidden is contiguous: the gathered buffer, or dh itself with all N rows).
-  if (slice) slice->comm->all_reduce_sum(dh_base, count * d);
+  if (slice) slice->sum_over_ranks(dh_base, count * d);
   if (gather) {
     for (Index n = 0; n < N; ++n)
       if (target_of(n) == options.ignore_index) dh->row(n).setZero();

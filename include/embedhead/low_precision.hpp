@@ -34,7 +34,7 @@
 // count_parameters and the data-parallel exchange (all_reduce_gradient) reach them as they reach a
 // float table. The head's bias is a float Parameter<float>; the head's parameters() lists both as
 // ParameterBase<float> (the part that does not depend on the value's type). The optimizers
-// (optimizer.hpp) do not step a Storage value: registering a Parameter<Storage, float> with one is
+// (optim/optimizer.hpp) do not step a Storage value: registering a Parameter<Storage, float> with one is
 // a compile-time error naming the reason (the update must run in float and round once to Storage,
 // round-to-nearest-even, with stochastic rounding later; not implemented yet). Update such a table
 // through weight().value() or train a float copy and convert_table it.

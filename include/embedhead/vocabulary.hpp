@@ -30,7 +30,7 @@
 #include "detail/checks.hpp"
 #include "errors.hpp"
 #include "init.hpp"
-#include "optimizer.hpp"
+#include "optim/optimizer.hpp"
 #include "output_projection.hpp"
 #include "parameter.hpp"
 #include "token_embedding.hpp"

@@ -3,7 +3,7 @@
 // implementation is in tests/catch_impl.cpp.
 #include "../catch_run.hpp"
 
-#include <embedhead/mpi_communicator.hpp>
+#include <embedhead/parallel/mpi_communicator.hpp>
 
 int main(int argc, char* argv[]) {
   embedhead::MpiEnvironment mpi(argc, argv);

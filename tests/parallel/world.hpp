@@ -9,14 +9,14 @@
 #ifndef EMBEDHEAD_TESTS_PARALLEL_WORLD_HPP
 #define EMBEDHEAD_TESTS_PARALLEL_WORLD_HPP
 
-#include <embedhead/communicator.hpp>
+#include <embedhead/parallel/communicator.hpp>
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #ifdef EMBEDHEAD_TEST_MPI
-#include <embedhead/mpi_communicator.hpp>
+#include <embedhead/parallel/mpi_communicator.hpp>
 #endif
 
 namespace test_support {

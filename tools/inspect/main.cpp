@@ -12,9 +12,9 @@
 #include "report.hpp"
 #include "text.hpp"
 
-#include <embedhead/checkpoint.hpp>
-#include <embedhead/geometry.hpp>
-#include <embedhead/safetensors.hpp>
+#include <embedhead/io/checkpoint.hpp>
+#include <embedhead/analysis/geometry.hpp>
+#include <embedhead/io/safetensors.hpp>
 
 #include <unistd.h>
 

@@ -2,6 +2,7 @@
 #ifndef EMBEDHEAD_DETAIL_KERNELS_HPP
 #define EMBEDHEAD_DETAIL_KERNELS_HPP
 
+#include "../scatter_workspace.hpp"
 #include "../types.hpp"
 #include "parallel.hpp"
 
@@ -19,15 +20,6 @@
 
 namespace embedhead {
 
-// Scratch space for embedding_backward, reused across calls so the steady state allocates
-// nothing. Its contents are internal; a default-constructed one is always valid.
-struct ScatterWorkspace {
-  std::vector<std::pair<Index, Index>> order;  // (id, token position n), sorted
-  std::vector<Index> unique_ids;               // sorted distinct ids of `order`
-  std::vector<Index> slots;                    // gradient slot of each unique id
-  std::vector<unsigned char> fresh;            // 1 where that slot is new to the gradient
-  std::vector<std::size_t> run_begin;          // unique id u's tokens: order[run_begin[u], run_begin[u+1])
-};
 
 namespace detail {
 

@@ -1,6 +1,6 @@
 // embedhead internal: the softmax cross-entropy's arithmetic, written once for every loss -- the
 // plain loss (cross_entropy.hpp), the fused head loss (fused_head_loss.hpp, also over a vocabulary
-// shard) and the vocabulary-parallel loss (vocab_parallel.hpp). No API promise.
+// shard) and the vocabulary-parallel loss (parallel/vocab_parallel_cross_entropy.hpp). No API promise.
 //
 // One row: logits z over the classes j < C (C = valid_vocab, else V), target y, the options eps
 // (label smoothing, PyTorch's), z_loss (PaLM's) and softcap c (Gemma 2's), and the row's gradient
@@ -160,7 +160,7 @@ struct SoftmaxRowStats {
   }
 };
 
-// Across the ranks of comm (a Communicator, communicator.hpp; a template parameter so that this
+// Across the ranks of comm (a Communicator, parallel/communicator.hpp; a template parameter so that this
 // header does not need it), each holding statistics of the same rows over its own columns:
 // every row's max <- the max over the ranks, and each rank's S rescaled to it (a rank with no
 // column contributes S = 0). One all-reduce of `rows` doubles; buffer is scratch.

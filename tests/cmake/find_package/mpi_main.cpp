@@ -1,6 +1,6 @@
 // Consumer of the installed embedhead::mpi target: a two-process all-reduce through MpiCommunicator
 // (ctest runs it under mpirun -np 2).
-#include <embedhead/mpi_communicator.hpp>
+#include <embedhead/parallel/mpi_communicator.hpp>
 
 #include <cstdio>
 

@@ -1,5 +1,5 @@
 // Consumer of the installed embedhead::safetensors target: writes a table and reads it back.
-#include <embedhead/checkpoint.hpp>
+#include <embedhead/io/checkpoint.hpp>
 
 #include <cstdio>
 

@@ -10,8 +10,8 @@
 //                      and an emoji among them (for the escaping test).
 //   llama.safetensors  model.embed_tokens.weight [300, 16] + lm_head.weight [300, 16], BF16, untied.
 //   other.safetensors  encoder.weight [10, 4] only: no known layout.
-#include <embedhead/checkpoint.hpp>
-#include <embedhead/safetensors.hpp>
+#include <embedhead/io/checkpoint.hpp>
+#include <embedhead/io/safetensors.hpp>
 
 #include <cstdio>
 #include <fstream>

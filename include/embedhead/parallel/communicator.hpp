@@ -20,11 +20,11 @@
 //
 // Vocabulary shards: vocab_shard(V, rank, size) gives rank r the rows [begin, end) of a [V, d]
 // table, balanced (the first V % size ranks own one row more), so V need not divide evenly.
-#ifndef EMBEDHEAD_COMMUNICATOR_HPP
-#define EMBEDHEAD_COMMUNICATOR_HPP
+#ifndef EMBEDHEAD_PARALLEL_COMMUNICATOR_HPP
+#define EMBEDHEAD_PARALLEL_COMMUNICATOR_HPP
 
-#include "errors.hpp"
-#include "types.hpp"
+#include "../errors.hpp"
+#include "../types.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -269,4 +269,4 @@ inline void check_on_every_rank(Communicator& comm, const char* where, const std
 
 }  // namespace embedhead
 
-#endif  // EMBEDHEAD_COMMUNICATOR_HPP
+#endif  // EMBEDHEAD_PARALLEL_COMMUNICATOR_HPP

@@ -10,14 +10,14 @@
 // Not part of the header-only core: it needs oneDNN (Debian: libdnnl-dev) and is compiled only
 // when EMBEDHEAD_HAVE_ONEDNN is defined, which linking the CMake target embedhead::onednn does
 // (option EMBEDHEAD_WITH_ONEDNN). embedhead.hpp does not include it.
-#ifndef EMBEDHEAD_ONEDNN_HEAD_HPP
-#define EMBEDHEAD_ONEDNN_HEAD_HPP
+#ifndef EMBEDHEAD_BACKENDS_ONEDNN_HEAD_HPP
+#define EMBEDHEAD_BACKENDS_ONEDNN_HEAD_HPP
 
 #ifdef EMBEDHEAD_HAVE_ONEDNN
 
-#include "detail/checks.hpp"
-#include "errors.hpp"
-#include "types.hpp"
+#include "../detail/checks.hpp"
+#include "../errors.hpp"
+#include "../types.hpp"
 
 #include <Eigen/Core>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -175,4 +175,4 @@ class OneDnnHead {
 
 #endif  // EMBEDHEAD_HAVE_ONEDNN
 
-#endif  // EMBEDHEAD_ONEDNN_HEAD_HPP
+#endif  // EMBEDHEAD_BACKENDS_ONEDNN_HEAD_HPP

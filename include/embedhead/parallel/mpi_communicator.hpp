@@ -10,11 +10,11 @@
 // below 2^31 if need be), so rank blocks of several GiB still fit int counts. A gather whose
 // counts cannot be expressed so (more than 2^31 units) throws value_error on every rank alike.
 // Only this header includes <mpi.h>.
-#ifndef EMBEDHEAD_MPI_COMMUNICATOR_HPP
-#define EMBEDHEAD_MPI_COMMUNICATOR_HPP
+#ifndef EMBEDHEAD_PARALLEL_MPI_COMMUNICATOR_HPP
+#define EMBEDHEAD_PARALLEL_MPI_COMMUNICATOR_HPP
 
+#include "../errors.hpp"
 #include "communicator.hpp"
-#include "errors.hpp"
 
 #include <mpi.h>
 
@@ -140,4 +140,4 @@ class MpiCommunicator final : public Communicator {
 
 }  // namespace embedhead
 
-#endif  // EMBEDHEAD_MPI_COMMUNICATOR_HPP
+#endif  // EMBEDHEAD_PARALLEL_MPI_COMMUNICATOR_HPP

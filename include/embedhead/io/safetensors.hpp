@@ -23,12 +23,12 @@
 // Needs nlohmann/json (Debian: nlohmann-json3-dev) and POSIX mmap; not part of the umbrella
 // header so that the core layers keep no dependency beyond Eigen. CMake target:
 // embedhead::safetensors.
-#ifndef EMBEDHEAD_SAFETENSORS_HPP
-#define EMBEDHEAD_SAFETENSORS_HPP
+#ifndef EMBEDHEAD_IO_SAFETENSORS_HPP
+#define EMBEDHEAD_IO_SAFETENSORS_HPP
 
-#include "detail/atomic_file.hpp"
-#include "errors.hpp"
-#include "types.hpp"
+#include "../detail/atomic_file.hpp"
+#include "../errors.hpp"
+#include "../types.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -617,4 +617,4 @@ class SafetensorsWriter {
 
 }  // namespace embedhead
 
-#endif  // EMBEDHEAD_SAFETENSORS_HPP
+#endif  // EMBEDHEAD_IO_SAFETENSORS_HPP

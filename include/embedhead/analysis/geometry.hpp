@@ -23,16 +23,16 @@
 //   cosine(x, y) = x.y / (||x|| ||y||), and 0 when x or y is the zero vector.
 //   The covariance is the population covariance (1/V) sum_v (E[v] - mu)(E[v] - mu)^T.
 //   NaN similarity scores never become neighbours; NaN norms / distances sort last.
-#ifndef EMBEDHEAD_GEOMETRY_HPP
-#define EMBEDHEAD_GEOMETRY_HPP
+#ifndef EMBEDHEAD_ANALYSIS_GEOMETRY_HPP
+#define EMBEDHEAD_ANALYSIS_GEOMETRY_HPP
 
-#include "detail/checks.hpp"
-#include "detail/gemm.hpp"
-#include "detail/kernels.hpp"
-#include "detail/parallel.hpp"
-#include "errors.hpp"
-#include "init.hpp"
-#include "types.hpp"
+#include "../detail/checks.hpp"
+#include "../detail/gemm.hpp"
+#include "../detail/kernels.hpp"
+#include "../detail/parallel.hpp"
+#include "../errors.hpp"
+#include "../init.hpp"
+#include "../types.hpp"
 
 #include <Eigen/Core>
 #include <Eigen/Eigenvalues>
@@ -859,4 +859,4 @@ TableSummary summarize_table(const ConstMatrixRef<Scalar>& E, const SummaryOptio
 
 }  // namespace embedhead
 
-#endif  // EMBEDHEAD_GEOMETRY_HPP
+#endif  // EMBEDHEAD_ANALYSIS_GEOMETRY_HPP

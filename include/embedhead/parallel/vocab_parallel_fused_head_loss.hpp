@@ -12,7 +12,7 @@
 // rank's V / R classes as FusedHeadLoss chooses it from V: about 2 % of the [N, V / R] logits the
 // unfused path would hold on this rank.
 //
-// The shard's pass is detail::fused_head_loss_pass with a VocabSlice, the same code as the
+// The shard's pass is detail::fused_head_loss_pass with a VocabSlice (below, over the Communicator), the same code as the
 // single-process loss: with one rank the result is FusedHeadLoss's bit for bit; with more, the
 // sums over the vocabulary are split differently, so it agrees to rounding.
 //
@@ -22,20 +22,41 @@
 // different targets -- makes every rank throw the same exception instead of hanging. h itself is
 // not fingerprinted (hashing it would cost a pass over N d values each call): it must be the same
 // on every rank.
-#ifndef EMBEDHEAD_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP
-#define EMBEDHEAD_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP
+#ifndef EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP
+#define EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP
 
+#include "../cross_entropy.hpp"
+#include "../fused_head_loss.hpp"
+#include "../parameter.hpp"
+#include "../types.hpp"
 #include "communicator.hpp"
-#include "cross_entropy.hpp"
-#include "fused_head_loss.hpp"
-#include "parameter.hpp"
-#include "types.hpp"
 
 #include <cstdint>
 #include <sstream>
 #include <type_traits>
 
 namespace embedhead {
+
+namespace detail {
+
+// fused_head_loss_pass's two collective steps over a Communicator (fused_head_loss.hpp's
+// VocabSlice). After pass 1 on every rank's shard, each counted row's statistics (max, sum_exp,
+// target logit, sum of logits) over the local columns become the same over all V columns on every
+// rank: the row maxima all-reduced (max), each rank's sum of exponentials rescaled to them, then
+// the sums all-reduced (detail/softmax.hpp). A rank with no local class has max -inf and sum 0,
+// and contributes 0. At the end, each rank's dh -- the sum over its own columns -- is all-reduced.
+template <typename Scalar>
+struct CommunicatorSlice final : VocabSlice<Scalar> {
+  Communicator* comm;
+  CommunicatorSlice(Index begin, Index V, Communicator& communicator) : VocabSlice<Scalar>(begin, V), comm(&communicator) {}
+  void combine_row_stats(FusedHeadLossWorkspace<Scalar>& ws, Index count, const SoftmaxTerms& terms) const override {
+    all_reduce_row_max(*comm, ws.row_stats.data(), count, ws.reduced);
+    all_reduce_row_sums(*comm, ws.row_stats.data(), count, terms, ws.reduced);
+  }
+  void sum_over_ranks(Scalar* dh, Index size) const override { comm->all_reduce_sum(dh, size); }
+};
+
+}  // namespace detail
 
 // One call per training step on every rank of the communicator:
 //   VocabParallelFusedHeadLoss<float> loss(options);
@@ -140,7 +161,7 @@ class VocabParallelFusedHeadLoss {
   // Every check, agreed across the ranks (one small all-gather), then this rank's slice. Nothing
   // is written before it returns. dh is null for the loss alone.
   template <typename Id>
-  detail::VocabSlice agree(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
+  detail::CommunicatorSlice<Scalar> agree(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
                            const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
                            const ConstIdRef<Id>& targets, const MatrixRef<Scalar>* dh,
                            const FusedHeadLossExtras<Scalar>& extras, const char* where) const {
@@ -174,7 +195,7 @@ class VocabParallelFusedHeadLoss {
     check_on_every_rank(comm, where, checks, fingerprint(V, h, bias_shard != nullptr, dh != nullptr, targets, extras),
                         "the call (forward or forward_backward), targets, per-token weights, shapes (N, d, V, bias) "
                         "or loss options");
-    return detail::VocabSlice{shard.begin, V, &comm};
+    return detail::CommunicatorSlice<Scalar>(shard.begin, V, comm);
   }
 
   // What must be the same on every rank, hashed: N, d, V, whether there is a bias, whether dh is
@@ -206,7 +227,7 @@ class VocabParallelFusedHeadLoss {
                                            Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
                                            const ConstIdRef<Id>& targets, MatrixRef<Scalar> dh,
                                            const FusedHeadLossExtras<Scalar>& extras, const char* where) {
-    const detail::VocabSlice slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, &dh, extras, where);
+    const detail::CommunicatorSlice<Scalar> slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, &dh, extras, where);
     // Only now, with every rank's checks passed: dense_accumulator() switches the gradient to
     // dense mode, which must not happen for a call that throws.
     OutputMap no_output(nullptr, 0, 1);
@@ -224,7 +245,7 @@ class VocabParallelFusedHeadLoss {
                                   const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
                                   const ConstIdRef<Id>& targets, const FusedHeadLossExtras<Scalar>& extras,
                                   const char* where) {
-    const detail::VocabSlice slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, nullptr, extras, where);
+    const detail::CommunicatorSlice<Scalar> slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, nullptr, extras, where);
     OutputMap lse = extras.lse, losses = extras.losses;
     MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
     return detail::fused_head_loss_pass<Scalar, Id>(h, weight_shard.value(), bias_of(bias_shard), targets, extras.weights,
@@ -238,4 +259,4 @@ class VocabParallelFusedHeadLoss {
 
 }  // namespace embedhead
 
-#endif  // EMBEDHEAD_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP
+#endif  // EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP

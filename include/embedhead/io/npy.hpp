@@ -15,12 +15,12 @@
 //
 // Core-only: needs nothing beyond the standard library and Eigen (no JSON parser; the header is a
 // Python dict literal with three known keys, parsed here).
-#ifndef EMBEDHEAD_NPY_HPP
-#define EMBEDHEAD_NPY_HPP
+#ifndef EMBEDHEAD_IO_NPY_HPP
+#define EMBEDHEAD_IO_NPY_HPP
 
-#include "detail/atomic_file.hpp"
-#include "errors.hpp"
-#include "types.hpp"
+#include "../detail/atomic_file.hpp"
+#include "../errors.hpp"
+#include "../types.hpp"
 
 #include <cerrno>
 #include <cstdint>
@@ -333,4 +333,4 @@ inline void load_npy(const std::string& path, MatrixRef<double> out) { detail::l
 
 }  // namespace embedhead
 
-#endif  // EMBEDHEAD_NPY_HPP
+#endif  // EMBEDHEAD_IO_NPY_HPP

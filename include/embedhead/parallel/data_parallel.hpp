@@ -32,13 +32,13 @@
 // communicator's all-reduce returning the same result on every rank (the MPI standard recommends
 // it; Open MPI's did in the tests with 1 to 3 ranks). The two paths agree to float rounding: bit for bit with 1 and 2 ranks (one addition per
 // entry, which commutes), to the reassociation of R terms with 3 or more.
-#ifndef EMBEDHEAD_DATA_PARALLEL_HPP
-#define EMBEDHEAD_DATA_PARALLEL_HPP
+#ifndef EMBEDHEAD_PARALLEL_DATA_PARALLEL_HPP
+#define EMBEDHEAD_PARALLEL_DATA_PARALLEL_HPP
 
+#include "../errors.hpp"
+#include "../parameter.hpp"
+#include "../types.hpp"
 #include "communicator.hpp"
-#include "errors.hpp"
-#include "parameter.hpp"
-#include "types.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -322,4 +322,4 @@ std::vector<GradientExchangeResult> all_reduce_gradients(const std::vector<std::
 
 }  // namespace embedhead
 
-#endif  // EMBEDHEAD_DATA_PARALLEL_HPP
+#endif  // EMBEDHEAD_PARALLEL_DATA_PARALLEL_HPP

@@ -1,0 +1,89 @@
+// embedhead: an optimizer's state (optim/optimizer.hpp's OptimizerState: the step count and every
+// parameter's buffers) to and from a safetensors file, exactly (stored in Scalar's own dtype).
+//
+// Needs <embedhead/io/safetensors.hpp> (nlohmann/json, POSIX); not part of the umbrella header.
+#ifndef EMBEDHEAD_IO_OPTIMIZER_STATE_HPP
+#define EMBEDHEAD_IO_OPTIMIZER_STATE_HPP
+
+#include "../optim/optimizer.hpp"
+#include "../types.hpp"
+#include "safetensors.hpp"
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace embedhead {
+
+// Adds an optimizer's state to `writer`: tensors "optimizer.<i>.<buffer>" for parameter i (in
+// registration order) and metadata "optimizer" (kind), "optimizer.step", "optimizer.parameters"
+// (a JSON list of [name, rows, cols]). Stored in Scalar's own dtype, so a restore is exact.
+template <typename Scalar>
+void add_optimizer_state(SafetensorsWriter& writer, const OptimizerState<Scalar>& state) {
+  const DType dtype = std::is_same_v<Scalar, float> ? DType::F32 : DType::F64;
+  nlohmann::json parameters = nlohmann::json::array();
+  for (std::size_t i = 0; i < state.parameters.size(); ++i) {
+    const auto& entry = state.parameters[i];
+    parameters.push_back({entry.name, entry.rows, entry.cols});
+    for (const auto& [key, buffer] : entry.buffers)
+      writer.add<Scalar>("optimizer." + std::to_string(i) + "." + key, buffer, dtype);
+  }
+  writer.set_metadata("optimizer", state.optimizer);
+  writer.set_metadata("optimizer.step", std::to_string(state.step));
+  writer.set_metadata("optimizer.parameters", parameters.dump());
+}
+
+// The optimizer state stored by add_optimizer_state, to pass to Optimizer::load_state (which
+// checks it against the optimizer). \throws format_error naming what is missing or malformed.
+template <typename Scalar>
+OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
+  const auto& metadata = file.metadata();
+  const auto fail = [&](const std::string& what) -> void {
+    throw format_error("read_optimizer_state: '" + file.path() + "': " + what);
+  };
+  for (const char* key : {"optimizer", "optimizer.step", "optimizer.parameters"})
+    if (metadata.find(key) == metadata.end()) fail(std::string("no metadata '") + key + "' (no optimizer state saved here)");
+  OptimizerState<Scalar> state;
+  state.optimizer = metadata.at("optimizer");
+  try {
+    std::size_t used = 0;
+    state.step = std::stoll(metadata.at("optimizer.step"), &used);
+    if (used != metadata.at("optimizer.step").size() || state.step < 0) throw std::invalid_argument("step");
+  } catch (const std::exception&) {
+    fail("metadata 'optimizer.step' = '" + metadata.at("optimizer.step") + "' is not a non-negative integer");
+  }
+  const nlohmann::json parameters = nlohmann::json::parse(metadata.at("optimizer.parameters"), nullptr, false);
+  if (!parameters.is_array()) fail("metadata 'optimizer.parameters' is not a JSON list");
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    const auto& p = parameters[i];
+    if (!p.is_array() || p.size() != 3 || !p[0].is_string() || !p[1].is_number_unsigned() || !p[2].is_number_unsigned())
+      fail("metadata 'optimizer.parameters' entry " + std::to_string(i) + " is not [name, rows, cols]");
+    typename OptimizerState<Scalar>::Entry entry;
+    entry.name = p[0].get<std::string>();
+    constexpr auto max_index = static_cast<std::uint64_t>(std::numeric_limits<Index>::max());
+    if (p[1].get<std::uint64_t>() > max_index || p[2].get<std::uint64_t>() > max_index)
+      fail("metadata 'optimizer.parameters' entry " + std::to_string(i) + " has a size " + p.dump() + " outside [0, " +
+           std::to_string(max_index) + "]");
+    entry.rows = static_cast<Index>(p[1].get<std::uint64_t>());
+    entry.cols = static_cast<Index>(p[2].get<std::uint64_t>());
+    const std::string prefix = "optimizer." + std::to_string(i) + ".";
+    for (const auto& t : file.tensors()) {
+      if (t.name.compare(0, prefix.size(), prefix) != 0) continue;
+      const std::string key = t.name.substr(prefix.size());
+      // The shape check first: the metadata's sizes are only trusted once a tensor of that shape,
+      // backed by data in the file, exists; allocating before it let a forged size ask for 2^62.
+      file.expect(t.name, entry.rows, entry.cols, "optimizer buffer '" + key + "' of '" + entry.name + "'");
+      RowMatrix<Scalar> buffer(entry.rows, entry.cols);
+      file.read<Scalar>(t, buffer);
+      entry.buffers.emplace(key, std::move(buffer));
+    }
+    state.parameters.push_back(std::move(entry));
+  }
+  return state;
+}
+
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_IO_OPTIMIZER_STATE_HPP

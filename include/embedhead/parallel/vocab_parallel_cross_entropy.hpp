@@ -1,0 +1,183 @@
+// embedhead: the vocabulary-parallel cross-entropy (vocab_shard.hpp has the design): the
+// full-vocabulary softmax from each rank's columns -- an all-reduce max of the N row maxima, then
+// one all-reduce sum of the N partial sum_exp, target logits (and logit sums for label smoothing);
+// dlocal = this rank's columns of the full dlogits. The [N, V] logits exist nowhere.
+#ifndef EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_CROSS_ENTROPY_HPP
+#define EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_CROSS_ENTROPY_HPP
+
+#include "../cross_entropy.hpp"
+#include "../detail/checks.hpp"
+#include "../detail/softmax.hpp"
+#include "../types.hpp"
+#include "communicator.hpp"
+#include "vocab_shard.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace embedhead {
+
+namespace detail {
+
+// The vocabulary-parallel loss, with or without the gradient: the plain loss's arithmetic, max
+// first (detail/softmax.hpp), from per-rank partial results:
+//   pass 1  s = softcap(z) on the local classes (written to dlocal when there is one), the local
+//           row max; all-reduce max -> m, the global row max
+//   pass 2  the row statistics at m over the local columns: sum_j exp(s_j - m) (exp written to
+//           dlocal without soft-capping), s_y on the target's owner, sum_j s_j (label smoothing);
+//           one all-reduce sum of 2N (3N) doubles
+//   pass 3  lse, the row loss, and dz for the local columns (at the max)
+// With one rank this is softmax_loss_row's arithmetic operation for operation.
+template <typename Scalar, typename Id>
+CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V,
+                                                     const ConstMatrixRef<Scalar>& local_logits,
+                                                     const ConstIdRef<Id>& targets, MatrixRef<Scalar>* dlocal,
+                                                     const CrossEntropyOptions& options, const char* where) {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+  const Index N = local_logits.rows(), T = targets.cols();
+  VocabShard shard;
+  std::uint64_t fingerprint = fingerprint_values({V, N, options.ignore_index, static_cast<std::int64_t>(options.reduction),
+                                                  options.valid_vocab});
+  for (const double x : {options.label_smoothing, options.z_loss, options.softcap, options.gradient_scale})
+    fingerprint = fingerprint_double(x, fingerprint);
+  check_on_every_rank(
+      comm, where,
+      [&] {
+        check_size(where, "V", V);
+        check_vocab_over_ranks(where, V, comm.size());
+        shard = vocab_shard(V, comm.rank(), comm.size());
+        check_shape(where, "local_logits", local_logits, N, shard.rows());
+        if (dlocal) check_shape(where, "dlocal_logits", *dlocal, N, shard.rows());
+        check_loss_options(where, options, V);
+        check_targets(where, targets, N, classes_of(options, V), options.ignore_index, V);
+      },
+      fingerprint_ids(targets, fingerprint), "the targets, N, V or the loss options");
+
+  const Index classes = classes_of(options, V);
+  // This rank's classes: local columns [0, local_classes); the rest are vocabulary padding.
+  const Index local_classes = std::clamp<Index>(classes - shard.begin, 0, shard.rows());
+  const SoftmaxTerms terms = softmax_terms(options, classes);
+  const bool softcap = options.softcap > 0;
+  const bool gradient = dlocal != nullptr;
+
+  CrossEntropyResult result;
+  for (Index n = 0; n < N; ++n)
+    if (static_cast<Index>(targets(n / T, n % T)) != options.ignore_index) ++result.count;
+  result.weight_sum = static_cast<double>(result.count);
+  const double scale = reduction_scale(options.reduction, result.weight_sum, options.gradient_scale);
+  auto counted = [&](Index n) { return static_cast<Index>(targets(n / T, n % T)) != options.ignore_index; };
+
+  // Without dlocal, soft-capped values go to a scratch row (and are recomputed in pass 2).
+  std::vector<Scalar> scratch(!gradient && softcap ? static_cast<std::size_t>(local_classes) : 0);
+  auto capped_row = [&](Index n) -> const Scalar* {  // s for row n's local classes
+    if (!softcap) return local_logits.row(n).data();
+    Scalar* work = gradient ? dlocal->row(n).data() : scratch.data();
+    softcap_row(local_logits.row(n).data(), work, local_classes, static_cast<Scalar>(options.softcap));
+    return work;
+  };
+
+  // Pass 1: the row maxima (-inf where this rank holds no class, and for ignored rows, unused).
+  std::vector<SoftmaxRowStats> stats(static_cast<std::size_t>(N));
+  std::vector<double> buffer;
+  for (Index n = 0; n < N; ++n)
+    if (counted(n) && local_classes > 0)
+      stats[static_cast<std::size_t>(n)].max = static_cast<double>(row_max(capped_row(n), local_classes));
+  all_reduce_row_max(comm, stats.data(), N, buffer);
+
+  // Pass 2: [sum_exp, s_y, (sum_s)] per row at the global max, this rank's part; the owner alone
+  // has s_y.
+  for (Index n = 0; n < N; ++n) {
+    if (!counted(n) || local_classes == 0) continue;
+    const Index y = static_cast<Index>(targets(n / T, n % T));
+    // With soft-capping and a gradient, pass 1 left s in dlocal; without a gradient, recompute.
+    const Scalar* s = softcap && gradient ? dlocal->row(n).data() : capped_row(n);
+    // Without soft-capping, exp(s - m) goes straight into dlocal (the gradient's first step);
+    // s_y and sum_s are read first, so dlocal may be local_logits.
+    stats[static_cast<std::size_t>(n)].add_at_max(s, local_classes, y - shard.begin, terms,
+                                                  gradient && !softcap ? dlocal->row(n).data() : nullptr);
+  }
+  all_reduce_row_sums(comm, stats.data(), N, terms, buffer);
+
+  // Pass 3: the losses (identical on every rank: the same reduced values, the same order) and dz.
+  for (Index n = 0; n < N; ++n) {
+    if (!counted(n)) {
+      if (gradient) dlocal->row(n).setZero();
+      continue;
+    }
+    const Index y = static_cast<Index>(targets(n / T, n % T));
+    const SoftmaxRowStats& row_stats = stats[static_cast<std::size_t>(n)];
+    const RowLoss row = row_loss(row_stats, terms);
+    add_row_loss<Scalar>(row, 1.0, result, nullptr, n);
+    if (!gradient) continue;
+
+    auto d_row = dlocal->row(n);
+    if (local_classes < shard.rows()) d_row.tail(shard.rows() - local_classes).setZero();
+    if (local_classes == 0) continue;
+    apply_softmax_gradient(d_row.data(), local_classes, y - shard.begin,
+                           softmax_gradient_at_max<Scalar>(row_stats, row.lse, scale, terms), terms,
+                           /*holds_exp=*/!softcap);
+  }
+  finish_reduction(result, options.reduction);
+  return result;
+}
+
+}  // namespace detail
+
+// local_logits [N, shard.rows()] (this rank's columns [begin, end) of the full [N, V] logits,
+// shard = vocab_shard(V, rank, R)), targets (N global ids, any shape read row-major, replicated)
+// -> the CrossEntropyResult cross_entropy_forward_backward gives on the full logits (replicated:
+// the same on every rank), and dlocal_logits [N, shard.rows()] = this rank's columns of its
+// dlogits. Every CrossEntropyOptions field applies; valid_vocab is global (a rank whose columns are
+// all padding gets dlocal = 0). dlocal_logits may be local_logits (computed in place).
+// Collective: one all-reduce max of N values, one all-reduce sum of 2N doubles (3N with label
+// smoothing). \throws (on every rank, before any collective or write) shape_error if local_logits
+// or dlocal_logits is not [N, shard.rows()] or targets has not N entries; index_error for a target
+// outside [0, classes) that is not ignore_index; value_error for an option out of range, V < R,
+// or targets, N, V or options that differ across ranks. Cost: 3 passes over the local logits.
+template <typename Scalar>
+CrossEntropyResult vocab_parallel_cross_entropy_forward_backward(Communicator& comm, Index V,
+                                                                 const ConstMatrixRef<Scalar>& local_logits,
+                                                                 const ConstIdRef<std::int32_t>& targets,
+                                                                 MatrixRef<Scalar> dlocal_logits,
+                                                                 const CrossEntropyOptions& options = {}) {
+  return detail::vocab_parallel_cross_entropy_pass<Scalar, std::int32_t>(
+      comm, V, local_logits, targets, &dlocal_logits, options, "vocab_parallel_cross_entropy_forward_backward");
+}
+template <typename Scalar>
+CrossEntropyResult vocab_parallel_cross_entropy_forward_backward(Communicator& comm, Index V,
+                                                                 const ConstMatrixRef<Scalar>& local_logits,
+                                                                 const ConstIdRef<std::int64_t>& targets,
+                                                                 MatrixRef<Scalar> dlocal_logits,
+                                                                 const CrossEntropyOptions& options = {}) {
+  return detail::vocab_parallel_cross_entropy_pass<Scalar, std::int64_t>(
+      comm, V, local_logits, targets, &dlocal_logits, options, "vocab_parallel_cross_entropy_forward_backward");
+}
+
+// local_logits [N, shard.rows()], targets (N global ids) -> the loss only (replicated).
+// Collective, as above. \throws as vocab_parallel_cross_entropy_forward_backward.
+template <typename Scalar>
+CrossEntropyResult vocab_parallel_cross_entropy(Communicator& comm, Index V, const ConstMatrixRef<Scalar>& local_logits,
+                                                const ConstIdRef<std::int32_t>& targets,
+                                                const CrossEntropyOptions& options = {}) {
+  return detail::vocab_parallel_cross_entropy_pass<Scalar, std::int32_t>(comm, V, local_logits, targets, nullptr,
+                                                                         options, "vocab_parallel_cross_entropy");
+}
+template <typename Scalar>
+CrossEntropyResult vocab_parallel_cross_entropy(Communicator& comm, Index V, const ConstMatrixRef<Scalar>& local_logits,
+                                                const ConstIdRef<std::int64_t>& targets,
+                                                const CrossEntropyOptions& options = {}) {
+  return detail::vocab_parallel_cross_entropy_pass<Scalar, std::int64_t>(comm, V, local_logits, targets, nullptr,
+                                                                         options, "vocab_parallel_cross_entropy");
+}
+
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_CROSS_ENTROPY_HPP
