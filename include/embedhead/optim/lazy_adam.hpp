@@ -12,7 +12,7 @@
 namespace embedhead {
 
 // Adam on the touched rows only (PyTorch's SparseAdam, TensorFlow's LazyAdam): for each touched
-// row, the update of AdamW above without weight decay; an untouched row's value and moments stay
+// row, the update of AdamW (adamw.hpp) without weight decay; an untouched row's value and moments stay
 // exactly as they were, and t counts optimizer steps. Equal to AdamW(weight_decay = 0) when every
 // row is touched every step; different otherwise (AdamW keeps moving rows with a stale momentum).
 // Cost O(touched rows * d) per step; state m, v [V, d]. Weight decay is rejected: applied to

@@ -23,6 +23,7 @@
 // replicated inputs (ids, targets, shapes) are fingerprinted so ranks fed different batches fail.
 // New shards are drawn from the same Rng stream as the single-process layers (init_normal is
 // counter-based), so a parallel model starts bit-identical to TokenEmbedding / OutputProjection
+// built with the same options.
 #ifndef EMBEDHEAD_PARALLEL_VOCAB_SHARD_HPP
 #define EMBEDHEAD_PARALLEL_VOCAB_SHARD_HPP
 
