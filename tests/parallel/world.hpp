@@ -1,9 +1,10 @@
-// The communicator the parallel tests run on: compiled twice from the same sources (see
-// tests/CMakeLists.txt, embedhead_add_parallel_test):
-//   <name>          EMBEDHEAD_TEST_MPI undefined: a SingleProcessCommunicator (rank 0 of 1), a
-//                   plain ctest test, also run under ASan+UBSan;
-//   <name>_mpi      EMBEDHEAD_TEST_MPI defined: MPI_COMM_WORLD, run by ctest under
-//                   `mpirun -np 1`, `-np 2` and `-np 3` (3 gives uneven vocabulary shards).
+// The communicator the parallel tests run on (see tests/CMakeLists.txt, embedhead_add_parallel_test):
+//   <name>_mpi      EMBEDHEAD_TEST_MPI defined, when MPI is found: MPI_COMM_WORLD, run by ctest
+//                   under `mpirun -np 1`, `-np 2` and `-np 3` (3 gives uneven vocabulary shards);
+//                   the same program started with --single-process (ctest test <name>, also run
+//                   under ASan+UBSan) never initialises MPI and runs on a SingleProcessCommunicator
+//                   (rank 0 of 1), so each source is compiled once per build;
+//   <name>          EMBEDHEAD_TEST_MPI undefined, when MPI is not found: a SingleProcessCommunicator.
 // Every rank runs every test case and calls the same collectives in the same order, so tests use
 // CHECK (which never leaves a test case early) wherever a collective follows.
 #ifndef EMBEDHEAD_TESTS_PARALLEL_WORLD_HPP
@@ -21,12 +22,19 @@
 
 namespace test_support {
 
+#ifdef EMBEDHEAD_TEST_MPI
+// True when the program was started with --single-process (defined in mpi_catch_main.cpp).
+bool single_process_run();
+#endif
+
 inline embedhead::Communicator& world() {
 #ifdef EMBEDHEAD_TEST_MPI
-  static embedhead::MpiCommunicator communicator;  // MPI is initialised by mpi_catch_main.cpp
-#else
-  static embedhead::SingleProcessCommunicator communicator;
+  if (!single_process_run()) {
+    static embedhead::MpiCommunicator communicator;  // MPI is initialised by mpi_catch_main.cpp
+    return communicator;
+  }
 #endif
+  static embedhead::SingleProcessCommunicator communicator;
   return communicator;
 }
 
