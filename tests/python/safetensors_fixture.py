@@ -13,7 +13,7 @@ A safetensors writer and reader written here from the format's specification, wi
                  tensors; non-finite values), for each tensor the decoded values as .npy sidecars
                  (float64, and float32 = what a float reader must return), .npy files written by
                  numpy.save (some that load_npy must refuse), and manifest.json listing them all.
-                 tests/python_interop_test.cpp then reads them with embedhead and compares bit
+                 tests/io/python_interop_test.cpp then reads them with embedhead and compares bit
                  for bit, and writes its own files into DIR/cpp/.
   check DIR      reads DIR/cpp/ with the reader here and compares with values recomputed in numpy
                  from the sources the C++ test saved (.npy): F32 exact, F16 = numpy's astype

@@ -8,8 +8,8 @@
 // last test case checks that 1 and 2 threads give bit-identical results.
 #include <embedhead/analysis/geometry.hpp>
 
-#include "reference/naive.hpp"
-#include "reference/test_support.hpp"
+#include "../reference/naive.hpp"
+#include "../reference/test_support.hpp"
 
 #include <catch2/catch.hpp>
 

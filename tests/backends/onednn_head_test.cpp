@@ -11,7 +11,7 @@
 #include <cmath>
 #include <string>
 
-#include "reference/test_support.hpp"
+#include "../reference/test_support.hpp"
 
 namespace {
 

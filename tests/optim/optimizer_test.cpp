@@ -20,7 +20,7 @@
 #include <memory>
 #include <vector>
 
-#include "reference/test_support.hpp"
+#include "../reference/test_support.hpp"
 
 namespace {
 

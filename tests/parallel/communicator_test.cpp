@@ -2,7 +2,7 @@
 // mpirun with 1, 2 and 3 ranks (tests/parallel/world.hpp).
 #include <embedhead/parallel/communicator.hpp>
 
-#include "parallel/world.hpp"
+#include "world.hpp"
 
 #include <catch2/catch.hpp>
 

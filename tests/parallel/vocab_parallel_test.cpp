@@ -6,8 +6,8 @@
 // case and the same collectives in the same order: CHECK, not REQUIRE, wherever a collective follows.
 #include <embedhead/embedhead.hpp>
 
-#include "parallel/world.hpp"
-#include "reference/test_support.hpp"
+#include "world.hpp"
+#include "../reference/test_support.hpp"
 
 #include <catch2/catch.hpp>
 

@@ -13,8 +13,8 @@
 #include <embedhead/output_projection.hpp>
 #include <embedhead/parallel/vocab_parallel_fused_head_loss.hpp>
 
-#include "parallel/world.hpp"
-#include "reference/test_support.hpp"
+#include "world.hpp"
+#include "../reference/test_support.hpp"
 
 #include <catch2/catch.hpp>
 

@@ -11,8 +11,8 @@
 #include <embedhead/output_projection.hpp>
 #include <embedhead/token_embedding.hpp>
 
-#include "parallel/world.hpp"
-#include "reference/test_support.hpp"
+#include "world.hpp"
+#include "../reference/test_support.hpp"
 
 #include <catch2/catch.hpp>
 
