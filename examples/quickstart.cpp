@@ -19,8 +19,8 @@ int main() {
   IdMatrix<std::int32_t> tokens(B, T + 1);
   tokens << 3, 14, 15, 9, 26, 5,
             35, 8, 9, 7, 9, 3;
-  const IdMatrix<std::int32_t> ids = tokens.leftCols(T);       // [B, T]
-  const IdMatrix<std::int32_t> targets = tokens.rightCols(T);  // [B, T], shifted by one
+  const auto ids = tokens.leftCols(T);       // [B, T], a view: no copy (TokenIds reads strided blocks)
+  const auto targets = tokens.rightCols(T);  // [B, T], shifted by one
 
   // Forward: x = E[ids] + P[t], logits = x E^T.
   RowMatrix<float> x = embedding.forward(ids);      // [B*T, d]

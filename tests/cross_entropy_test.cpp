@@ -9,6 +9,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -755,4 +756,51 @@ TEMPLATE_TEST_CASE("cross_entropy rejects options out of range and writes nothin
   CHECK_THROWS_WITH(embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, o),
                     Contains("valid_vocab = 6 outside [1, 5] (or -1 for all V = 5 columns)"));
   CHECK(same_values(dz, before));
+}
+
+TEMPLATE_TEST_CASE("Reduction::none: the per-token losses, and loss defined as their sum", "[cross_entropy][none]",
+                   float, double) {
+  using S = TestType;
+  const Index B = 2, T = 5, N = B * T, V = 7;
+  const RowMatrix<S> logits = random_matrix<S>(N, V, 1301, kLogitSpread);
+  IdMatrix<std::int32_t> targets = random_ids<std::int32_t>(B, T, V, 1302);
+  targets(1, 3) = -100;
+  const double tol = loss_tolerance<S>();
+
+  // Naive per-token losses in double: lse(z) - z_y, 0 for the ignored row.
+  std::vector<double> naive_losses(static_cast<std::size_t>(N), 0.0);
+  for (Index n = 0; n < N; ++n) {
+    const Index y = targets(n / T, n % T);
+    if (y == -100) continue;
+    double m = -1e300;
+    for (Index j = 0; j < V; ++j) m = std::max(m, static_cast<double>(logits(n, j)));
+    double s = 0;
+    for (Index j = 0; j < V; ++j) s += std::exp(static_cast<double>(logits(n, j)) - m);
+    naive_losses[static_cast<std::size_t>(n)] = m + std::log(s) - static_cast<double>(logits(n, y));
+  }
+
+  RowMatrix<S> losses = RowMatrix<S>::Constant(N, 1, S(9)), dlogits(N, V), dlogits_sum(N, V);
+  const auto none = embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits, losses,
+                                                                 with(Reduction::none));
+  const auto sum = embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits_sum, with(Reduction::sum));
+  double losses_total = 0;
+  for (Index n = 0; n < N; ++n) {
+    CHECK_THAT(static_cast<double>(losses(n, 0)), WithinAbs(naive_losses[static_cast<std::size_t>(n)], tol) ||
+                                                      WithinRel(naive_losses[static_cast<std::size_t>(n)], tol));
+    losses_total += naive_losses[static_cast<std::size_t>(n)];
+  }
+  CHECK(losses(1 * T + 3, 0) == S(0));  // the ignored row
+  // loss under none is the sum of the per-token losses: result.sum, bit for bit the sum reduction's.
+  CHECK(none.loss == none.sum);
+  CHECK(none.loss == sum.loss);
+  CHECK_THAT(none.loss, WithinRel(losses_total, tol) || WithinAbs(losses_total, tol));
+  CHECK(none.count == N - 1);
+  // Its gradient is each loss_n's own: the same numbers as sum's.
+  CHECK(same_values(dlogits, dlogits_sum));
+  // The loss-only call and the per-token call agree with it.
+  RowMatrix<S> losses2(N, 1);
+  const auto per_token = embedhead::cross_entropy_per_token<S>(logits, targets, losses2, with(Reduction::none));
+  CHECK(per_token.loss == none.loss);
+  CHECK(same_values(losses2, losses));
+  CHECK(embedhead::cross_entropy<S>(logits, targets, with(Reduction::none)).loss == none.loss);
 }

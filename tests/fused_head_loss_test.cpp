@@ -78,6 +78,15 @@ Outputs unfused(const Problem<Scalar>& p, bool with_bias, const CrossEntropyOpti
   return out;
 }
 
+// The optional per-token inputs and outputs as the fused loss takes them (each empty = absent).
+template <typename Scalar>
+FusedHeadLossExtras<Scalar> extras_of(const RowMatrix<Scalar>& weights, RowMatrix<Scalar>& lse,
+                                      RowMatrix<Scalar>& losses) {
+  return FusedHeadLossExtras<Scalar>{{weights.data(), weights.rows(), weights.cols()},
+                                     {lse.data(), lse.rows(), lse.cols()},
+                                     {losses.data(), losses.rows(), losses.cols()}};
+}
+
 template <typename Scalar>
 Outputs fused(const Problem<Scalar>& p, bool with_bias, const FusedHeadLossOptions& options, const RowMatrix<Scalar>& weights,
               RowMatrix<Scalar>* lse_out = nullptr) {
@@ -86,8 +95,9 @@ Outputs fused(const Problem<Scalar>& p, bool with_bias, const FusedHeadLossOptio
   RowMatrix<Scalar> lse(p.N, 1), losses(p.N, 1);
   FusedHeadLossWorkspace<Scalar> ws;
   Outputs out;
-  out.result = embedhead::fused_head_loss_forward_backward<Scalar>(p.h, p.W, with_bias ? p.bias : no_bias, p.targets, weights,
-                                                                   dh, dW, db, lse, losses, options, ws);
+  out.result = embedhead::fused_head_loss_forward_backward<Scalar>(p.h, p.W, with_bias ? p.bias : no_bias, p.targets,
+                                                                   dh, dW, db, ws, options,
+                                                                   extras_of(weights, lse, losses));
   out.dh = dh.template cast<double>();
   out.dW = dW.template cast<double>();
   out.db = db.template cast<double>();
@@ -254,7 +264,8 @@ TEST_CASE("fused head loss gradient check in double, every option on", "[fused_h
   auto loss = [&] {
     FusedHeadLossWorkspace<double> ws;
     RowMatrix<double> lse(0, 1), losses(0, 1);
-    return embedhead::fused_head_loss<double>(p.h, p.W, p.bias, p.targets, weights, lse, losses, options, ws).loss;
+    return embedhead::fused_head_loss<double>(p.h, p.W, p.bias, p.targets, ws, options, extras_of(weights, lse, losses))
+        .loss;
   };
   CHECK(naive::max_relative_error(analytic.dh, naive::numerical_gradient(p.h, loss), 1e-6) < 1e-6);
   CHECK(naive::max_relative_error(analytic.dW, naive::numerical_gradient(p.W, loss), 1e-6) < 1e-6);
@@ -275,7 +286,8 @@ TEMPLATE_TEST_CASE("fused_head_loss (no gradient) gives the same loss and writes
   const Outputs with_gradient = fused<Scalar>(p, true, options, no);
   FusedHeadLossWorkspace<Scalar> ws;
   RowMatrix<Scalar> lse(0, 1), losses(p.N, 1);
-  const CrossEntropyResult r = embedhead::fused_head_loss<Scalar>(p.h, p.W, p.bias, p.targets, no, lse, losses, options, ws);
+  const CrossEntropyResult r = embedhead::fused_head_loss<Scalar>(p.h, p.W, p.bias, p.targets, ws, options,
+                                                                  extras_of(no, lse, losses));
   // The loss is pass 1 of forward_backward: bit-identical.
   CHECK(r.loss == with_gradient.result.loss);
   CHECK(same_values(RowMatrix<double>(losses.template cast<double>()), with_gradient.losses));
@@ -366,7 +378,7 @@ TEMPLATE_TEST_CASE("fused head loss edge cases", "[fused_head_loss][edge]", floa
     const Outputs expected = fused<Scalar>(p, true, options, no);
     RowMatrix<Scalar> h = p.h, dW = RowMatrix<Scalar>::Zero(17, 4), db = RowMatrix<Scalar>::Zero(17, 1), none(0, 1);
     FusedHeadLossWorkspace<Scalar> ws;
-    embedhead::fused_head_loss_forward_backward<Scalar>(h, p.W, p.bias, p.targets, no, h, dW, db, none, none, options, ws);
+    embedhead::fused_head_loss_forward_backward<Scalar>(h, p.W, p.bias, p.targets, h, dW, db, ws, options);
     CHECK(same_values(RowMatrix<double>(h.template cast<double>()), expected.dh));
   }
 }
@@ -381,9 +393,11 @@ TEMPLATE_TEST_CASE("fused head loss rejects bad input and writes nothing", "[fus
   const RowMatrix<Scalar> dh0 = dh, dW0 = dW, db0 = db, lse0 = lse, losses0 = losses;
   FusedHeadLossWorkspace<Scalar> ws;
   auto call = [&](const RowMatrix<Scalar>& h, const RowMatrix<Scalar>& W, const RowMatrix<Scalar>& bias,
-                  const IdMatrix<std::int64_t>& targets, const RowMatrix<Scalar>& w, RowMatrix<Scalar>& dh_, RowMatrix<Scalar>& dW_,
-                  RowMatrix<Scalar>& db_, RowMatrix<Scalar>& lse_, RowMatrix<Scalar>& losses_, const FusedHeadLossOptions& o) {
-    embedhead::fused_head_loss_forward_backward<Scalar>(h, W, bias, targets, w, dh_, dW_, db_, lse_, losses_, o, ws);
+                  const IdMatrix<std::int64_t>& targets, const RowMatrix<Scalar>& w, RowMatrix<Scalar>& dh_,
+                  RowMatrix<Scalar>& dW_, RowMatrix<Scalar>& db_, RowMatrix<Scalar>& lse_, RowMatrix<Scalar>& losses_,
+                  const FusedHeadLossOptions& o) {
+    embedhead::fused_head_loss_forward_backward<Scalar>(h, W, bias, targets, dh_, dW_, db_, ws, o,
+                                                        extras_of(w, lse_, losses_));
   };
   auto unchanged = [&] {
     CHECK(same_values(dh, dh0));
@@ -559,9 +573,11 @@ TEMPLATE_TEST_CASE("FusedHeadLoss layer with a frozen W or bias: same loss and d
   SECTION("the free function skips an empty dW") {
     RowMatrix<Scalar> none(0, d), db = RowMatrix<Scalar>::Zero(V, 1), lse(0, 1), losses(0, 1);
     FusedHeadLossWorkspace<Scalar> workspace;
-    const auto actual = embedhead::fused_head_loss_forward_backward<Scalar>(
-        h, head.weight().value(), head.bias()->value(), targets, RowMatrix<Scalar>(0, 1), dh, none, db, lse, losses, options,
-        workspace);
+    const RowMatrix<Scalar> no_weights(0, 1);
+    const auto actual = embedhead::fused_head_loss_forward_backward<Scalar>(h, head.weight().value(),
+                                                                            head.bias()->value(), targets, dh, none, db,
+                                                                            workspace, options,
+                                                                            extras_of(no_weights, lse, losses));
     CHECK(actual.loss == expected.loss);
     CHECK(same_values(dh, dh_expected));
     CHECK(same_values(db, reference.bias()->grad().to_dense()));

@@ -146,7 +146,7 @@ TEST_CASE("quantized embedding: lookup gathers dequantized rows, int32 and int64
       q.forward(ids32, out);
       CHECK(first_difference(out, expected) == "");
       out.setConstant(42.0f);
-      embedhead::quantized_embedding_forward<std::int64_t>(q.values(), q.scales(), ids64, out);
+      embedhead::quantized_embedding_forward(q.values(), q.scales(), ids64, out);
       CHECK(first_difference(out, expected) == "");
     }
   }
@@ -169,7 +169,7 @@ TEST_CASE("quantized embedding: errors name the value, where it is and the range
     ids64 << 2, -3;
     RowMatrix<float> out2 = RowMatrix<float>::Constant(2, 3, 42.0f);
     REQUIRE_THROWS_WITH(q.forward(ids64, out2), Contains("id -3 at (b=0, t=1) outside [0, 4)"));
-    REQUIRE_THROWS_WITH(embedhead::quantized_embedding_forward<std::int64_t>(q.values(), q.scales(), ids64, out2),
+    REQUIRE_THROWS_WITH(embedhead::quantized_embedding_forward(q.values(), q.scales(), ids64, out2),
                         Contains("quantized_embedding_forward: id -3 at (b=0, t=1) outside [0, 4)"));
     CHECK(out2 == RowMatrix<float>::Constant(2, 3, 42.0f));
   }
@@ -183,7 +183,7 @@ TEST_CASE("quantized embedding: errors name the value, where it is and the range
     CHECK(out == RowMatrix<float>::Constant(2, 4, 42.0f));
     RowMatrix<float> good = RowMatrix<float>::Constant(2, 3, 42.0f);
     const RowMatrix<float> short_scales = RowMatrix<float>::Ones(3, 1);
-    REQUIRE_THROWS_WITH(embedhead::quantized_embedding_forward<std::int32_t>(q.values(), short_scales, ids, good),
+    REQUIRE_THROWS_WITH(embedhead::quantized_embedding_forward(q.values(), short_scales, ids, good),
                         Contains("scales has shape [3, 1], expected [4, 1]"));
     CHECK(good == RowMatrix<float>::Constant(2, 3, 42.0f));
   }

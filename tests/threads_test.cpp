@@ -118,8 +118,9 @@ TEMPLATE_TEST_CASE("threads: the fused head loss is bit-identical for 1 and 2 th
     Out out{0, RowMatrix<S>(N, d), RowMatrix<S>::Zero(V, d), RowMatrix<S>::Zero(V, 1), RowMatrix<S>(N, 1)};
     RowMatrix<S> no(0, 1), none(0, 1);
     embedhead::FusedHeadLossWorkspace<S> ws;
-    out.loss = embedhead::fused_head_loss_forward_backward<S>(h, W, bias, targets, no, out.dh, out.dW, out.db, out.lse, none,
-                                                              options, ws)
+    const embedhead::FusedHeadLossExtras<S> extras{{no.data(), 0, 1}, {out.lse.data(), N, 1}, {none.data(), 0, 1}};
+    out.loss = embedhead::fused_head_loss_forward_backward<S>(h, W, bias, targets, out.dh, out.dW, out.db, ws, options,
+                                                              extras)
                    .loss;
     return out;
   };

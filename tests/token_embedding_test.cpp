@@ -135,7 +135,7 @@ TEMPLATE_TEST_CASE("TokenEmbedding forward: the gather equals one_hot(ids) * E",
       REQUIRE(first_difference(out, expected) == "");
       // The free kernel, as the layer uses it.
       out.setConstant(Scalar(42));
-      embedhead::embedding_forward<Scalar, std::int32_t>(E, ids32, Scalar(1), out);
+      embedhead::embedding_forward<Scalar>(E, ids32, Scalar(1), out);
       REQUIRE(first_difference(out, expected) == "");
     });
   }
@@ -732,7 +732,7 @@ TEMPLATE_TEST_CASE("a large lookup (streaming stores) is the same row gather, on
     // The output starts `offset` scalars into a buffer, so its rows start at every alignment.
     std::vector<Scalar> buffer(static_cast<std::size_t>(N * d + offset), Scalar(-1));
     Eigen::Map<RowMatrix<Scalar>> out(buffer.data() + offset, N, d);
-    embedhead::embedding_forward<Scalar, std::int32_t>(E, ids, Scalar(1), out);
+    embedhead::embedding_forward<Scalar>(E, ids, Scalar(1), out);
     CHECK(first_difference(out, expected) == "");
     for (Index i = 0; i < offset; ++i) CHECK(buffer[static_cast<std::size_t>(i)] == Scalar(-1));
   }

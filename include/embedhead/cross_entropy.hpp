@@ -28,6 +28,12 @@
 
 namespace embedhead {
 
+// mean: loss = sum of loss_n / their count (or weight sum); sum: loss = the sum.
+// none: the result is the per-token losses, losses[n] = loss_n (0 for ignored rows), written by
+// the calls with a `losses` output; CrossEntropyResult::loss is then defined as their sum (what
+// `sum` reports, bit for bit), and the gradient is each loss_n's own (scale 1), as PyTorch's
+// loss.backward(torch.ones_like(loss)). Unlike PyTorch, which returns only the [N] tensor, a call
+// without a losses output is allowed and gives that sum (and the gradient, if asked).
 enum class Reduction { mean, sum, none };
 
 struct CrossEntropyOptions {
@@ -41,7 +47,8 @@ struct CrossEntropyOptions {
 };
 
 struct CrossEntropyResult {
-  double loss = 0;        // mean: sum / weight_sum (0 when nothing counts); sum and none: sum
+  double loss = 0;        // mean: sum / weight_sum (0 when nothing counts); sum: sum; none: sum of
+                          // the per-token losses (= sum; the losses themselves are the outputs)
   double sum = 0;         // sum of (weighted) loss_n over counted rows, z-loss included
   Index count = 0;        // rows whose target is not ignore_index
   double weight_sum = 0;  // sum of the counted rows' weights (= count without per-token weights)
@@ -76,7 +83,7 @@ inline Index classes_of(const CrossEntropyOptions& options, Index V) {
 // Throws unless targets has N entries, each in [0, classes) or equal to ignore_index. A target
 // in [classes, V) names a padding column and is rejected as such.
 template <typename Id>
-void check_targets(const char* where, const ConstIdRef<Id>& targets, Index N, Index classes, Index ignore_index,
+void check_targets(const char* where, const TypedTokenIds<Id>& targets, Index N, Index classes, Index ignore_index,
                    Index V = -1) {
   if (targets.size() != N) {
     std::ostringstream message;
@@ -124,7 +131,7 @@ inline double reduction_scale(Reduction reduction, double weight_sum, double gra
 
 // The shared pass: writes dlogits when it is non-null, per-token losses when non-null.
 template <typename Scalar, typename Id>
-CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<Id>& targets,
+CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, const TypedTokenIds<Id>& targets,
                                       const CrossEntropyOptions& options, MatrixRef<Scalar>* dlogits,
                                       MatrixRef<Scalar>* losses, const char* where) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
@@ -162,67 +169,55 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
 
 }  // namespace detail
 
-// logits [N, V], targets (N ids, any shape, read row-major) -> loss; dlogits [N, V] written as
-// (softmax - one_hot) * scale. \throws index_error for a target outside [0, V) that is not
-// ignore_index (first one, with its n); shape_error if targets has not N entries or dlogits is
-// not [N, V]. Nothing written on throw. dlogits may be logits itself (computed in place, so the
-// [N, V] gradient needs no second buffer). Cost: 3 passes over the logits, no allocation.
+// Targets are a TokenIds (token_ids.hpp): N ids of std::int32_t or std::int64_t in any shape
+// and layout (row-major, column-major, a strided block), read in row-major order n = b * cols + t.
+// The passes below are compiled once per id type and picked by one branch per call.
+
+// logits [N, V], targets (N ids) -> loss; dlogits [N, V] written as (softmax - one_hot) * scale.
+// \throws index_error for a target outside [0, V) that is not ignore_index (first one, with its
+// n); shape_error if targets has not N entries or dlogits is not [N, V]. Nothing written on throw.
+// dlogits may be logits itself (computed in place, so the [N, V] gradient needs no second
+// buffer). Cost: 3 passes over the logits, no allocation.
 template <typename Scalar>
-CrossEntropyResult cross_entropy_forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int32_t>& targets,
+CrossEntropyResult cross_entropy_forward_backward(const ConstMatrixRef<Scalar>& logits, TokenIds targets,
                                                   MatrixRef<Scalar> dlogits, const CrossEntropyOptions& options = {}) {
-  return detail::cross_entropy_pass<Scalar, std::int32_t>(logits, targets, options, &dlogits, nullptr,
-                                                          "cross_entropy_forward_backward");
-}
-template <typename Scalar>
-CrossEntropyResult cross_entropy_forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int64_t>& targets,
-                                                  MatrixRef<Scalar> dlogits, const CrossEntropyOptions& options = {}) {
-  return detail::cross_entropy_pass<Scalar, std::int64_t>(logits, targets, options, &dlogits, nullptr,
-                                                          "cross_entropy_forward_backward");
+  return targets.visit([&](const auto& typed) {
+    return detail::cross_entropy_pass<Scalar>(logits, typed, options, &dlogits, nullptr,
+                                              "cross_entropy_forward_backward");
+  });
 }
 
 // logits [N, V], targets (N ids) -> loss; dlogits [N, V] as above and losses [N, 1] = loss_n
-// (0 for ignored rows) in the same pass -- Reduction::none's outputs without a second pass.
+// (0 for ignored rows) in the same pass: Reduction::none's result and its gradient in one call.
 // \throws as above, shape_error if losses is not [N, 1].
 template <typename Scalar>
-CrossEntropyResult cross_entropy_forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int32_t>& targets,
+CrossEntropyResult cross_entropy_forward_backward(const ConstMatrixRef<Scalar>& logits, TokenIds targets,
                                                   MatrixRef<Scalar> dlogits, MatrixRef<Scalar> losses,
                                                   const CrossEntropyOptions& options = {}) {
-  return detail::cross_entropy_pass<Scalar, std::int32_t>(logits, targets, options, &dlogits, &losses,
-                                                          "cross_entropy_forward_backward");
-}
-template <typename Scalar>
-CrossEntropyResult cross_entropy_forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int64_t>& targets,
-                                                  MatrixRef<Scalar> dlogits, MatrixRef<Scalar> losses,
-                                                  const CrossEntropyOptions& options = {}) {
-  return detail::cross_entropy_pass<Scalar, std::int64_t>(logits, targets, options, &dlogits, &losses,
-                                                          "cross_entropy_forward_backward");
+  return targets.visit([&](const auto& typed) {
+    return detail::cross_entropy_pass<Scalar>(logits, typed, options, &dlogits, &losses,
+                                              "cross_entropy_forward_backward");
+  });
 }
 
 // logits [N, V], targets (N ids) -> loss only. \throws as cross_entropy_forward_backward.
 template <typename Scalar>
-CrossEntropyResult cross_entropy(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int32_t>& targets,
+CrossEntropyResult cross_entropy(const ConstMatrixRef<Scalar>& logits, TokenIds targets,
                                  const CrossEntropyOptions& options = {}) {
-  return detail::cross_entropy_pass<Scalar, std::int32_t>(logits, targets, options, nullptr, nullptr, "cross_entropy");
-}
-template <typename Scalar>
-CrossEntropyResult cross_entropy(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int64_t>& targets,
-                                 const CrossEntropyOptions& options = {}) {
-  return detail::cross_entropy_pass<Scalar, std::int64_t>(logits, targets, options, nullptr, nullptr, "cross_entropy");
+  return targets.visit([&](const auto& typed) {
+    return detail::cross_entropy_pass<Scalar>(logits, typed, options, nullptr, nullptr, "cross_entropy");
+  });
 }
 
 // logits [N, V], targets (N ids) -> losses [N, 1]: loss_n per row (0 for ignored rows), the
-// Reduction::none output. \throws as above, shape_error if losses is not [N, 1].
+// Reduction::none result. \throws as above, shape_error if losses is not [N, 1].
 template <typename Scalar>
-CrossEntropyResult cross_entropy_per_token(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int32_t>& targets,
+CrossEntropyResult cross_entropy_per_token(const ConstMatrixRef<Scalar>& logits, TokenIds targets,
                                            MatrixRef<Scalar> losses, const CrossEntropyOptions& options = {}) {
-  return detail::cross_entropy_pass<Scalar, std::int32_t>(logits, targets, options, nullptr, &losses, "cross_entropy_per_token");
+  return targets.visit([&](const auto& typed) {
+    return detail::cross_entropy_pass<Scalar>(logits, typed, options, nullptr, &losses, "cross_entropy_per_token");
+  });
 }
-template <typename Scalar>
-CrossEntropyResult cross_entropy_per_token(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int64_t>& targets,
-                                           MatrixRef<Scalar> losses, const CrossEntropyOptions& options = {}) {
-  return detail::cross_entropy_pass<Scalar, std::int64_t>(logits, targets, options, nullptr, &losses, "cross_entropy_per_token");
-}
-
 
 // The loss as an object holding its options, so the scalar type is named once:
 //   CrossEntropyLoss<float> loss;  auto r = loss.forward_backward(logits, targets, dlogits);
@@ -235,37 +230,28 @@ class CrossEntropyLoss {
   const CrossEntropyOptions& options() const { return options_; }
 
   // logits [N, V], targets (N ids) -> loss. See cross_entropy.
-  CrossEntropyResult forward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int32_t>& targets) const {
-    return detail::cross_entropy_pass<Scalar, std::int32_t>(logits, targets, options_, nullptr, nullptr,
-                                                            "CrossEntropyLoss::forward");
-  }
-  CrossEntropyResult forward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int64_t>& targets) const {
-    return detail::cross_entropy_pass<Scalar, std::int64_t>(logits, targets, options_, nullptr, nullptr,
-                                                            "CrossEntropyLoss::forward");
+  CrossEntropyResult forward(const ConstMatrixRef<Scalar>& logits, TokenIds targets) const {
+    return targets.visit([&](const auto& typed) {
+      return detail::cross_entropy_pass<Scalar>(logits, typed, options_, nullptr, nullptr, "CrossEntropyLoss::forward");
+    });
   }
 
   // logits [N, V], targets (N ids) -> loss; dlogits [N, V] = (softmax - one_hot) * scale.
   // See cross_entropy_forward_backward.
-  CrossEntropyResult forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int32_t>& targets,
+  CrossEntropyResult forward_backward(const ConstMatrixRef<Scalar>& logits, TokenIds targets,
                                       MatrixRef<Scalar> dlogits) const {
-    return detail::cross_entropy_pass<Scalar, std::int32_t>(logits, targets, options_, &dlogits, nullptr,
-                                                            "CrossEntropyLoss::forward_backward");
-  }
-  CrossEntropyResult forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int64_t>& targets,
-                                      MatrixRef<Scalar> dlogits) const {
-    return detail::cross_entropy_pass<Scalar, std::int64_t>(logits, targets, options_, &dlogits, nullptr,
-                                                            "CrossEntropyLoss::forward_backward");
+    return targets.visit([&](const auto& typed) {
+      return detail::cross_entropy_pass<Scalar>(logits, typed, options_, &dlogits, nullptr,
+                                                "CrossEntropyLoss::forward_backward");
+    });
   }
   // ... and losses [N, 1] = loss_n in the same pass.
-  CrossEntropyResult forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int32_t>& targets,
-                                      MatrixRef<Scalar> dlogits, MatrixRef<Scalar> losses) const {
-    return detail::cross_entropy_pass<Scalar, std::int32_t>(logits, targets, options_, &dlogits, &losses,
-                                                            "CrossEntropyLoss::forward_backward");
-  }
-  CrossEntropyResult forward_backward(const ConstMatrixRef<Scalar>& logits, const ConstIdRef<std::int64_t>& targets,
-                                      MatrixRef<Scalar> dlogits, MatrixRef<Scalar> losses) const {
-    return detail::cross_entropy_pass<Scalar, std::int64_t>(logits, targets, options_, &dlogits, &losses,
-                                                            "CrossEntropyLoss::forward_backward");
+  CrossEntropyResult forward_backward(const ConstMatrixRef<Scalar>& logits, TokenIds targets, MatrixRef<Scalar> dlogits,
+                                      MatrixRef<Scalar> losses) const {
+    return targets.visit([&](const auto& typed) {
+      return detail::cross_entropy_pass<Scalar>(logits, typed, options_, &dlogits, &losses,
+                                                "CrossEntropyLoss::forward_backward");
+    });
   }
 
  private:

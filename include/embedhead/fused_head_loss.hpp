@@ -132,10 +132,10 @@ struct VocabSlice {
 // check_on_every_rank, with dW and db null (a Parameter's gradient has its value's shape).
 template <typename Scalar, typename Id>
 void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, Index W_rows, Index d,
-                           const ConstMatrixRef<Scalar>& bias, const ConstIdRef<Id>& targets,
-                           const ConstMatrixRef<Scalar>& weights, const MatrixRef<Scalar>* dh, const MatrixRef<Scalar>* dW,
-                           const MatrixRef<Scalar>* db, const MatrixRef<Scalar>* lse, const MatrixRef<Scalar>* losses,
-                           const FusedHeadLossOptions& options, Index V) {
+                           const ConstMatrixRef<Scalar>& bias, const TypedTokenIds<Id>& targets,
+                           const ConstMatrixRef<Scalar>& weights, const MatrixRef<Scalar>* dh,
+                           const MatrixRef<Scalar>* dW, const MatrixRef<Scalar>* db, const MatrixRef<Scalar>* lse,
+                           const MatrixRef<Scalar>* losses, const FusedHeadLossOptions& options, Index V) {
   const Index N = h.rows();
   check_shape(where, "h", h, N, d);
   if (bias.size() != 0) check_shape(where, "bias", bias, W_rows, 1);
@@ -172,7 +172,7 @@ void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, I
 // (check_on_every_rank) before calling: the local checks here then cannot fail on one rank alone.
 template <typename Scalar, typename Id>
 CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                        const ConstMatrixRef<Scalar>& bias, const ConstIdRef<Id>& targets,
+                                        const ConstMatrixRef<Scalar>& bias, const TypedTokenIds<Id>& targets,
                                         const ConstMatrixRef<Scalar>& weights, MatrixRef<Scalar>* dh,
                                         MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db, MatrixRef<Scalar>* lse,
                                         MatrixRef<Scalar>* losses, const FusedHeadLossOptions& options,
@@ -328,14 +328,27 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
 }  // namespace detail
 
 // ---- the arithmetic, as free functions on views ----
-//
-// Common arguments: h [N, d], W [V, d], bias [V, 1] or empty (no bias), targets (N ids, any
-// shape, read row-major), weights [N, 1] or empty (all 1). Optional outputs, written when not
-// empty: lse [N, 1] (each row's log-sum-exp; 0 for ignored rows), losses [N, 1] (w_n * loss_n,
-// 0 for ignored rows). \throws shape_error for any shape mismatch; index_error for a target
-// outside [0, classes) that is not ignore_index (a target in the padding names it); value_error
-// for an option out of range or a negative / non-finite weight. Nothing is written on throw.
-// \pre no output aliases W or the other outputs; dh may be h.
+
+// Optional per-token inputs and outputs of the fused loss (the free functions and the layer-level
+// forms alike). Each is absent when empty (size 0), as default-constructed; present, it must be
+// [N, 1]. Each member is a Map, bound when the struct is made (assigning to a Map copies values
+// into it, it does not rebind it):
+//   FusedHeadLossExtras<float> extras{{weights.data(), N, 1}, {lse.data(), N, 1}, {losses.data(), N, 1}};
+//   FusedHeadLossExtras<float> lse_only{{}, {lse.data(), N, 1}};
+template <typename Scalar>
+struct FusedHeadLossExtras {
+  Eigen::Map<const RowMatrix<Scalar>> weights{nullptr, 0, 1};  // in:  [N, 1] per-token weights (>= 0)
+  Eigen::Map<RowMatrix<Scalar>> lse{nullptr, 0, 1};            // out: [N, 1] log-sum-exp of each row
+  Eigen::Map<RowMatrix<Scalar>> losses{nullptr, 0, 1};         // out: [N, 1] w_n * loss_n (Reduction::none's result)
+};
+
+// Common arguments: h [N, d], W [V, d], bias [V, 1] or empty (no bias), targets (a TokenIds: N
+// ids of int32 or int64, any shape and layout, read row-major), extras (weights [N, 1], all 1 when
+// empty; lse [N, 1], each row's log-sum-exp, 0 for ignored rows; losses [N, 1], w_n * loss_n, 0
+// for ignored rows; each used when not empty). \throws shape_error for any shape mismatch;
+// index_error for a target outside [0, classes) that is not ignore_index (a target in the padding
+// names it); value_error for an option out of range or a negative / non-finite weight. Nothing is
+// written on throw. \pre no output aliases W or the other outputs; dh may be h.
 
 // ... -> loss; dh [N, d] = dz W (written), dW [V, d] += dz^T h, db [V, 1] += sums of dz (each
 // skipped when empty: a frozen W, no bias). Cost: 8 N V d flops in GEMMs (two passes; 6 N V d
@@ -343,52 +356,34 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
 // scalars, plus 2 N d when tokens are ignored.
 template <typename Scalar>
 CrossEntropyResult fused_head_loss_forward_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                                    const ConstMatrixRef<Scalar>& bias, const ConstIdRef<std::int32_t>& targets,
-                                                    const ConstMatrixRef<Scalar>& weights, MatrixRef<Scalar> dh,
-                                                    MatrixRef<Scalar> dW, MatrixRef<Scalar> db, MatrixRef<Scalar> lse,
-                                                    MatrixRef<Scalar> losses, const FusedHeadLossOptions& options,
-                                                    FusedHeadLossWorkspace<Scalar>& workspace) {
-  return detail::fused_head_loss_pass<Scalar, std::int32_t>(h, W, bias, targets, weights, &dh, &dW, &db, &lse, &losses,
-                                                            options, workspace, "fused_head_loss_forward_backward");
-}
-template <typename Scalar>
-CrossEntropyResult fused_head_loss_forward_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                                    const ConstMatrixRef<Scalar>& bias, const ConstIdRef<std::int64_t>& targets,
-                                                    const ConstMatrixRef<Scalar>& weights, MatrixRef<Scalar> dh,
-                                                    MatrixRef<Scalar> dW, MatrixRef<Scalar> db, MatrixRef<Scalar> lse,
-                                                    MatrixRef<Scalar> losses, const FusedHeadLossOptions& options,
-                                                    FusedHeadLossWorkspace<Scalar>& workspace) {
-  return detail::fused_head_loss_pass<Scalar, std::int64_t>(h, W, bias, targets, weights, &dh, &dW, &db, &lse, &losses,
-                                                            options, workspace, "fused_head_loss_forward_backward");
+                                                    const ConstMatrixRef<Scalar>& bias, TokenIds targets,
+                                                    MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> db,
+                                                    FusedHeadLossWorkspace<Scalar>& workspace,
+                                                    const FusedHeadLossOptions& options = {},
+                                                    const FusedHeadLossExtras<Scalar>& extras = {}) {
+  Eigen::Map<RowMatrix<Scalar>> lse = extras.lse, losses = extras.losses;
+  MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
+  return targets.visit([&](const auto& typed) {
+    return detail::fused_head_loss_pass<Scalar>(h, W, bias, typed, extras.weights, &dh, &dW, &db, &lse_ref, &losses_ref,
+                                                options, workspace, "fused_head_loss_forward_backward");
+  });
 }
 
 // ... -> loss only (evaluation): pass 1 alone, the same loss bit for bit. Cost: 2 N V d flops.
 template <typename Scalar>
 CrossEntropyResult fused_head_loss(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                   const ConstMatrixRef<Scalar>& bias, const ConstIdRef<std::int32_t>& targets,
-                                   const ConstMatrixRef<Scalar>& weights, MatrixRef<Scalar> lse, MatrixRef<Scalar> losses,
-                                   const FusedHeadLossOptions& options, FusedHeadLossWorkspace<Scalar>& workspace) {
-  return detail::fused_head_loss_pass<Scalar, std::int32_t>(h, W, bias, targets, weights, nullptr, nullptr, nullptr, &lse,
-                                                            &losses, options, workspace, "fused_head_loss");
-}
-template <typename Scalar>
-CrossEntropyResult fused_head_loss(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                   const ConstMatrixRef<Scalar>& bias, const ConstIdRef<std::int64_t>& targets,
-                                   const ConstMatrixRef<Scalar>& weights, MatrixRef<Scalar> lse, MatrixRef<Scalar> losses,
-                                   const FusedHeadLossOptions& options, FusedHeadLossWorkspace<Scalar>& workspace) {
-  return detail::fused_head_loss_pass<Scalar, std::int64_t>(h, W, bias, targets, weights, nullptr, nullptr, nullptr, &lse,
-                                                            &losses, options, workspace, "fused_head_loss");
+                                   const ConstMatrixRef<Scalar>& bias, TokenIds targets,
+                                   FusedHeadLossWorkspace<Scalar>& workspace, const FusedHeadLossOptions& options = {},
+                                   const FusedHeadLossExtras<Scalar>& extras = {}) {
+  Eigen::Map<RowMatrix<Scalar>> lse = extras.lse, losses = extras.losses;
+  MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
+  return targets.visit([&](const auto& typed) {
+    return detail::fused_head_loss_pass<Scalar>(h, W, bias, typed, extras.weights, nullptr, nullptr, nullptr, &lse_ref,
+                                                &losses_ref, options, workspace, "fused_head_loss");
+  });
 }
 
 // ---- the layer-level form ----
-
-// Optional per-token inputs and outputs of FusedHeadLoss; each is used when not empty.
-template <typename Scalar>
-struct FusedHeadLossExtras {
-  Eigen::Map<const RowMatrix<Scalar>> weights{nullptr, 0, 1};  // [N, 1] per-token weights
-  Eigen::Map<RowMatrix<Scalar>> lse{nullptr, 0, 1};            // [N, 1] log-sum-exp of each row
-  Eigen::Map<RowMatrix<Scalar>> losses{nullptr, 0, 1};         // [N, 1] w_n * loss_n
-};
 
 // An OutputProjection's forward, the loss and the head's backward in one call, holding the
 // options and the workspace:
@@ -407,25 +402,15 @@ class FusedHeadLoss {
   // mode), bias grad += sums of dz. A frozen W or bias takes nothing: a frozen W skips the dW
   // GEMMs (6 N V d flops instead of 8) and its gradient is left as it was; loss and dh are the
   // same. \throws as fused_head_loss_forward_backward; gradients, dh and extras unchanged on throw.
-  CrossEntropyResult forward_backward(OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
-                                      const ConstIdRef<std::int32_t>& targets, MatrixRef<Scalar> dh,
-                                      const FusedHeadLossExtras<Scalar>& extras = {}) {
-    return forward_backward_impl(head, h, targets, dh, extras);
-  }
-  CrossEntropyResult forward_backward(OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
-                                      const ConstIdRef<std::int64_t>& targets, MatrixRef<Scalar> dh,
-                                      const FusedHeadLossExtras<Scalar>& extras = {}) {
-    return forward_backward_impl(head, h, targets, dh, extras);
+  CrossEntropyResult forward_backward(OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h, TokenIds targets,
+                                      MatrixRef<Scalar> dh, const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return targets.visit([&](const auto& typed) { return forward_backward_impl(head, h, typed, dh, extras); });
   }
 
   // h [N, d], targets (N ids) -> loss, no gradient (evaluation).
-  CrossEntropyResult forward(const OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
-                             const ConstIdRef<std::int32_t>& targets, const FusedHeadLossExtras<Scalar>& extras = {}) {
-    return forward_impl(head, h, targets, extras);
-  }
-  CrossEntropyResult forward(const OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
-                             const ConstIdRef<std::int64_t>& targets, const FusedHeadLossExtras<Scalar>& extras = {}) {
-    return forward_impl(head, h, targets, extras);
+  CrossEntropyResult forward(const OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h, TokenIds targets,
+                             const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return targets.visit([&](const auto& typed) { return forward_impl(head, h, typed, extras); });
   }
 
  private:
@@ -436,7 +421,7 @@ class FusedHeadLoss {
 
   template <typename Id>
   CrossEntropyResult forward_backward_impl(OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
-                                           const ConstIdRef<Id>& targets, MatrixRef<Scalar> dh,
+                                           const TypedTokenIds<Id>& targets, MatrixRef<Scalar> dh,
                                            const FusedHeadLossExtras<Scalar>& extras) {
     const char* where = "FusedHeadLoss::forward_backward";
     const Parameter<Scalar>& weight = head.weight();
@@ -465,7 +450,7 @@ class FusedHeadLoss {
 
   template <typename Id>
   CrossEntropyResult forward_impl(const OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
-                                  const ConstIdRef<Id>& targets, const FusedHeadLossExtras<Scalar>& extras) {
+                                  const TypedTokenIds<Id>& targets, const FusedHeadLossExtras<Scalar>& extras) {
     Eigen::Map<RowMatrix<Scalar>> lse = extras.lse, losses = extras.losses;
     MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
     return detail::fused_head_loss_pass<Scalar, Id>(h, head.weight().value(), bias_of(head), targets, extras.weights,

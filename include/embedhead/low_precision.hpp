@@ -98,8 +98,10 @@ float low_precision_scale(Index d) {
 // overflows Storage (|x| >= 65520 for fp16, >= 2^128 - 2^119 = 3.3962e38 for bf16), naming it and
 // its (row, col).
 // Nothing written on throw. Cost: two passes over V*d values; no allocation.
+namespace detail {
+
 template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
-void convert_table(const ConstMatrixRef<float>& src, MatrixRef<Storage> dst, const char* where = "convert_table") {
+void convert_table(const ConstMatrixRef<float>& src, MatrixRef<Storage> dst, const char* where) {
   detail::check_shape(where, "dst", dst, src.rows(), src.cols());
   for (Index r = 0; r < src.rows(); ++r)
     for (Index c = 0; c < src.cols(); ++c) {
@@ -113,6 +115,14 @@ void convert_table(const ConstMatrixRef<float>& src, MatrixRef<Storage> dst, con
       }
     }
   dst = src.template cast<Storage>();
+}
+
+}  // namespace detail
+
+// The function documented above; its errors name convert_table (layers call detail::convert_table with their own name).
+template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
+void convert_table(const ConstMatrixRef<float>& src, MatrixRef<Storage> dst) {
+  detail::convert_table<Storage>(src, dst, "convert_table");
 }
 // src float [V, d] -> a new Storage [V, d]. As above.
 template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
@@ -143,9 +153,11 @@ RowMatrix<float> widen_table(const ConstMatrixRef<Storage>& src) {
 // \pre out does not alias E. \throws index_error for an id outside [0, V) (the first in
 // row-major order, with its (b, t)); shape_error if out is not [B*T, d]. Nothing written on throw.
 // Cost: B*T*d conversions (and multiplies when scale != 1); no allocation.
+namespace detail {
+
 template <typename Storage, typename Id, detail::enable_if_low_precision<Storage> = 0>
-void embedding_forward(const ConstMatrixRef<Storage>& E, const ConstIdRef<Id>& ids, float scale,
-                       MatrixRef<float> out, const char* where = "embedding_forward") {
+void embedding_forward(const ConstMatrixRef<Storage>& E, const TypedTokenIds<Id>& ids, float scale,
+                       MatrixRef<float> out, const char* where) {
   const Index V = E.rows(), d = E.cols(), N = ids.size();
   detail::check_shape(where, "out", out, N, d);
   detail::check_ids(where, ids, V);
@@ -153,6 +165,15 @@ void embedding_forward(const ConstMatrixRef<Storage>& E, const ConstIdRef<Id>& i
   detail::gather_tokens(
       ids, [&](Index v) { return E.row(v).data(); }, d,
       [&](Index n, Index v) { detail::widen_row(E.row(v).data(), d, scale, out.row(n).data()); }, [] {});
+}
+
+}  // namespace detail
+
+// The function documented above; its errors name embedding_forward.
+// Layers call detail::embedding_forward with their own name instead.
+template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
+void embedding_forward(const ConstMatrixRef<Storage>& E, TokenIds ids, float scale, MatrixRef<float> out) {
+  ids.visit([&](const auto& typed) { detail::embedding_forward<Storage>(E, typed, scale, out, "embedding_forward"); });
 }
 
 // ---- the head, on views ----
@@ -165,15 +186,28 @@ void embedding_forward(const ConstMatrixRef<Storage>& E, const ConstIdRef<Id>& i
 // \pre logits aliases neither h nor W. \throws shape_error on any shape mismatch (nothing
 // written). Cost: 2 N V d flops plus V*d conversions; allocates only when the workspace is too
 // small (256 * d floats per thread), plus Eigen's GEMM packing buffers.
+namespace detail {
+
 template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
 void output_projection_forward(const ConstMatrixRef<float>& h, const ConstMatrixRef<Storage>& W,
-                               const ConstMatrixRef<float>& bias, MatrixRef<float> logits,
-                               HeadTileWorkspace& workspace, const char* where = "output_projection_forward") {
+                               const ConstMatrixRef<float>& bias, MatrixRef<float> logits, HeadTileWorkspace& workspace,
+                               const char* where) {
   const Index N = h.rows(), V = W.rows(), d = W.cols();
   detail::check_shape(where, "h", h, N, d);
   if (bias.size() != 0) detail::check_shape(where, "bias", bias, V, 1);
   detail::check_shape(where, "logits", logits, N, V);
   detail::head_forward_chunked<float, Storage>(h, W, bias, logits, detail::kHeadVocabChunk, &workspace.tiles);
+}
+
+}  // namespace detail
+
+// The function documented above; its errors name output_projection_forward.
+// Layers call detail::output_projection_forward with their own name instead.
+template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
+void output_projection_forward(const ConstMatrixRef<float>& h, const ConstMatrixRef<Storage>& W,
+                               const ConstMatrixRef<float>& bias, MatrixRef<float> logits,
+                               HeadTileWorkspace& workspace) {
+  detail::output_projection_forward<Storage>(h, W, bias, logits, workspace, "output_projection_forward");
 }
 
 // h float [N, d], W Storage [V, d], dlogits float [N, V] -> dh float [N, d] = dlogits float(W)
@@ -185,11 +219,12 @@ void output_projection_forward(const ConstMatrixRef<float>& h, const ConstMatrix
 // \pre dh aliases neither W, dlogits nor dW; it may be h (dW is computed first).
 // \throws shape_error on any mismatch (nothing written). Cost: 4 N V d flops (2 N V d without
 // dW) plus V*d conversions per 256 tokens; allocation as output_projection_forward.
+namespace detail {
+
 template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
 void output_projection_backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<Storage>& W,
                                 const ConstMatrixRef<float>& dlogits, MatrixRef<float> dh, MatrixRef<float> dW,
-                                MatrixRef<float> db, HeadTileWorkspace& workspace,
-                                const char* where = "output_projection_backward") {
+                                MatrixRef<float> db, HeadTileWorkspace& workspace, const char* where) {
   const Index N = h.rows(), V = W.rows(), d = W.cols();
   detail::check_shape(where, "h", h, N, d);
   detail::check_shape(where, "dlogits", dlogits, N, V);
@@ -199,6 +234,17 @@ void output_projection_backward(const ConstMatrixRef<float>& h, const ConstMatri
   // dW reads h, so it goes before dh is written: dh may then be h itself.
   detail::head_backward_chunked<float, Storage>(h, W, dlogits, dh, dW, db, detail::kHeadVocabChunk,
                                                 detail::kHeadTokenChunk, &workspace.tiles, true);
+}
+
+}  // namespace detail
+
+// The function documented above; its errors name output_projection_backward.
+// Layers call detail::output_projection_backward with their own name instead.
+template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
+void output_projection_backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<Storage>& W,
+                                const ConstMatrixRef<float>& dlogits, MatrixRef<float> dh, MatrixRef<float> dW,
+                                MatrixRef<float> db, HeadTileWorkspace& workspace) {
+  detail::output_projection_backward<Storage>(h, W, dlogits, dh, dW, db, workspace, "output_projection_backward");
 }
 
 // ---- the layers ----
@@ -259,17 +305,20 @@ class LowPrecisionEmbedding {
   void set_frozen(bool frozen) { weight_->set_frozen(frozen); }
 
   // ids [B, T] -> out float [B*T, d]. See embedding_forward above.
-  void forward(const ConstIdRef<std::int32_t>& ids, MatrixRef<float> out) const { forward_into(ids, out); }
-  void forward(const ConstIdRef<std::int64_t>& ids, MatrixRef<float> out) const { forward_into(ids, out); }
-  RowMatrix<float> forward(const ConstIdRef<std::int32_t>& ids) const { return forward_new(ids); }
-  RowMatrix<float> forward(const ConstIdRef<std::int64_t>& ids) const { return forward_new(ids); }
+  void forward(TokenIds ids, MatrixRef<float> out) const {
+    ids.visit([&](const auto& typed) { forward_into(typed, out); });
+  }
+  RowMatrix<float> forward(TokenIds ids) const {
+    return ids.visit([&](const auto& typed) { return forward_new(typed); });
+  }
 
   // ids [B, T], dout float [B*T, d] -> grad() += scale * one_hot(ids)^T * dout, skipping
   // padding_idx: embedding_backward<float>, bit-identical to TokenEmbedding<float>::backward with
   // the same multiplier. A frozen table takes nothing, after the same checks.
   // \throws index_error / shape_error (gradient unchanged). Cost O(N log N + touched rows * d).
-  void backward(const ConstIdRef<std::int32_t>& ids, const ConstMatrixRef<float>& dout) { backward_impl(ids, dout); }
-  void backward(const ConstIdRef<std::int64_t>& ids, const ConstMatrixRef<float>& dout) { backward_impl(ids, dout); }
+  void backward(TokenIds ids, const ConstMatrixRef<float>& dout) {
+    ids.visit([&](const auto& typed) { backward_impl(typed, dout); });
+  }
 
  private:
   static void check_not_null(const std::shared_ptr<ParameterType>& weight) {
@@ -285,25 +334,25 @@ class LowPrecisionEmbedding {
     }
   }
   template <typename Id>
-  void forward_into(const ConstIdRef<Id>& ids, MatrixRef<float> out) const {
-    embedding_forward<Storage, Id>(table(), ids, scale(), out, "LowPrecisionEmbedding::forward");
+  void forward_into(const TypedTokenIds<Id>& ids, MatrixRef<float> out) const {
+    detail::embedding_forward<Storage, Id>(table(), ids, scale(), out, "LowPrecisionEmbedding::forward");
   }
   template <typename Id>
-  RowMatrix<float> forward_new(const ConstIdRef<Id>& ids) const {
+  RowMatrix<float> forward_new(const TypedTokenIds<Id>& ids) const {
     detail::check_ids("LowPrecisionEmbedding::forward", ids, vocab_size());  // before allocating
     RowMatrix<float> out(ids.size(), dim());
     forward_into(ids, out);
     return out;
   }
   template <typename Id>
-  void backward_impl(const ConstIdRef<Id>& ids, const ConstMatrixRef<float>& dout) {
+  void backward_impl(const TypedTokenIds<Id>& ids, const ConstMatrixRef<float>& dout) {
     if (weight_->frozen()) {
       detail::check_shape("LowPrecisionEmbedding::backward", "dout", dout, ids.size(), dim());
       detail::check_ids("LowPrecisionEmbedding::backward", ids, vocab_size());
       return;
     }
-    embedding_backward<float, Id>(ids, dout, scale(), options_.padding_idx.value_or(-1), weight_->grad(), workspace_,
-                                  "LowPrecisionEmbedding::backward");
+    detail::embedding_backward<float, Id>(ids, dout, scale(), options_.padding_idx.value_or(-1), weight_->grad(),
+                                          workspace_, "LowPrecisionEmbedding::backward");
   }
 
   TokenEmbeddingOptions options_;
@@ -382,8 +431,8 @@ class LowPrecisionOutputProjection {
   // h float [N, d] -> logits float [N, V] = h float(W)^T + b. See output_projection_forward above.
   // Uses this layer's tile workspace: not to be called concurrently on one object.
   void forward(const ConstMatrixRef<float>& h, MatrixRef<float> logits) {
-    output_projection_forward<Storage>(h, weight_value(), bias_view(), logits, workspace_,
-                                       "LowPrecisionOutputProjection::forward");
+    detail::output_projection_forward<Storage>(h, weight_value(), bias_view(), logits, workspace_,
+                                               "LowPrecisionOutputProjection::forward");
   }
   RowMatrix<float> forward(const ConstMatrixRef<float>& h) {
     detail::check_shape("LowPrecisionOutputProjection::forward", "h", h, h.rows(), dim());
@@ -404,7 +453,7 @@ class LowPrecisionOutputProjection {
     detail::check_shape(where, "dh", dh, h.rows(), dim());
     auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<float>>(nullptr, 0, dim()) : weight_->grad().dense_accumulator();
     auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : Eigen::Map<RowMatrix<float>>(nullptr, 0, 1);
-    output_projection_backward<Storage>(h, weight_value(), dlogits, dh, dW, db, workspace_, where);
+    detail::output_projection_backward<Storage>(h, weight_value(), dlogits, dh, dW, db, workspace_, where);
   }
   RowMatrix<float> backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<float>& dlogits) {
     detail::check_shape("LowPrecisionOutputProjection::backward", "h", h, h.rows(), dim());

@@ -143,10 +143,11 @@ void head_decode(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& 
 // \pre logits aliases neither h nor W. \throws shape_error on any shape mismatch (nothing written).
 // Cost: 2 N V d flops. Nothing of size N*V is allocated; Eigen's GEMM may allocate its packing
 // buffers (bounded by its cache blocking, independent of V) for large products.
+namespace detail {
+
 template <typename Scalar>
 void output_projection_forward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                               const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits,
-                               const char* where = "output_projection_forward") {
+                               const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits, const char* where) {
   const Index N = h.rows(), V = W.rows(), d = W.cols();
   detail::check_shape(where, "h", h, N, d);
   if (bias.size() != 0) detail::check_shape(where, "bias", bias, V, 1);
@@ -155,6 +156,16 @@ void output_projection_forward(const ConstMatrixRef<Scalar>& h, const ConstMatri
     detail::head_decode<Scalar>(h, W, bias, logits);
   else
     detail::head_forward_chunked<Scalar>(h, W, bias, logits, detail::kHeadVocabChunk);
+}
+
+}  // namespace detail
+
+// The function documented above; its errors name output_projection_forward.
+// Layers call detail::output_projection_forward with their own name instead.
+template <typename Scalar>
+void output_projection_forward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                               const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits) {
+  detail::output_projection_forward<Scalar>(h, W, bias, logits, "output_projection_forward");
 }
 
 // Decode: h [N, d] with 1 <= N <= 8, W [V, d], bias [V, 1] or empty -> logits [N, V] = h W^T + b,
@@ -166,16 +177,27 @@ void output_projection_forward(const ConstMatrixRef<Scalar>& h, const ConstMatri
 // call it directly to insist on the decode path.
 // \pre logits aliases neither h nor W. \throws value_error if N is outside [1, 8], shape_error on
 // any shape mismatch (nothing written either way). Allocates nothing.
+namespace detail {
+
 template <typename Scalar>
 void output_projection_decode(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                              const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits,
-                              const char* where = "output_projection_decode") {
+                              const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits, const char* where) {
   const Index N = h.rows(), V = W.rows(), d = W.cols();
   detail::check_range(where, "N", N, 1, detail::kDecodeMaxTokens);
   detail::check_shape(where, "h", h, N, d);
   if (bias.size() != 0) detail::check_shape(where, "bias", bias, V, 1);
   detail::check_shape(where, "logits", logits, N, V);
   detail::head_decode<Scalar>(h, W, bias, logits);
+}
+
+}  // namespace detail
+
+// The function documented above; its errors name output_projection_decode.
+// Layers call detail::output_projection_decode with their own name instead.
+template <typename Scalar>
+void output_projection_decode(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                              const ConstMatrixRef<Scalar>& bias, MatrixRef<Scalar> logits) {
+  detail::output_projection_decode<Scalar>(h, W, bias, logits, "output_projection_decode");
 }
 
 // h [N, d], W [V, d], dlogits [N, V] -> dh [N, d] = dlogits W (written); dW [V, d] += dlogits^T h
@@ -185,10 +207,12 @@ void output_projection_decode(const ConstMatrixRef<Scalar>& h, const ConstMatrix
 // count, with or without OpenMP.
 // \pre dh aliases neither W, dlogits nor dW; it may be h (dW is computed first).
 // \throws shape_error on any mismatch (nothing written). Cost: 4 N V d flops (2 N V d without dW).
+namespace detail {
+
 template <typename Scalar>
 void output_projection_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                 const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW,
-                                MatrixRef<Scalar> db, const char* where = "output_projection_backward") {
+                                MatrixRef<Scalar> db, const char* where) {
   const Index N = h.rows(), V = W.rows(), d = W.cols();
   detail::check_shape(where, "h", h, N, d);
   detail::check_shape(where, "dlogits", dlogits, N, V);
@@ -196,6 +220,17 @@ void output_projection_backward(const ConstMatrixRef<Scalar>& h, const ConstMatr
   if (dW.size() != 0) detail::check_shape(where, "dW", dW, V, d);
   if (db.size() != 0) detail::check_shape(where, "db", db, V, 1);
   detail::head_backward_chunked<Scalar>(h, W, dlogits, dh, dW, db, detail::kHeadVocabChunk, detail::kHeadTokenChunk);
+}
+
+}  // namespace detail
+
+// The function documented above; its errors name output_projection_backward.
+// Layers call detail::output_projection_backward with their own name instead.
+template <typename Scalar>
+void output_projection_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW,
+                                MatrixRef<Scalar> db) {
+  detail::output_projection_backward<Scalar>(h, W, dlogits, dh, dW, db, "output_projection_backward");
 }
 
 // ---- the layer ----
@@ -285,7 +320,7 @@ class OutputProjection {
 
   // h [N, d] -> logits [N, V] = h W^T + b. See output_projection_forward.
   void forward(const ConstMatrixRef<Scalar>& h, MatrixRef<Scalar> logits) const {
-    output_projection_forward<Scalar>(h, weight_->value(), bias_view(), logits, "OutputProjection::forward");
+    detail::output_projection_forward<Scalar>(h, weight_->value(), bias_view(), logits, "OutputProjection::forward");
   }
   RowMatrix<Scalar> forward(const ConstMatrixRef<Scalar>& h) const {
     detail::check_shape("OutputProjection::forward", "h", h, h.rows(), dim());
@@ -309,7 +344,7 @@ class OutputProjection {
     const Eigen::Map<RowMatrix<Scalar>> none(nullptr, 0, 1);
     auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, dim()) : weight_->grad().dense_accumulator();
     auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : none;
-    output_projection_backward<Scalar>(h, weight_->value(), dlogits, dh, dW, db, where);
+    detail::output_projection_backward<Scalar>(h, weight_->value(), dlogits, dh, dW, db, where);
   }
   RowMatrix<Scalar> backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& dlogits) {
     detail::check_shape("OutputProjection::backward", "h", h, h.rows(), dim());

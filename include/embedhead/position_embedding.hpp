@@ -53,13 +53,25 @@ inline void check_positions(const char* where, const char* what, Index x_rows, I
 // x [B*T, d], P [T_max, d] -> out [B*T, d]: out[b*T + t] = x[b*T + t] + P[start + t].
 // out may be x itself (in place). \throws shape_error if x or out is not [B*T, d]; index_error if
 // a position falls outside [0, T_max); value_error if B or T < 0. Nothing written on throw.
+namespace detail {
+
 template <typename Scalar>
-void add_position_rows(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Scalar>& P, Index B, Index T,
-                       Index start, MatrixRef<Scalar> out, const char* where = "add_position_rows") {
+void add_position_rows(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Scalar>& P, Index B, Index T, Index start,
+                       MatrixRef<Scalar> out, const char* where) {
   detail::check_positions(where, "x", x.rows(), x.cols(), B, T, start, P.rows(), P.cols());
   detail::check_shape(where, "out", out, B * T, P.cols());
   for (Index b = 0; b < B; ++b)
     for (Index t = 0; t < T; ++t) out.row(b * T + t) = x.row(b * T + t) + P.row(start + t);
+}
+
+}  // namespace detail
+
+// The function documented above; its errors name add_position_rows.
+// Layers call detail::add_position_rows with their own name instead.
+template <typename Scalar>
+void add_position_rows(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Scalar>& P, Index B, Index T, Index start,
+                       MatrixRef<Scalar> out) {
+  detail::add_position_rows<Scalar>(x, P, B, T, start, out, "add_position_rows");
 }
 
 struct LearnedPositionOptions {
@@ -106,7 +118,7 @@ class LearnedPositionEmbedding {
 
   // x [B*T, d] -> out [B*T, d] = x + P[start + t]; out may be x. See add_position_rows.
   void forward(const ConstMatrixRef<Scalar>& x, Index B, Index T, MatrixRef<Scalar> out, Index start = 0) const {
-    add_position_rows<Scalar>(x, weight_->value(), B, T, start, out, "LearnedPositionEmbedding::forward");
+    detail::add_position_rows<Scalar>(x, weight_->value(), B, T, start, out, "LearnedPositionEmbedding::forward");
   }
   RowMatrix<Scalar> forward(const ConstMatrixRef<Scalar>& x, Index B, Index T, Index start = 0) const {
     detail::check_positions("LearnedPositionEmbedding::forward", "x", x.rows(), x.cols(), B, T, start,
@@ -176,7 +188,7 @@ class SinusoidalPositionEmbedding {
   // x [B*T, d] -> out [B*T, d] = x + P[start + t]; out may be x. See add_position_rows.
   // There is no parameter, so there is no backward: the gradient for x is dout.
   void forward(const ConstMatrixRef<Scalar>& x, Index B, Index T, MatrixRef<Scalar> out, Index start = 0) const {
-    add_position_rows<Scalar>(x, table_, B, T, start, out, "SinusoidalPositionEmbedding::forward");
+    detail::add_position_rows<Scalar>(x, table_, B, T, start, out, "SinusoidalPositionEmbedding::forward");
   }
   RowMatrix<Scalar> forward(const ConstMatrixRef<Scalar>& x, Index B, Index T, Index start = 0) const {
     detail::check_positions("SinusoidalPositionEmbedding::forward", "x", x.rows(), x.cols(), B, T, start,

@@ -35,10 +35,11 @@ namespace embedhead {
 // \pre out aliases neither Q nor scales. \throws shape_error if scales is not [V, 1] or out is not
 // [B*T, d]; index_error for an id outside [0, V) (the first in row-major order, with its (b, t)).
 // Nothing written on throw. Cost: B*T*d conversions and multiplies; no allocation.
+namespace detail {
+
 template <typename Id>
 void quantized_embedding_forward(const ConstMatrixRef<std::int8_t>& Q, const ConstMatrixRef<float>& scales,
-                                 const ConstIdRef<Id>& ids, MatrixRef<float> out,
-                                 const char* where = "quantized_embedding_forward") {
+                                 const TypedTokenIds<Id>& ids, MatrixRef<float> out, const char* where) {
   const Index V = Q.rows(), d = Q.cols(), N = ids.size();
   detail::check_shape(where, "scales", scales, V, 1);
   detail::check_shape(where, "out", out, N, d);
@@ -53,6 +54,17 @@ void quantized_embedding_forward(const ConstMatrixRef<std::int8_t>& Q, const Con
         for (Index j = 0; j < d; ++j) o[j] = s * static_cast<float>(q[j]);
       },
       [] {});
+}
+
+}  // namespace detail
+
+// The function documented above; its errors name quantized_embedding_forward.
+// Layers call detail::quantized_embedding_forward with their own name instead.
+inline void quantized_embedding_forward(const ConstMatrixRef<std::int8_t>& Q, const ConstMatrixRef<float>& scales,
+                                        TokenIds ids, MatrixRef<float> out) {
+  ids.visit([&](const auto& typed) {
+    detail::quantized_embedding_forward(Q, scales, typed, out, "quantized_embedding_forward");
+  });
 }
 
 // ---- the table ----
@@ -94,10 +106,12 @@ class QuantizedEmbedding {
   }
 
   // ids [B, T] -> out float [B*T, d]. See quantized_embedding_forward.
-  void forward(const ConstIdRef<std::int32_t>& ids, MatrixRef<float> out) const { forward_into(ids, out); }
-  void forward(const ConstIdRef<std::int64_t>& ids, MatrixRef<float> out) const { forward_into(ids, out); }
-  RowMatrix<float> forward(const ConstIdRef<std::int32_t>& ids) const { return forward_new(ids); }
-  RowMatrix<float> forward(const ConstIdRef<std::int64_t>& ids) const { return forward_new(ids); }
+  void forward(TokenIds ids, MatrixRef<float> out) const {
+    ids.visit([&](const auto& typed) { forward_into(typed, out); });
+  }
+  RowMatrix<float> forward(TokenIds ids) const {
+    return ids.visit([&](const auto& typed) { return forward_new(typed); });
+  }
 
   // -> the whole dequantized table float [V, d] (tests, export). Cost O(V*d), allocates it.
   RowMatrix<float> dequantize() const {
@@ -121,11 +135,11 @@ class QuantizedEmbedding {
     return 0;
   }
   template <typename Id>
-  void forward_into(const ConstIdRef<Id>& ids, MatrixRef<float> out) const {
-    quantized_embedding_forward<Id>(values_, scales_, ids, out, "QuantizedEmbedding::forward");
+  void forward_into(const TypedTokenIds<Id>& ids, MatrixRef<float> out) const {
+    detail::quantized_embedding_forward<Id>(values_, scales_, ids, out, "QuantizedEmbedding::forward");
   }
   template <typename Id>
-  RowMatrix<float> forward_new(const ConstIdRef<Id>& ids) const {
+  RowMatrix<float> forward_new(const TypedTokenIds<Id>& ids) const {
     detail::check_ids("QuantizedEmbedding::forward", ids, vocab_size());  // before allocating
     RowMatrix<float> out(ids.size(), dim());
     forward_into(ids, out);

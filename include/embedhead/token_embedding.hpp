@@ -35,9 +35,11 @@ namespace embedhead {
 // row-major order, with its (b, t)); shape_error if out is not [B*T, d]. Nothing written on throw.
 // Cost: B*T*d copies (multiplies when scale != 1); no allocation. Outputs of 16 MiB or more are
 // written with streaming stores (same values; they bypass the caches, as a large memcpy does).
+namespace detail {
+
 template <typename Scalar, typename Id>
-void embedding_forward(const ConstMatrixRef<Scalar>& E, const ConstIdRef<Id>& ids, Scalar scale,
-                       MatrixRef<Scalar> out, const char* where = "embedding_forward") {
+void embedding_forward(const ConstMatrixRef<Scalar>& E, const TypedTokenIds<Id>& ids, Scalar scale,
+                       MatrixRef<Scalar> out, const char* where) {
   const Index V = E.rows(), d = E.cols(), N = ids.size();
   detail::check_shape(where, "out", out, N, d);
   detail::check_ids(where, ids, V);
@@ -57,6 +59,14 @@ void embedding_forward(const ConstMatrixRef<Scalar>& E, const ConstIdRef<Id>& id
       [&] {
         if (streaming) detail::stream_fence();
       });
+}
+
+}  // namespace detail
+
+// E [V, d], ids [B, T] -> out [B*T, d], as described above.
+template <typename Scalar>
+void embedding_forward(const ConstMatrixRef<Scalar>& E, TokenIds ids, Scalar scale, MatrixRef<Scalar> out) {
+  ids.visit([&](const auto& typed) { detail::embedding_forward<Scalar>(E, typed, scale, out, "embedding_forward"); });
 }
 
 namespace detail {
@@ -101,10 +111,11 @@ void add_token_runs(RowGradient<Scalar>& dE, const ScatterWorkspace& ws, std::si
 // on every run. \throws index_error / shape_error as embedding_forward; dE unchanged on throw.
 // Cost: O(N log N) to sort the N = B*T ids, O(N * d) to add, O((k_old + k_new) * d) to merge new
 // rows into the gradient's sorted block; never O(V * d) in sparse mode. Reuses `workspace`.
+namespace detail {
+
 template <typename Scalar, typename Id>
-void embedding_backward(const ConstIdRef<Id>& ids, const ConstMatrixRef<Scalar>& dout, Scalar scale,
-                        Index padding_idx, RowGradient<Scalar>& dE, ScatterWorkspace& workspace,
-                        const char* where = "embedding_backward") {
+void embedding_backward(const TypedTokenIds<Id>& ids, const ConstMatrixRef<Scalar>& dout, Scalar scale,
+                        Index padding_idx, RowGradient<Scalar>& dE, ScatterWorkspace& workspace, const char* where) {
   const Index V = dE.rows(), d = dE.cols();
   detail::check_shape(where, "dout", dout, ids.size(), d);
   detail::check_ids(where, ids, V);
@@ -113,6 +124,19 @@ void embedding_backward(const ConstIdRef<Id>& ids, const ConstMatrixRef<Scalar>&
   // Rows new to the gradient are left unzeroed (fresh): their first token is written, not added.
   dE.touch_rows(workspace.unique_ids.data(), k, workspace.slots.data(), workspace.fresh.data());
   detail::add_token_runs<Scalar>(dE, workspace, 0, k, dout, scale);
+}
+
+}  // namespace detail
+
+// ids [B, T], dout [B*T, d] -> dE (a [V, d] RowGradient) += scale * one_hot(ids)^T * dout, as
+// described above; padding_idx: std::nullopt (or -1, which no valid id equals) for none.
+template <typename Scalar>
+void embedding_backward(TokenIds ids, const ConstMatrixRef<Scalar>& dout, Scalar scale,
+                        std::optional<Index> padding_idx, RowGradient<Scalar>& dE, ScatterWorkspace& workspace) {
+  ids.visit([&](const auto& typed) {
+    detail::embedding_backward<Scalar>(typed, dout, scale, padding_idx.value_or(-1), dE, workspace,
+                                       "embedding_backward");
+  });
 }
 
 // ---- the layer ----
@@ -173,17 +197,20 @@ class TokenEmbedding {
   Index parameter_count() const { return weight_->size(); }
 
   // ids [B, T] -> out [B*T, d]. See embedding_forward.
-  void forward(const ConstIdRef<std::int32_t>& ids, MatrixRef<Scalar> out) const { forward_into(ids, out); }
-  void forward(const ConstIdRef<std::int64_t>& ids, MatrixRef<Scalar> out) const { forward_into(ids, out); }
-  RowMatrix<Scalar> forward(const ConstIdRef<std::int32_t>& ids) const { return forward_new(ids); }
-  RowMatrix<Scalar> forward(const ConstIdRef<std::int64_t>& ids) const { return forward_new(ids); }
+  void forward(TokenIds ids, MatrixRef<Scalar> out) const {
+    ids.visit([&](const auto& typed) { forward_into(typed, out); });
+  }
+  RowMatrix<Scalar> forward(TokenIds ids) const {
+    return ids.visit([&](const auto& typed) { return forward_new(typed); });
+  }
 
   // ids [B, T], dout [B*T, d] -> weight().grad() += scale * one_hot(ids)^T * dout, skipping
   // padding_idx. See embedding_backward. No allocation once the workspace has grown. A frozen
   // table takes no gradient: the arguments are checked as usual (same throws), then nothing is
   // done, O(N).
-  void backward(const ConstIdRef<std::int32_t>& ids, const ConstMatrixRef<Scalar>& dout) { backward_impl(ids, dout); }
-  void backward(const ConstIdRef<std::int64_t>& ids, const ConstMatrixRef<Scalar>& dout) { backward_impl(ids, dout); }
+  void backward(TokenIds ids, const ConstMatrixRef<Scalar>& dout) {
+    ids.visit([&](const auto& typed) { backward_impl(typed, dout); });
+  }
 
   void zero_grad() { weight_->zero_grad(); }
 
@@ -207,25 +234,25 @@ class TokenEmbedding {
   }
 
   template <typename Id>
-  void forward_into(const ConstIdRef<Id>& ids, MatrixRef<Scalar> out) const {
-    embedding_forward<Scalar, Id>(weight_->value(), ids, scale(), out, "TokenEmbedding::forward");
+  void forward_into(const TypedTokenIds<Id>& ids, MatrixRef<Scalar> out) const {
+    detail::embedding_forward<Scalar, Id>(weight_->value(), ids, scale(), out, "TokenEmbedding::forward");
   }
   template <typename Id>
-  RowMatrix<Scalar> forward_new(const ConstIdRef<Id>& ids) const {
+  RowMatrix<Scalar> forward_new(const TypedTokenIds<Id>& ids) const {
     detail::check_ids("TokenEmbedding::forward", ids, vocab_size());  // before allocating
     RowMatrix<Scalar> out(ids.size(), dim());
     forward_into(ids, out);
     return out;
   }
   template <typename Id>
-  void backward_impl(const ConstIdRef<Id>& ids, const ConstMatrixRef<Scalar>& dout) {
+  void backward_impl(const TypedTokenIds<Id>& ids, const ConstMatrixRef<Scalar>& dout) {
     if (weight_->frozen()) {
       detail::check_shape("TokenEmbedding::backward", "dout", dout, ids.size(), dim());
       detail::check_ids("TokenEmbedding::backward", ids, vocab_size());
       return;
     }
-    embedding_backward<Scalar, Id>(ids, dout, scale(), options_.padding_idx.value_or(-1), weight_->grad(),
-                                   workspace_, "TokenEmbedding::backward");
+    detail::embedding_backward<Scalar, Id>(ids, dout, scale(), options_.padding_idx.value_or(-1), weight_->grad(),
+                                           workspace_, "TokenEmbedding::backward");
   }
 
   TokenEmbeddingOptions options_;

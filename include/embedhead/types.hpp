@@ -9,6 +9,8 @@
 #ifndef EMBEDHEAD_TYPES_HPP
 #define EMBEDHEAD_TYPES_HPP
 
+#include "token_ids.hpp"
+
 #include <Eigen/Core>
 
 #include <cstdint>
@@ -22,6 +24,8 @@ template <typename Scalar>
 using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
 // Token ids [B, T], row-major so that id (b, t) sits at b*T + t. int32 and int64 are accepted.
+// Functions take ids as a TokenIds (token_ids.hpp), which also views column-major and strided
+// int32 / int64 storage without a copy.
 template <typename Id>
 using IdMatrix = Eigen::Matrix<Id, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
@@ -30,8 +34,6 @@ template <typename Scalar>
 using ConstMatrixRef = Eigen::Ref<const RowMatrix<Scalar>>;
 template <typename Scalar>
 using MatrixRef = Eigen::Ref<RowMatrix<Scalar>>;
-template <typename Id>
-using ConstIdRef = Eigen::Ref<const IdMatrix<Id>>;
 
 }  // namespace embedhead
 

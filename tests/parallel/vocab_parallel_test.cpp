@@ -705,7 +705,8 @@ TEST_CASE("vocab_parallel_cross_entropy errors: agreed across ranks, nothing wri
   // Wrong dlocal shape, wrong target count, bad option, V < R.
   RowMatrix<float> dlocal_bad(4, shard.rows() + 1);
   CHECK_THROWS_AS(vocab_parallel_cross_entropy_forward_backward<float>(comm, kV, local, targets, dlocal_bad), shape_error);
-  CHECK_THROWS_WITH(vocab_parallel_cross_entropy<float>(comm, kV, local, IdMatrix<std::int32_t>::Zero(1, 3)),
+  CHECK_THROWS_WITH(vocab_parallel_cross_entropy<float>(comm, kV, local,
+                                                        IdMatrix<std::int32_t>(IdMatrix<std::int32_t>::Zero(1, 3))),
                     Catch::Contains("targets has 3 entries, expected N = 4"));
   CrossEntropyOptions o;
   o.label_smoothing = 1.5;

@@ -67,7 +67,7 @@ inline void check_probability(const char* where, const char* what, double p) {
 // first bad id in row-major order with its (b, t) position, e.g.
 //   TokenEmbedding::forward: id 50257 at (b=1, t=3) outside [0, 50257)
 template <typename Id>
-void check_ids(const char* where, const ConstIdRef<Id>& ids, Index V, const char* what = "id") {
+void check_ids(const char* where, const TypedTokenIds<Id>& ids, Index V, const char* what = "id") {
   for (Index b = 0; b < ids.rows(); ++b) {
     for (Index t = 0; t < ids.cols(); ++t) {
       const Id id = ids(b, t);

@@ -112,7 +112,7 @@ inline void prefetch_row(const Scalar* row, Index d) {
 // `row_length` scalars long): rows of a large table come from DRAM in random order, and asking a
 // few tokens ahead hides that latency (about 1.4x faster at V = 50257, d = 768, N = 8192).
 template <typename Id, typename RowOf, typename Write, typename Finish>
-void gather_tokens(const ConstIdRef<Id>& ids, const RowOf& row_of, Index row_length, const Write& write,
+void gather_tokens(const TypedTokenIds<Id>& ids, const RowOf& row_of, Index row_length, const Write& write,
                    const Finish& finish) {
   const Index N = ids.size(), T = ids.cols();
   parallel_ranges(N, kTokensPerThread, [&](Index begin, Index end) {
@@ -138,7 +138,7 @@ void gather_tokens(const ConstIdRef<Id>& ids, const RowOf& row_of, Index row_len
 // and, within an id, by n; ws.unique_ids = the distinct ids. Sorting by (id, n) fixes the order
 // in which repeats are summed, so the result does not depend on threads or runs.
 template <typename Id>
-void sort_tokens_by_id(const ConstIdRef<Id>& ids, Index skip_id, ScatterWorkspace& ws) {
+void sort_tokens_by_id(const TypedTokenIds<Id>& ids, Index skip_id, ScatterWorkspace& ws) {
   ws.order.clear();
   ws.order.reserve(static_cast<std::size_t>(ids.size()));
   const Index T = ids.cols();

@@ -39,7 +39,7 @@ namespace detail {
 template <typename Scalar, typename Id>
 CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V,
                                                      const ConstMatrixRef<Scalar>& local_logits,
-                                                     const ConstIdRef<Id>& targets, MatrixRef<Scalar>* dlocal,
+                                                     const TypedTokenIds<Id>& targets, MatrixRef<Scalar>* dlocal,
                                                      const CrossEntropyOptions& options, const char* where) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   const Index N = local_logits.rows(), T = targets.cols();
@@ -145,37 +145,23 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
 template <typename Scalar>
 CrossEntropyResult vocab_parallel_cross_entropy_forward_backward(Communicator& comm, Index V,
                                                                  const ConstMatrixRef<Scalar>& local_logits,
-                                                                 const ConstIdRef<std::int32_t>& targets,
-                                                                 MatrixRef<Scalar> dlocal_logits,
+                                                                 TokenIds targets, MatrixRef<Scalar> dlocal_logits,
                                                                  const CrossEntropyOptions& options = {}) {
-  return detail::vocab_parallel_cross_entropy_pass<Scalar, std::int32_t>(
-      comm, V, local_logits, targets, &dlocal_logits, options, "vocab_parallel_cross_entropy_forward_backward");
-}
-template <typename Scalar>
-CrossEntropyResult vocab_parallel_cross_entropy_forward_backward(Communicator& comm, Index V,
-                                                                 const ConstMatrixRef<Scalar>& local_logits,
-                                                                 const ConstIdRef<std::int64_t>& targets,
-                                                                 MatrixRef<Scalar> dlocal_logits,
-                                                                 const CrossEntropyOptions& options = {}) {
-  return detail::vocab_parallel_cross_entropy_pass<Scalar, std::int64_t>(
-      comm, V, local_logits, targets, &dlocal_logits, options, "vocab_parallel_cross_entropy_forward_backward");
+  return targets.visit([&](const auto& typed) {
+    return detail::vocab_parallel_cross_entropy_pass<Scalar>(comm, V, local_logits, typed, &dlocal_logits, options,
+                                                             "vocab_parallel_cross_entropy_forward_backward");
+  });
 }
 
 // local_logits [N, shard.rows()], targets (N global ids) -> the loss only (replicated).
 // Collective, as above. \throws as vocab_parallel_cross_entropy_forward_backward.
 template <typename Scalar>
 CrossEntropyResult vocab_parallel_cross_entropy(Communicator& comm, Index V, const ConstMatrixRef<Scalar>& local_logits,
-                                                const ConstIdRef<std::int32_t>& targets,
-                                                const CrossEntropyOptions& options = {}) {
-  return detail::vocab_parallel_cross_entropy_pass<Scalar, std::int32_t>(comm, V, local_logits, targets, nullptr,
-                                                                         options, "vocab_parallel_cross_entropy");
-}
-template <typename Scalar>
-CrossEntropyResult vocab_parallel_cross_entropy(Communicator& comm, Index V, const ConstMatrixRef<Scalar>& local_logits,
-                                                const ConstIdRef<std::int64_t>& targets,
-                                                const CrossEntropyOptions& options = {}) {
-  return detail::vocab_parallel_cross_entropy_pass<Scalar, std::int64_t>(comm, V, local_logits, targets, nullptr,
-                                                                         options, "vocab_parallel_cross_entropy");
+                                                TokenIds targets, const CrossEntropyOptions& options = {}) {
+  return targets.visit([&](const auto& typed) {
+    return detail::vocab_parallel_cross_entropy_pass<Scalar>(comm, V, local_logits, typed, nullptr, options,
+                                                             "vocab_parallel_cross_entropy");
+  });
 }
 
 }  // namespace embedhead

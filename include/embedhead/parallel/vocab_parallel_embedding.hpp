@@ -97,10 +97,12 @@ class VocabParallelEmbedding {
   // Collective. \throws (on every rank, before any collective or write) index_error for an id
   // outside [0, V), shape_error if out is not [B*T, d], value_error if the ids differ across ranks.
   // Cost: N*d writes and one all-reduce of N*d values.
-  void forward(const ConstIdRef<std::int32_t>& ids, MatrixRef<Scalar> out) const { forward_into(ids, out); }
-  void forward(const ConstIdRef<std::int64_t>& ids, MatrixRef<Scalar> out) const { forward_into(ids, out); }
-  RowMatrix<Scalar> forward(const ConstIdRef<std::int32_t>& ids) const { return forward_new(ids); }
-  RowMatrix<Scalar> forward(const ConstIdRef<std::int64_t>& ids) const { return forward_new(ids); }
+  void forward(TokenIds ids, MatrixRef<Scalar> out) const {
+    ids.visit([&](const auto& typed) { forward_into(typed, out); });
+  }
+  RowMatrix<Scalar> forward(TokenIds ids) const {
+    return ids.visit([&](const auto& typed) { return forward_new(typed); });
+  }
 
   // ids [B, T], dout [B*T, d] (replicated) -> weight().grad() += s * the scatter of the tokens this
   // rank owns, sparse (touched rows are local row numbers), padding_idx skipped, repeats summed in
@@ -110,8 +112,9 @@ class VocabParallelEmbedding {
   // ranks update rows of different batches. A frozen shard: checks only.
   // \throws index_error for an id outside [0, V), shape_error if dout is not [B*T, d]; the gradient
   // is unchanged on throw. Cost: O(N log N) to sort the ids, O(owned tokens * d) to add.
-  void backward(const ConstIdRef<std::int32_t>& ids, const ConstMatrixRef<Scalar>& dout) { backward_impl(ids, dout); }
-  void backward(const ConstIdRef<std::int64_t>& ids, const ConstMatrixRef<Scalar>& dout) { backward_impl(ids, dout); }
+  void backward(TokenIds ids, const ConstMatrixRef<Scalar>& dout) {
+    ids.visit([&](const auto& typed) { backward_impl(typed, dout); });
+  }
 
   void zero_grad() { weight_->zero_grad(); }
   bool frozen() const { return weight_->frozen(); }
@@ -147,7 +150,7 @@ class VocabParallelEmbedding {
   }
 
   template <typename Id>
-  void forward_into(const ConstIdRef<Id>& ids, MatrixRef<Scalar> out) const {
+  void forward_into(const TypedTokenIds<Id>& ids, MatrixRef<Scalar> out) const {
     const char* where = "VocabParallelEmbedding::forward";
     const Index N = ids.size(), d = dim();
     check_on_every_rank(
@@ -174,14 +177,14 @@ class VocabParallelEmbedding {
     detail::all_reduce_sum_matrix<Scalar>(*comm_, out);
   }
   template <typename Id>
-  RowMatrix<Scalar> forward_new(const ConstIdRef<Id>& ids) const {
+  RowMatrix<Scalar> forward_new(const TypedTokenIds<Id>& ids) const {
     RowMatrix<Scalar> out(ids.size(), dim());  // the checks are collective: forward_into runs them
     forward_into(ids, out);
     return out;
   }
 
   template <typename Id>
-  void backward_impl(const ConstIdRef<Id>& ids, const ConstMatrixRef<Scalar>& dout) {
+  void backward_impl(const TypedTokenIds<Id>& ids, const ConstMatrixRef<Scalar>& dout) {
     const char* where = "VocabParallelEmbedding::backward";
     const Index d = dim();
     detail::check_shape(where, "dout", dout, ids.size(), d);

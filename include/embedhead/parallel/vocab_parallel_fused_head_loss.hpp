@@ -88,17 +88,12 @@ class VocabParallelFusedHeadLoss {
   // \pre dh does not alias W, the gradients or the extras (it may be h).
   CrossEntropyResult forward_backward_shard(Communicator& comm, Index V, Parameter<Scalar>& weight_shard,
                                             Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
-                                            const ConstIdRef<std::int32_t>& targets, MatrixRef<Scalar> dh,
+                                            TokenIds targets, MatrixRef<Scalar> dh,
                                             const FusedHeadLossExtras<Scalar>& extras = {}) {
-    return forward_backward_impl<std::int32_t>(comm, V, weight_shard, bias_shard, h, targets, dh, extras,
-                                               "VocabParallelFusedHeadLoss::forward_backward_shard");
-  }
-  CrossEntropyResult forward_backward_shard(Communicator& comm, Index V, Parameter<Scalar>& weight_shard,
-                                            Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
-                                            const ConstIdRef<std::int64_t>& targets, MatrixRef<Scalar> dh,
-                                            const FusedHeadLossExtras<Scalar>& extras = {}) {
-    return forward_backward_impl<std::int64_t>(comm, V, weight_shard, bias_shard, h, targets, dh, extras,
-                                                "VocabParallelFusedHeadLoss::forward_backward_shard");
+    return targets.visit([&](const auto& typed) {
+      return forward_backward_impl(comm, V, weight_shard, bias_shard, h, typed, dh, extras,
+                                   "VocabParallelFusedHeadLoss::forward_backward_shard");
+    });
   }
 
   // h [N, d], targets (N global ids), replicated -> the loss only (evaluation): pass 1 and the
@@ -106,15 +101,11 @@ class VocabParallelFusedHeadLoss {
   // Collective. \throws as forward_backward_shard.
   CrossEntropyResult forward_shard(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
                                    const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
-                                   const ConstIdRef<std::int32_t>& targets, const FusedHeadLossExtras<Scalar>& extras = {}) {
-    return forward_impl<std::int32_t>(comm, V, weight_shard, bias_shard, h, targets, extras,
-                                      "VocabParallelFusedHeadLoss::forward_shard");
-  }
-  CrossEntropyResult forward_shard(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
-                                   const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
-                                   const ConstIdRef<std::int64_t>& targets, const FusedHeadLossExtras<Scalar>& extras = {}) {
-    return forward_impl<std::int64_t>(comm, V, weight_shard, bias_shard, h, targets, extras,
-                                      "VocabParallelFusedHeadLoss::forward_shard");
+                                   TokenIds targets, const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return targets.visit([&](const auto& typed) {
+      return forward_impl(comm, V, weight_shard, bias_shard, h, typed, extras,
+                          "VocabParallelFusedHeadLoss::forward_shard");
+    });
   }
 
   // The same on a head that holds its shard: any type with communicator() (Communicator&),
@@ -124,30 +115,22 @@ class VocabParallelFusedHeadLoss {
   // h [N, d], targets (N global ids) -> loss; dh [N, d]; the head's shard gradients +=.
   // \throws as forward_backward_shard.
   template <typename Head>
-  CrossEntropyResult forward_backward(Head& head, const ConstMatrixRef<Scalar>& h, const ConstIdRef<std::int32_t>& targets,
+  CrossEntropyResult forward_backward(Head& head, const ConstMatrixRef<Scalar>& h, TokenIds targets,
                                       MatrixRef<Scalar> dh, const FusedHeadLossExtras<Scalar>& extras = {}) {
-    return forward_backward_impl<std::int32_t>(head.communicator(), head.vocab_size(), head.weight(), head.bias(), h,
-                                               targets, dh, extras, "VocabParallelFusedHeadLoss::forward_backward");
-  }
-  template <typename Head>
-  CrossEntropyResult forward_backward(Head& head, const ConstMatrixRef<Scalar>& h, const ConstIdRef<std::int64_t>& targets,
-                                      MatrixRef<Scalar> dh, const FusedHeadLossExtras<Scalar>& extras = {}) {
-    return forward_backward_impl<std::int64_t>(head.communicator(), head.vocab_size(), head.weight(), head.bias(), h,
-                                               targets, dh, extras, "VocabParallelFusedHeadLoss::forward_backward");
+    return targets.visit([&](const auto& typed) {
+      return forward_backward_impl(head.communicator(), head.vocab_size(), head.weight(), head.bias(), h, typed, dh,
+                                   extras, "VocabParallelFusedHeadLoss::forward_backward");
+    });
   }
 
   // h [N, d], targets (N global ids) -> loss only, on a head as above. \throws as forward_shard.
   template <typename Head>
-  CrossEntropyResult forward(const Head& head, const ConstMatrixRef<Scalar>& h, const ConstIdRef<std::int32_t>& targets,
+  CrossEntropyResult forward(const Head& head, const ConstMatrixRef<Scalar>& h, TokenIds targets,
                              const FusedHeadLossExtras<Scalar>& extras = {}) {
-    return forward_impl<std::int32_t>(head.communicator(), head.vocab_size(), head.weight(), head.bias(), h, targets,
-                                      extras, "VocabParallelFusedHeadLoss::forward");
-  }
-  template <typename Head>
-  CrossEntropyResult forward(const Head& head, const ConstMatrixRef<Scalar>& h, const ConstIdRef<std::int64_t>& targets,
-                             const FusedHeadLossExtras<Scalar>& extras = {}) {
-    return forward_impl<std::int64_t>(head.communicator(), head.vocab_size(), head.weight(), head.bias(), h, targets,
-                                      extras, "VocabParallelFusedHeadLoss::forward");
+    return targets.visit([&](const auto& typed) {
+      return forward_impl(head.communicator(), head.vocab_size(), head.weight(), head.bias(), h, typed, extras,
+                          "VocabParallelFusedHeadLoss::forward");
+    });
   }
 
  private:
@@ -162,9 +145,9 @@ class VocabParallelFusedHeadLoss {
   // is written before it returns. dh is null for the loss alone.
   template <typename Id>
   detail::CommunicatorSlice<Scalar> agree(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
-                           const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
-                           const ConstIdRef<Id>& targets, const MatrixRef<Scalar>* dh,
-                           const FusedHeadLossExtras<Scalar>& extras, const char* where) const {
+                                          const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                                          const TypedTokenIds<Id>& targets, const MatrixRef<Scalar>* dh,
+                                          const FusedHeadLossExtras<Scalar>& extras, const char* where) const {
     const int R = comm.size(), rank = comm.rank();
     VocabShard shard;
     auto checks = [&] {
@@ -203,7 +186,7 @@ class VocabParallelFusedHeadLoss {
   // targets and weights.
   template <typename Id>
   std::uint64_t fingerprint(Index V, const ConstMatrixRef<Scalar>& h, bool has_bias, bool gradient,
-                            const ConstIdRef<Id>& targets, const FusedHeadLossExtras<Scalar>& extras) const {
+                            const TypedTokenIds<Id>& targets, const FusedHeadLossExtras<Scalar>& extras) const {
     const std::int64_t sizes[7] = {static_cast<std::int64_t>(h.rows()), static_cast<std::int64_t>(h.cols()),
                                    static_cast<std::int64_t>(V), has_bias ? 1 : 0, gradient ? 1 : 0,
                                    static_cast<std::int64_t>(options_.ignore_index),
@@ -225,7 +208,7 @@ class VocabParallelFusedHeadLoss {
   template <typename Id>
   CrossEntropyResult forward_backward_impl(Communicator& comm, Index V, Parameter<Scalar>& weight_shard,
                                            Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
-                                           const ConstIdRef<Id>& targets, MatrixRef<Scalar> dh,
+                                           const TypedTokenIds<Id>& targets, MatrixRef<Scalar> dh,
                                            const FusedHeadLossExtras<Scalar>& extras, const char* where) {
     const detail::CommunicatorSlice<Scalar> slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, &dh, extras, where);
     // Only now, with every rank's checks passed: dense_accumulator() switches the gradient to
@@ -243,7 +226,7 @@ class VocabParallelFusedHeadLoss {
   template <typename Id>
   CrossEntropyResult forward_impl(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
                                   const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
-                                  const ConstIdRef<Id>& targets, const FusedHeadLossExtras<Scalar>& extras,
+                                  const TypedTokenIds<Id>& targets, const FusedHeadLossExtras<Scalar>& extras,
                                   const char* where) {
     const detail::CommunicatorSlice<Scalar> slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, nullptr, extras, where);
     OutputMap lse = extras.lse, losses = extras.losses;

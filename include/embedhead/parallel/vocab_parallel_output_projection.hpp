@@ -99,7 +99,7 @@ class VocabParallelOutputProjection {
   void forward(const ConstMatrixRef<Scalar>& h, MatrixRef<Scalar> local_logits) const {
     const char* where = "VocabParallelOutputProjection::forward";
     detail::check_shape(where, "h", h, h.rows(), dim());
-    output_projection_forward<Scalar>(h, weight_->value(), bias_view(), local_logits, where);
+    detail::output_projection_forward<Scalar>(h, weight_->value(), bias_view(), local_logits, where);
   }
   RowMatrix<Scalar> forward(const ConstMatrixRef<Scalar>& h) const {
     detail::check_shape("VocabParallelOutputProjection::forward", "h", h, h.rows(), dim());
@@ -129,7 +129,7 @@ class VocabParallelOutputProjection {
     auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, d) : weight_->grad().dense_accumulator();
     auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : none;
     // dW (which reads h) is computed before dh is written, so dh may be h.
-    output_projection_backward<Scalar>(h, weight_->value(), dlocal_logits, dh, dW, db, where);
+    detail::output_projection_backward<Scalar>(h, weight_->value(), dlocal_logits, dh, dW, db, where);
     detail::all_reduce_sum_matrix<Scalar>(*comm_, dh);
   }
   RowMatrix<Scalar> backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& dlocal_logits) {
