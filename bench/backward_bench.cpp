@@ -87,7 +87,7 @@ void check_sparse(const Problem& p, const embedhead::RowGradient<float>& grad) {
   for (Index u = 0; u < grad.num_touched(); ++u)
     if (grad.touched_row(u) != p.expected_rows.row(u))
       fail(kProgram, "sparse gradient row " + std::to_string(p.distinct_ids[static_cast<std::size_t>(u)]) +
-           " differs from the naive scatter, " + shape(p));
+                         " differs from the naive scatter, " + shape(p));
 }
 
 void check_dense(const Problem& p, const RowMatrix<float>& dE) {

@@ -47,7 +47,8 @@ const embedhead::CheckpointNames& names() {
   return n;
 }
 std::string path_for(DType dtype) {
-  return "/tmp/embedhead_checkpoint_bench_" + std::to_string(::getpid()) + "_" + embedhead::dtype_name(dtype) + ".safetensors";
+  return "/tmp/embedhead_checkpoint_bench_" + std::to_string(::getpid()) + "_" + embedhead::dtype_name(dtype) +
+         ".safetensors";
 }
 // The file of `dtype`, written once per process and removed at exit.
 const std::string& file_for(DType dtype) {
@@ -65,7 +66,8 @@ const std::string& file_for(DType dtype) {
 }
 
 void set_bytes(benchmark::State& state) {
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * kV * kD * static_cast<std::int64_t>(sizeof(float)));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * kV * kD *
+                          static_cast<std::int64_t>(sizeof(float)));
 }
 
 void BM_Memcpy(benchmark::State& state) {

@@ -86,7 +86,7 @@ void check_dlogits(const RowMatrix<float>& dlogits) {
       const double expected = (std::exp(double{p.logits(n, v)} - m) / sum - (v == p.targets(0, n) ? 1.0 : 0.0)) / kRows;
       if (!(std::abs(dlogits(n, v) - expected) <= 1e-4 * std::abs(expected) + 1e-12))
         fail(kProgram, "dlogits(" + std::to_string(n) + ", " + std::to_string(v) + ") = " + number(dlogits(n, v)) +
-             ", expected " + number(expected));
+                           ", expected " + number(expected));
     }
   }
 }

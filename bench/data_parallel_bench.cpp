@@ -52,7 +52,6 @@ constexpr char kProgram[] = "data_parallel_bench";
 constexpr Index kV = 256000, kD = 2048;
 constexpr int kIterations = 3;
 
-
 // Rank r's k touched rows: a random sample without replacement, sorted (seeded by r).
 std::vector<Index> sample_rows(int r, Index k) {
   std::vector<Index> all(static_cast<std::size_t>(kV));
@@ -118,7 +117,8 @@ void BM_exchange(benchmark::State& state, GradientExchange mode) {
   options.mode = mode;
   refill(*p, ids, slots, me);
   embedhead::GradientExchangeWorkspace<float> work;  // kept across steps, as a training loop would
-  GradientExchangeResult result = embedhead::all_reduce_gradient(*p, bench_support::world(), options, &work);  // warm-up
+  GradientExchangeResult result = embedhead::all_reduce_gradient(*p, bench_support::world(), options,
+                                                                 &work);  // warm-up
   check_sums(*p, k);
   for (auto _ : state) {
     refill(*p, ids, slots, me);
@@ -157,11 +157,20 @@ void BM_memcpy(benchmark::State& state) {
 void register_benchmarks() {
   for (std::int64_t permille : {1, 10, 100, 500, 750, 1000}) {
     benchmark::RegisterBenchmark("exchange/sparse", BM_exchange, GradientExchange::sparse)
-        ->Arg(permille)->Iterations(kIterations)->UseManualTime()->Unit(benchmark::kMillisecond);
+        ->Arg(permille)
+        ->Iterations(kIterations)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark("exchange/dense", BM_exchange, GradientExchange::dense)
-        ->Arg(permille)->Iterations(kIterations)->UseManualTime()->Unit(benchmark::kMillisecond);
+        ->Arg(permille)
+        ->Iterations(kIterations)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark("memcpy_payload", BM_memcpy)
-        ->Arg(permille)->Iterations(kIterations)->UseManualTime()->Unit(benchmark::kMillisecond);
+        ->Arg(permille)
+        ->Iterations(kIterations)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   }
 }
 

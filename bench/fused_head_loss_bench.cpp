@@ -10,8 +10,8 @@
 // recomputes the logits, FusedEval 2 N V d), and extra_MB,
 // the memory each form needs beyond inputs and gradients: the [N, V] logits for the unfused
 // step, the [N, vocab_block] block of logits for the fused one (no token is ignored here, so h
-// and dh are used in place), with extra_pct its share of the logits' size. Before timing, the fused loss and gradients are checked against the
-// unfused ones.
+// and dh are used in place), with extra_pct its share of the logits' size. Before timing, the fused loss and gradients
+// are checked against the unfused ones.
 #include "bench_support.hpp"  // first: its pragma must precede every other include
 
 #include "gbench_main.hpp"
@@ -72,7 +72,8 @@ void check_fused_against_unfused() {
     return static_cast<double>((a - b).cwiseAbs().maxCoeff() / std::max(b.cwiseAbs().maxCoeff(), 1e-30f));
   };
   if (std::abs(actual - expected) > 1e-5 * std::abs(expected))
-    bench_support::fail(kProgram, "fused loss " + bench_support::number(actual) + " vs unfused " + bench_support::number(expected));
+    bench_support::fail(kProgram, "fused loss " + bench_support::number(actual) + " vs unfused " +
+                                      bench_support::number(expected));
   if (relative(p.dh, dh_expected) > 1e-4) bench_support::fail(kProgram, "fused dh differs from the unfused one");
   if (relative(p.head.weight().grad().to_dense(), dW_expected) > 1e-4)
     bench_support::fail(kProgram, "fused dW differs from the unfused one");
@@ -125,12 +126,21 @@ void register_benchmarks() {
   check_fused_against_unfused();
   const std::vector<std::int64_t> threads = bench_support::thread_counts();
   for (const std::int64_t t : threads) {
-    benchmark::RegisterBenchmark("UnfusedStep", BM_UnfusedStep)->Arg(t)->ArgName("threads")->Unit(benchmark::kMillisecond)
+    benchmark::RegisterBenchmark("UnfusedStep", BM_UnfusedStep)
+        ->Arg(t)
+        ->ArgName("threads")
+        ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
     for (const std::int64_t block : {0, 256, 512, 2048, 4096})
-      benchmark::RegisterBenchmark("FusedStep", BM_FusedStep)->Args({block, t})->ArgNames({"block", "threads"})
-          ->Unit(benchmark::kMillisecond)->UseRealTime();
-    benchmark::RegisterBenchmark("FusedEval", BM_FusedEval)->Arg(t)->ArgName("threads")->Unit(benchmark::kMillisecond)
+      benchmark::RegisterBenchmark("FusedStep", BM_FusedStep)
+          ->Args({block, t})
+          ->ArgNames({"block", "threads"})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    benchmark::RegisterBenchmark("FusedEval", BM_FusedEval)
+        ->Arg(t)
+        ->ArgName("threads")
+        ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }
 }

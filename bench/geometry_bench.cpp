@@ -113,8 +113,8 @@ void BM_EigenGemm(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   gemm_seconds()[threads] = seconds_since(start) / static_cast<double>(state.iterations());
-  state.counters["GFLOP/s"] =
-      benchmark::Counter(kFlops * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(kFlops * static_cast<double>(state.iterations()) * 1e-9,
+                                                 benchmark::Counter::kIsRate);
 }
 
 void BM_Neighbours(benchmark::State& state) {
@@ -129,8 +129,8 @@ void BM_Neighbours(benchmark::State& state) {
   }
   const double seconds = seconds_since(start) / static_cast<double>(state.iterations());
   if (gemm_seconds().count(threads)) state.counters["vs_gemm"] = gemm_seconds()[threads] / seconds;
-  state.counters["GFLOP/s"] =
-      benchmark::Counter(kFlops * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(kFlops * static_cast<double>(state.iterations()) * 1e-9,
+                                                 benchmark::Counter::kIsRate);
 }
 
 // VmRSS / VmHWM of this process in bytes, from /proc/self/status (0 where unavailable).
@@ -218,14 +218,24 @@ void register_benchmarks() {
   check_neighbours();
   const std::vector<std::int64_t> threads = bench_support::thread_counts();
   for (const std::int64_t t : threads) {
-    benchmark::RegisterBenchmark("EigenGemm", BM_EigenGemm)->Arg(t)->ArgName("threads")->Unit(benchmark::kMillisecond)
+    benchmark::RegisterBenchmark("EigenGemm", BM_EigenGemm)
+        ->Arg(t)
+        ->ArgName("threads")
+        ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
-    benchmark::RegisterBenchmark("Neighbours", BM_Neighbours)->Arg(t)->ArgName("threads")
-        ->Unit(benchmark::kMillisecond)->UseRealTime();
+    benchmark::RegisterBenchmark("Neighbours", BM_Neighbours)
+        ->Arg(t)
+        ->ArgName("threads")
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
   }
   for (const std::int64_t t : threads)
-    benchmark::RegisterBenchmark("Summary", BM_Summary)->Arg(t)->ArgName("threads")->Unit(benchmark::kSecond)
-        ->UseRealTime()->Iterations(1);
+    benchmark::RegisterBenchmark("Summary", BM_Summary)
+        ->Arg(t)
+        ->ArgName("threads")
+        ->Unit(benchmark::kSecond)
+        ->UseRealTime()
+        ->Iterations(1);
 }
 
 }  // namespace

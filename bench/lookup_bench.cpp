@@ -71,12 +71,12 @@ void check_against_one_hot(const IdMatrix<std::int32_t>& ids, const embedhead::C
   const RowMatrix<float> expected = one_hot * E;
   for (int i = 0; i < 4; ++i)
     if (out.row(picks[i]) != expected.row(i))
-      fail(kProgram, std::string(what) + ": row " + std::to_string(picks[i]) + " (id " +
-                         std::to_string(some(0, i)) + ") differs from one_hot(id) * E" + shape);
+      fail(kProgram, std::string(what) + ": row " + std::to_string(picks[i]) + " (id " + std::to_string(some(0, i)) +
+                         ") differs from one_hot(id) * E" + shape);
   for (Index n = 0; n < N; ++n)
     if (out.row(n) != E.row(ids(0, n)))
-      fail(kProgram, std::string(what) + ": row " + std::to_string(n) + " differs from E[" +
-                         std::to_string(ids(0, n)) + "]" + shape);
+      fail(kProgram, std::string(what) + ": row " + std::to_string(n) + " differs from E[" + std::to_string(ids(0, n)) +
+                         "]" + shape);
 }
 
 void set_counters(benchmark::State& state, Index N, Index d) {
@@ -125,9 +125,9 @@ void BM_OneHotGemm(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   set_counters(state, N, d);
-  state.counters["FLOPS"] =
-      benchmark::Counter(2.0 * static_cast<double>(N) * static_cast<double>(V) * static_cast<double>(d),
-                         benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["FLOPS"] = benchmark::Counter(2.0 * static_cast<double>(N) * static_cast<double>(V) *
+                                                   static_cast<double>(d),
+                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // args: d, N. The source holds N rows already gathered in order, so this is the same bytes

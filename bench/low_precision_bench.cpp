@@ -98,7 +98,8 @@ void BM_LookupFloat(benchmark::State& state) {
   RowMatrix<float> out(kLookupTokens, kDim);
   layer.forward(ids(), out);
   for (Index n = 0; n < kLookupTokens; ++n)
-    if (out.row(n) != E().row(ids()(0, n))) fail(kProgram, "Lookup/float: row " + std::to_string(n) + " differs from E[id]");
+    if (out.row(n) != E().row(ids()(0, n)))
+      fail(kProgram, "Lookup/float: row " + std::to_string(n) + " differs from E[id]");
   time_lookup(state, layer, out);
 }
 
@@ -170,8 +171,13 @@ const RowMatrix<float>& bias() {
 // tolerance 16 * 2^-24 * sum |terms|, as in output_projection_bench.cpp.
 template <typename WeightAt>
 void check_logits(const RowMatrix<float>& logits, const WeightAt& W, const std::string& what) {
-  const std::pair<Index, Index> probes[] = {{0, 0}, {0, kVocab - 1}, {kHeadTokens - 1, 0}, {kHeadTokens - 1, kVocab - 1},
-                                            {kHeadTokens / 3, kVocab / 2}, {kHeadTokens / 2, 255}, {5, 256}};
+  const std::pair<Index, Index> probes[] = {{0, 0},
+                                            {0, kVocab - 1},
+                                            {kHeadTokens - 1, 0},
+                                            {kHeadTokens - 1, kVocab - 1},
+                                            {kHeadTokens / 3, kVocab / 2},
+                                            {kHeadTokens / 2, 255},
+                                            {5, 256}};
   for (const auto& [n, v] : probes) {
     double exact = bias()(v, 0), magnitude = std::abs(bias()(v, 0));
     for (Index k = 0; k < kDim; ++k) {
@@ -200,7 +206,8 @@ void BM_HeadFloat(benchmark::State& state, Index N) {
   RowMatrix<float> logits(N, kVocab);
   head.forward(h, logits);
   if (N == kHeadTokens)
-    check_logits(logits, [](Index v, Index k) { return static_cast<double>(E()(v, k)); }, "Head/float");
+    check_logits(
+        logits, [](Index v, Index k) { return static_cast<double>(E()(v, k)); }, "Head/float");
   else if (logits.topRows(N) != head.forward(hidden()).topRows(N))
     fail(kProgram, "Head/float: N = " + std::to_string(N) + " rows differ from the first rows at N = 1024");
   for (auto _ : state) {
@@ -216,7 +223,8 @@ void BM_HeadLow(benchmark::State& state) {
   embedhead::LowPrecisionOutputProjection<Storage> head(low_table<Storage>(), bias());
   RowMatrix<float> logits(kHeadTokens, kVocab);
   head.forward(hidden(), logits);
-  check_logits(logits, [](Index v, Index k) { return static_cast<double>(low_table<Storage>()(v, k)); }, "Head/low");
+  check_logits(
+      logits, [](Index v, Index k) { return static_cast<double>(low_table<Storage>()(v, k)); }, "Head/low");
   for (auto _ : state) {
     head.forward(hidden(), logits);
     benchmark::DoNotOptimize(logits.data());
@@ -255,7 +263,8 @@ void register_benchmarks() {
   const auto head = [](const char* name, void (*fn)(benchmark::State&)) {
     benchmark::RegisterBenchmark(name, fn)->Unit(benchmark::kMillisecond);
   };
-  benchmark::RegisterBenchmark("Head/float/N=1024/d=768/V=50257", BM_HeadFloat, kHeadTokens)->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("Head/float/N=1024/d=768/V=50257", BM_HeadFloat, kHeadTokens)
+      ->Unit(benchmark::kMillisecond);
   head("Head/bf16/N=1024/d=768/V=50257", BM_HeadLow<Eigen::bfloat16>);
   head("Head/fp16/N=1024/d=768/V=50257", BM_HeadLow<Eigen::half>);
   benchmark::RegisterBenchmark("Head/float/N=64/d=768/V=50257", BM_HeadFloat, kBf16GemmTokens)

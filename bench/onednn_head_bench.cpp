@@ -13,8 +13,8 @@
 
 #include "gbench_main.hpp"
 
-#include <embedhead/embedhead.hpp>
 #include <embedhead/backends/onednn_head.hpp>
+#include <embedhead/embedhead.hpp>
 
 #include <benchmark/benchmark.h>
 
@@ -68,7 +68,8 @@ template <typename HAt, typename WAt>
 void check_probes(const char* what, const HAt& h_at, const WAt& W_at, double scale) {
   Problem& p = problem();
   const auto b = static_cast<const OutputProjection<float>&>(p.head).bias()->value();
-  const std::pair<Index, Index> probes[] = {{0, 0}, {0, kV - 1}, {kN - 1, 0}, {kN - 1, kV - 1}, {kN / 3, kV / 2}, {kN / 2, kV / 7}};
+  const std::pair<Index, Index> probes[] = {{0, 0},           {0, kV - 1},      {kN - 1, 0},
+                                            {kN - 1, kV - 1}, {kN / 3, kV / 2}, {kN / 2, kV / 7}};
   for (const auto& probe : probes) {
     const Index n = probe.first, v = probe.second;
     double exact = b(v, 0), magnitude = std::abs(exact);
@@ -78,8 +79,8 @@ void check_probes(const char* what, const HAt& h_at, const WAt& W_at, double sca
       magnitude += std::abs(term);
     }
     if (!(std::abs(p.logits(n, v) - exact) <= scale * magnitude))
-      fail(kProgram, std::string(what) + ": logits(" + std::to_string(n) + ", " + std::to_string(v) + ") = " +
-                         number(p.logits(n, v)) + ", expected " + number(exact));
+      fail(kProgram, std::string(what) + ": logits(" + std::to_string(n) + ", " + std::to_string(v) +
+                         ") = " + number(p.logits(n, v)) + ", expected " + number(exact));
   }
 }
 

@@ -76,7 +76,8 @@ void check_lazy_adam() {
   }
   Index untouched = 0;
   while (std::binary_search(t.rows.begin(), t.rows.end(), untouched)) ++untouched;
-  if (t.p->value().row(untouched) != before.row(untouched)) bench_support::fail(kProgram, "LazyAdam moved an untouched row");
+  if (t.p->value().row(untouched) != before.row(untouched))
+    bench_support::fail(kProgram, "LazyAdam moved an untouched row");
 }
 
 template <typename Optimizer>
@@ -87,8 +88,10 @@ void run_step(benchmark::State& state, Optimizer& optimizer, Table& table, doubl
     optimizer.step();  // the same gradient each time: the cost does not depend on its values
     benchmark::ClobberMemory();
   }
-  state.counters["rows_per_s"] = benchmark::Counter(rows_visited * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
-  state.counters["GB/s"] = benchmark::Counter(bytes_per_step * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+  state.counters["rows_per_s"] = benchmark::Counter(rows_visited * static_cast<double>(state.iterations()),
+                                                    benchmark::Counter::kIsRate);
+  state.counters["GB/s"] = benchmark::Counter(bytes_per_step * static_cast<double>(state.iterations()) * 1e-9,
+                                              benchmark::Counter::kIsRate);
 }
 
 constexpr double kRowBytes = kD * sizeof(float);

@@ -99,7 +99,6 @@ void BM_SparseBackward(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * kN * kD * static_cast<std::int64_t>(sizeof(float)));
 }
 
-
 // ---- the LM head ----
 
 constexpr Index kTokens = 1024;
@@ -131,8 +130,8 @@ void check_close(const RowMatrix<float>& got, const RowMatrix<float>& expected, 
   const float scale = expected.cwiseAbs().maxCoeff();
   const float error = (got - expected).cwiseAbs().maxCoeff();
   if (!(error <= 1e-4f * scale))
-    bench_support::fail(kProgram, what + ": max error " + bench_support::number(error) + " against Eigen's product (scale " +
-                                      bench_support::number(scale) + ")");
+    bench_support::fail(kProgram, what + ": max error " + bench_support::number(error) +
+                                      " against Eigen's product (scale " + bench_support::number(scale) + ")");
 }
 
 const RowMatrix<float>& forward_reference() {
@@ -402,8 +401,11 @@ void register_benchmarks() {
   check_thread_counts_agree();
   check_head_thread_counts_agree();
   for (const int threads : {1, 2}) {
-    benchmark::RegisterBenchmark("Lookup", BM_Lookup)->Arg(threads)->ArgName("threads")->UseRealTime()->Unit(
-        benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("Lookup", BM_Lookup)
+        ->Arg(threads)
+        ->ArgName("threads")
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark("SparseBackward", BM_SparseBackward)
         ->Arg(threads)
         ->ArgName("threads")

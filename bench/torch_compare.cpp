@@ -247,9 +247,9 @@ struct Comparison {
   std::string what;       // e.g. "lookup GPT-2 N=8192"
   std::string embedhead;  // implementation names
   std::string baseline;
-  double target_1t;       // speed-ratio target on 1 / 2 threads, 0 = none
+  double target_1t;  // speed-ratio target on 1 / 2 threads, 0 = none
   double target_2t;
-  bool logits_share;      // print memory as % of the [1024, 50257] logits
+  bool logits_share;  // print memory as % of the [1024, 50257] logits
   std::string memory_target;
 };
 
@@ -265,8 +265,8 @@ struct Bench {
   }
   void compare(std::string what, std::string embedhead, std::string baseline, double target_1t, double target_2t,
                bool logits_share = false, std::string memory_target = {}) {
-    comparisons.push_back({std::move(what), std::move(embedhead), std::move(baseline), target_1t, target_2t, logits_share,
-                           std::move(memory_target)});
+    comparisons.push_back({std::move(what), std::move(embedhead), std::move(baseline), target_1t, target_2t,
+                           logits_share, std::move(memory_target)});
   }
 };
 
@@ -307,7 +307,9 @@ void print_table(const Bench& bench) {
   std::printf("\nSpeed ratio = baseline time / embedhead time (> 1: embedhead faster). Extra MiB: peak RSS growth\n");
   std::printf("of one step (1 thread), with %% of the %.0f MiB [1024, 50257] logits for the head/loss rows.\n\n",
               kLogitsMiB);
-  std::printf("| comparison | baseline | thr | embedhead | baseline | ratio | target | met | extra MiB embedhead | extra MiB baseline |\n");
+  std::printf(
+      "| comparison | baseline | thr | embedhead | baseline | ratio | target | met | extra MiB embedhead | extra MiB "
+      "baseline |\n");
   std::printf("|---|---|---:|---:|---:|---:|---:|:-:|---:|---:|\n");
   for (const Comparison& c : bench.comparisons) {
     for (const int threads : kThreadCounts) {
@@ -332,8 +334,8 @@ void print_table(const Bench& bench) {
                            : "NO") +
                       ")";
       }
-      std::printf("| %s | %s | %d | %s | %s | %.2fx | %s | %s | %s | %s |\n", c.what.c_str(), c.baseline.c_str(), threads,
-                  format_time(te).c_str(), format_time(tb).c_str(), ratio, target_text, met, memory_e.c_str(),
+      std::printf("| %s | %s | %d | %s | %s | %.2fx | %s | %s | %s | %s |\n", c.what.c_str(), c.baseline.c_str(),
+                  threads, format_time(te).c_str(), format_time(tb).c_str(), ratio, target_text, met, memory_e.c_str(),
                   memory_b.c_str());
     }
   }
@@ -354,14 +356,16 @@ int main(int argc, char** argv) {
               EMBEDHEAD_VERSION_MAJOR, EMBEDHEAD_VERSION_MINOR, EMBEDHEAD_VERSION_PATCH, TORCH_VERSION,
               EIGEN_WORLD_VERSION, EIGEN_MAJOR_VERSION, EIGEN_MINOR_VERSION, Eigen::SimdInstructionSetsInUse());
   if (std::getenv(kReexecMarker))
-    std::printf("OPENBLAS_CORETYPE was not set: set it to SkylakeX and re-executed /proc/self/exe, because "
-                "OpenBLAS reads it only when loaded and Debian's OpenBLAS misdetects this CPU (falls back to "
-                "SSE3 kernels)\n");
+    std::printf(
+        "OPENBLAS_CORETYPE was not set: set it to SkylakeX and re-executed /proc/self/exe, because "
+        "OpenBLAS reads it only when loaded and Debian's OpenBLAS misdetects this CPU (falls back to "
+        "SSE3 kernels)\n");
   else
     std::printf("OPENBLAS_CORETYPE=%s (from the environment)\n", std::getenv("OPENBLAS_CORETYPE"));
   std::printf("BLAS: %s\n", openblas_description().c_str());
   std::printf("CPU: %s, %ld online CPUs; threads measured: 1 and 2 (OpenMP max %d at start)\n",
-              first_line_of_command("lscpu", "Model name:").c_str(), sysconf(_SC_NPROCESSORS_ONLN), omp_get_num_procs());
+              first_line_of_command("lscpu", "Model name:").c_str(), sysconf(_SC_NPROCESSORS_ONLN),
+              omp_get_num_procs());
   std::printf("load average at start: %s\n", load_average().c_str());
   std::fflush(stdout);
 
@@ -401,53 +405,104 @@ int main(int argc, char** argv) {
   RowMatrix<float> out(kLookupTokens, kD), gathered(kLookupTokens, kD), copy(kLookupTokens, kD);
   at::Tensor out_t = at::empty({kLookupTokens, kD}, at::kFloat);
   embedding.forward(ids, gathered);
-  bench.add("embedhead lookup", [&] { embedding.forward(ids, out); keep(out); }, 21);
-  bench.add("torch index_select_out", [&] { at::index_select_out(out_t, E_t, 0, ids_t); keep(out_t); }, 21);
-  bench.add("torch embedding", [&] { keep(at::embedding(E_t, ids_t)); }, 21);
+  bench.add(
+      "embedhead lookup",
+      [&] {
+        embedding.forward(ids, out);
+        keep(out);
+      },
+      21);
+  bench.add(
+      "torch index_select_out",
+      [&] {
+        at::index_select_out(out_t, E_t, 0, ids_t);
+        keep(out_t);
+      },
+      21);
+  bench.add(
+      "torch embedding", [&] { keep(at::embedding(E_t, ids_t)); }, 21);
   const std::size_t lookup_bytes = static_cast<std::size_t>(kLookupTokens * kD) * sizeof(float);
-  bench.add("memcpy", [&] { std::memcpy(copy.data(), gathered.data(), lookup_bytes); keep(copy); }, 21, {}, false);
+  bench.add(
+      "memcpy",
+      [&] {
+        std::memcpy(copy.data(), gathered.data(), lookup_bytes);
+        keep(copy);
+      },
+      21, {}, false);
   bench.compare("lookup N=8192", "embedhead lookup", "memcpy", 0.85, 0.85);
   bench.compare("lookup N=8192", "embedhead lookup", "torch index_select_out", 1.0, 1.0);
   bench.compare("lookup N=8192", "embedhead lookup", "torch embedding", 0, 0);
 
   // ---- embedding training step ----
-  bench.add("embedhead zero_grad+sparse backward", [&] {
-    embedding.zero_grad();
-    embedding.backward(ids, dout);
-  }, 11);
-  bench.add("torch embedding_dense_backward", [&] { keep(at::embedding_dense_backward(dout_t, ids_t, kV, -1, false)); }, 11);
-  bench.add("torch sparse backward+coalesce",
-            [&] { keep(at::embedding_sparse_backward(dout_t, ids_t, kV, -1, false).coalesce()); }, 11);
-  bench.compare("embedding step N=8192", "embedhead zero_grad+sparse backward", "torch embedding_dense_backward", 20, 20);
-  bench.compare("embedding step N=8192", "embedhead zero_grad+sparse backward", "torch sparse backward+coalesce", 1.0, 1.0);
+  bench.add(
+      "embedhead zero_grad+sparse backward",
+      [&] {
+        embedding.zero_grad();
+        embedding.backward(ids, dout);
+      },
+      11);
+  bench.add(
+      "torch embedding_dense_backward", [&] { keep(at::embedding_dense_backward(dout_t, ids_t, kV, -1, false)); }, 11);
+  bench.add(
+      "torch sparse backward+coalesce",
+      [&] { keep(at::embedding_sparse_backward(dout_t, ids_t, kV, -1, false).coalesce()); }, 11);
+  bench.compare("embedding step N=8192", "embedhead zero_grad+sparse backward", "torch embedding_dense_backward", 20,
+                20);
+  bench.compare("embedding step N=8192", "embedhead zero_grad+sparse backward", "torch sparse backward+coalesce", 1.0,
+                1.0);
 
   // ---- head GEMMs ----
   RowMatrix<float> logits(kHeadTokens, kV), dh(kHeadTokens, kD);
   at::Tensor logits_t = at::empty({kHeadTokens, kV}, at::kFloat);
-  bench.add("embedhead head forward", [&] { head.forward(h, logits); keep(logits); }, 5);
-  bench.add("torch linear", [&] { keep(at::linear(h_t, W_t, b_t)); }, 5);
-  bench.add("torch addmm_out", [&] { at::addmm_out(logits_t, b_t, h_t, W_t.t()); keep(logits_t); }, 5);
+  bench.add(
+      "embedhead head forward",
+      [&] {
+        head.forward(h, logits);
+        keep(logits);
+      },
+      5);
+  bench.add(
+      "torch linear", [&] { keep(at::linear(h_t, W_t, b_t)); }, 5);
+  bench.add(
+      "torch addmm_out",
+      [&] {
+        at::addmm_out(logits_t, b_t, h_t, W_t.t());
+        keep(logits_t);
+      },
+      5);
   bench.compare("head forward N=1024", "embedhead head forward", "torch linear", 1.0, 0.95, true);
   bench.compare("head forward N=1024", "embedhead head forward", "torch addmm_out", 1.0, 0.95, true);
-  bench.add("embedhead head backward", [&] { head.backward(h, dlogits_in, dh); keep(dh); }, 3);
-  bench.add("torch mm+mm+sum", [&] {
-    keep(at::mm(dlogits_t, W_t));
-    keep(at::mm(dlogits_t.t(), h_t));
-    keep(dlogits_t.sum(0));
-  }, 3);
+  bench.add(
+      "embedhead head backward",
+      [&] {
+        head.backward(h, dlogits_in, dh);
+        keep(dh);
+      },
+      3);
+  bench.add(
+      "torch mm+mm+sum",
+      [&] {
+        keep(at::mm(dlogits_t, W_t));
+        keep(at::mm(dlogits_t.t(), h_t));
+        keep(dlogits_t.sum(0));
+      },
+      3);
   bench.compare("head backward N=1024", "embedhead head backward", "torch mm+mm+sum", 1.0, 0.95, true);
 
   // ---- cross-entropy ----
   RowMatrix<float> ce_dlogits(kHeadTokens, kV);
   at::Tensor ce_leaf = view(ce_logits).requires_grad_(true);
-  bench.add("embedhead CE fwd+bwd", [&] {
-    keep(embedhead::cross_entropy_forward_backward<float>(ce_logits, targets, ce_dlogits));
-  }, 11);
-  bench.add("torch cross_entropy+backward", [&] {
-    ce_leaf.mutable_grad().reset();
-    at::cross_entropy_loss(ce_leaf, targets_t).backward();
-    keep(ce_leaf.grad());
-  }, 11);
+  bench.add(
+      "embedhead CE fwd+bwd",
+      [&] { keep(embedhead::cross_entropy_forward_backward<float>(ce_logits, targets, ce_dlogits)); }, 11);
+  bench.add(
+      "torch cross_entropy+backward",
+      [&] {
+        ce_leaf.mutable_grad().reset();
+        at::cross_entropy_loss(ce_leaf, targets_t).backward();
+        keep(ce_leaf.grad());
+      },
+      11);
   bench.compare("CE fwd+bwd [1024, 50257]", "embedhead CE fwd+bwd", "torch cross_entropy+backward", 8, 8, true);
 
   // ---- LM-head training step ----
@@ -470,11 +525,12 @@ int main(int argc, char** argv) {
     torch_loss = at::cross_entropy_loss(at::linear(h_leaf, W_leaf, b_leaf), targets_t);
     torch_loss.backward();
   };
-  bench.add("embedhead LM-head step", [&] { embedhead_lm_step(lm_logits); },
-            3, [&] {
-              RowMatrix<float> scratch(kHeadTokens, kV);  // the logits, counted as the step's scratch
-              embedhead_lm_step(scratch);
-            });
+  bench.add(
+      "embedhead LM-head step", [&] { embedhead_lm_step(lm_logits); }, 3,
+      [&] {
+        RowMatrix<float> scratch(kHeadTokens, kV);  // the logits, counted as the step's scratch
+        embedhead_lm_step(scratch);
+      });
   bench.add("torch linear+CE+backward", torch_lm_step, 3);
   bench.compare("LM-head step (unfused)", "embedhead LM-head step", "torch linear+CE+backward", 0, 0, true);
 
@@ -486,10 +542,12 @@ int main(int argc, char** argv) {
     head.zero_grad();
     fused_loss_value = loss.forward_backward(head, h, targets, fused_dh).loss;
   };
-  add_fused_lm_head_step(bench, [&] { fused_lm_step(fused_loss); }, [&] {
-    embedhead::FusedHeadLoss<float> fresh;  // its workspace is the step's scratch
-    fused_lm_step(fresh);
-  });
+  add_fused_lm_head_step(
+      bench, [&] { fused_lm_step(fused_loss); },
+      [&] {
+        embedhead::FusedHeadLoss<float> fresh;  // its workspace is the step's scratch
+        fused_lm_step(fresh);
+      });
 
   // ---- numerical agreement, 1 thread, before any timing ----
   std::printf("\nnumerical agreement (embedhead vs torch, same inputs):\n");
@@ -502,8 +560,8 @@ int main(int argc, char** argv) {
   embedding.backward(ids, dout);
   {
     const RowMatrix<float> dE = embedding.weight().grad().to_dense();
-    agree("embedding dE vs embedding_dense_backward", view(dE), at::embedding_dense_backward(dout_t, ids_t, kV, -1, false),
-          1e-6);
+    agree("embedding dE vs embedding_dense_backward", view(dE),
+          at::embedding_dense_backward(dout_t, ids_t, kV, -1, false), 1e-6);
     const at::Tensor sparse = at::embedding_sparse_backward(dout_t, ids_t, kV, -1, false).coalesce();
     std::printf("  check %-44s %lld rows vs %lld touched by embedhead\n", "sparse+coalesce nnz rows",
                 static_cast<long long>(sparse._nnz()), static_cast<long long>(embedding.weight().grad().num_touched()));
@@ -562,9 +620,10 @@ int main(int argc, char** argv) {
   // ---- timing ----
   for (const int threads : kThreadCounts) {
     set_threads(threads);
-    std::printf("\ntiming on %d thread(s) (at::get_num_threads() = %d, omp_get_max_threads() = %d, Eigen %d, "
-                "OpenBLAS %d):\n",
-                threads, at::get_num_threads(), omp_get_max_threads(), Eigen::nbThreads(), openblas_threads());
+    std::printf(
+        "\ntiming on %d thread(s) (at::get_num_threads() = %d, omp_get_max_threads() = %d, Eigen %d, "
+        "OpenBLAS %d):\n",
+        threads, at::get_num_threads(), omp_get_max_threads(), Eigen::nbThreads(), openblas_threads());
     for (const Implementation& impl : bench.implementations) {
       const double t = median_seconds(impl.step, impl.reps);
       bench.seconds[impl.name][threads] = t;

@@ -116,8 +116,8 @@ void lookup_vs_one_hot() {
     RowMatrix<float> looked_up(N, d), product(N, d);
     embedding.forward(ids, looked_up);
     product.noalias() = one_hot * E;
-    const bool equal =
-        std::memcmp(looked_up.data(), product.data(), sizeof(float) * static_cast<std::size_t>(N * d)) == 0;
+    const bool equal = std::memcmp(looked_up.data(), product.data(), sizeof(float) * static_cast<std::size_t>(N * d)) ==
+                       0;
     std::printf("   V = %6ld: %s\n", static_cast<long>(V), equal ? "identical" : "DIFFERENT");
     if (!equal) fail(kProgram, "lookup differs from one_hot * E at V = " + std::to_string(V));
 

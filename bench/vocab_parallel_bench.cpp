@@ -42,9 +42,13 @@ struct HeadProblem {
   embedhead::IdMatrix<std::int32_t> targets;
   RowMatrix<float> local_logits, dh;
   HeadProblem(Index V_, Index d_, Index N_)
-      : V(V_), d(d_), N(N_),
+      : V(V_),
+        d(d_),
+        N(N_),
         head(V_, d_, bench_support::world(), embedhead::OutputProjectionOptions{false, 0.02, 2}),
-        h(N_, d_), targets(bench_support::random_ids(N_, V_, 5)), dh(N_, d_) {
+        h(N_, d_),
+        targets(bench_support::random_ids(N_, V_, 5)),
+        dh(N_, d_) {
     bench_support::fill_uniform(h, 3, 1.0);
   }
 };
@@ -60,8 +64,9 @@ void set_memory_counters(benchmark::State& state, const HeadProblem& p, double l
 
 double unfused_step(HeadProblem& p) {
   p.head.forward(p.h, p.local_logits);
-  const double loss = embedhead::vocab_parallel_cross_entropy_forward_backward<float>(
-                          bench_support::world(), p.V, p.local_logits, p.targets, p.local_logits)
+  const double loss = embedhead::vocab_parallel_cross_entropy_forward_backward<float>(bench_support::world(), p.V,
+                                                                                      p.local_logits, p.targets,
+                                                                                      p.local_logits)
                           .loss;
   p.head.backward(p.h, p.local_logits, p.dh);
   return loss;
@@ -76,7 +81,8 @@ void BM_FusedStep(benchmark::State& state) {
   p.head.zero_grad();
   const double fused = loss.forward_backward(p.head, p.h, p.targets, p.dh).loss;
   if (!(std::abs(fused - reference) <= 1e-5 * std::abs(reference)))
-    bench_support::fail(kProgram, "fused loss " + bench_support::number(fused) + " vs unfused " + bench_support::number(reference));
+    bench_support::fail(kProgram, "fused loss " + bench_support::number(fused) + " vs unfused " +
+                                      bench_support::number(reference));
   p.local_logits.resize(0, 0);  // the fused step does not need it
   for (auto _ : state) {
     p.head.zero_grad();
@@ -86,7 +92,8 @@ void BM_FusedStep(benchmark::State& state) {
   const Index block = embedhead::detail::fused_vocab_block(0, rows);  // as the loss picks it on a shard
   set_memory_counters(state, p, static_cast<double>(p.N * block) * sizeof(float),
                       static_cast<double>(p.N * p.d) * sizeof(float) + 3.0 * static_cast<double>(p.N) * sizeof(double));
-  state.counters["GFLOP/s"] = benchmark::Counter(8.0 * p.N * rows * p.d * 1e-9 * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(8.0 * p.N * rows * p.d * 1e-9 * state.iterations(),
+                                                 benchmark::Counter::kIsRate);
 }
 
 void BM_UnfusedStep(benchmark::State& state) {
@@ -98,8 +105,10 @@ void BM_UnfusedStep(benchmark::State& state) {
     benchmark::DoNotOptimize(unfused_step(p));
   }
   set_memory_counters(state, p, static_cast<double>(p.N * rows) * sizeof(float),
-                      static_cast<double>(p.N * p.d) * sizeof(float) + static_cast<double>(p.N) * (sizeof(float) + 2 * sizeof(double)));
-  state.counters["GFLOP/s"] = benchmark::Counter(6.0 * p.N * rows * p.d * 1e-9 * state.iterations(), benchmark::Counter::kIsRate);
+                      static_cast<double>(p.N * p.d) * sizeof(float) +
+                          static_cast<double>(p.N) * (sizeof(float) + 2 * sizeof(double)));
+  state.counters["GFLOP/s"] = benchmark::Counter(6.0 * p.N * rows * p.d * 1e-9 * state.iterations(),
+                                                 benchmark::Counter::kIsRate);
 }
 
 void BM_LookupForward(benchmark::State& state) {
@@ -114,17 +123,42 @@ void BM_LookupForward(benchmark::State& state) {
   state.counters["ranks"] = bench_support::world().size();
   state.counters["shard_MiB"] = static_cast<double>(embedding.shard().rows() * d) * sizeof(float) / kMiB;
   state.counters["allreduce_MiB"] = static_cast<double>(N * d) * sizeof(float) / kMiB;
-  state.SetBytesProcessed(static_cast<std::int64_t>(N * d) * static_cast<std::int64_t>(sizeof(float)) * state.iterations());
+  state.SetBytesProcessed(static_cast<std::int64_t>(N * d) * static_cast<std::int64_t>(sizeof(float)) *
+                          state.iterations());
 }
 
 void register_benchmarks() {
   // GPT-2 124M's head (V = 50257, d = 768) on 512 tokens; Gemma's (V = 256000, d = 2048) on 128.
-  benchmark::RegisterBenchmark("FusedStep", BM_FusedStep)->Args({50257, 768, 512})->Iterations(3)->UseRealTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("UnfusedStep", BM_UnfusedStep)->Args({50257, 768, 512})->Iterations(3)->UseRealTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("FusedStep", BM_FusedStep)->Args({256000, 2048, 128})->Iterations(1)->UseRealTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("UnfusedStep", BM_UnfusedStep)->Args({256000, 2048, 128})->Iterations(1)->UseRealTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("LookupForward", BM_LookupForward)->Args({256000, 2048, 1024})->Iterations(20)->UseRealTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("LookupForward", BM_LookupForward)->Args({50257, 768, 8192})->Iterations(20)->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("FusedStep", BM_FusedStep)
+      ->Args({50257, 768, 512})
+      ->Iterations(3)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("UnfusedStep", BM_UnfusedStep)
+      ->Args({50257, 768, 512})
+      ->Iterations(3)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("FusedStep", BM_FusedStep)
+      ->Args({256000, 2048, 128})
+      ->Iterations(1)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("UnfusedStep", BM_UnfusedStep)
+      ->Args({256000, 2048, 128})
+      ->Iterations(1)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("LookupForward", BM_LookupForward)
+      ->Args({256000, 2048, 1024})
+      ->Iterations(20)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("LookupForward", BM_LookupForward)
+      ->Args({50257, 768, 8192})
+      ->Iterations(20)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
 }
 
 }  // namespace

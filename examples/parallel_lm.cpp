@@ -80,13 +80,13 @@ struct Replica {
   FusedHeadLoss<float> loss;
   std::unique_ptr<AdamW<float>> optimizer;
 
-  Replica(Index V, bool tied, double p)
-      : embedding(V, kD), dropout(p, 7), head(V, kD), loss() {
+  Replica(Index V, bool tied, double p) : embedding(V, kD), dropout(p, 7), head(V, kD), loss() {
     if (tied) head.tie_to(embedding);
     auto parameters = unique_parameters(concat(embedding.weight_ptr(), positions.weight_ptr(), head.parameters()));
     optimizer = std::make_unique<AdamW<float>>(AdamOptions{3e-3}, parameters);
   }
-  static std::vector<std::shared_ptr<Parameter<float>>> concat(std::shared_ptr<Parameter<float>> a, std::shared_ptr<Parameter<float>> b,
+  static std::vector<std::shared_ptr<Parameter<float>>> concat(std::shared_ptr<Parameter<float>> a,
+                                                               std::shared_ptr<Parameter<float>> b,
                                                                std::vector<std::shared_ptr<Parameter<float>>> rest) {
     rest.insert(rest.begin(), {a, b});
     return rest;
@@ -237,8 +237,8 @@ int main(int argc, char** argv) {
   }
   if (world.rank() == 0)
     std::printf("parallel_lm: %d rank(s), V = %lld bytes, d = %lld, %lld windows of %lld bytes per step, %d steps\n",
-                world.size(), static_cast<long long>(corpus.V()), static_cast<long long>(kD), static_cast<long long>(kB),
-                static_cast<long long>(kT), steps);
+                world.size(), static_cast<long long>(corpus.V()), static_cast<long long>(kD),
+                static_cast<long long>(kB), static_cast<long long>(kT), steps);
   bool ok = true;
   auto print = [&](const char* name, const Report& report) {
     // Every rank's differences: the worst one counts.
@@ -247,8 +247,8 @@ int main(int argc, char** argv) {
     const bool pass = worst[0] <= kTolerance && worst[1] <= kTolerance;
     ok = ok && pass;
     if (world.rank() == 0)
-      std::printf("%s: largest difference from one process: loss %.3g, parameters %.3g -> %s\n\n", name, worst[0], worst[1],
-                  pass ? "same to float rounding" : "MISMATCH");
+      std::printf("%s: largest difference from one process: loss %.3g, parameters %.3g -> %s\n\n", name, worst[0],
+                  worst[1], pass ? "same to float rounding" : "MISMATCH");
   };
   if (world.rank() == 0) std::printf("\n1. vocabulary-parallel, untied head\n");
   print("vocabulary-parallel, untied", vocabulary_parallel(world, corpus, false, steps));

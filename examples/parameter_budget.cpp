@@ -31,15 +31,15 @@ struct Model {
   const char* name;
   Index V;
   Index d;
-  bool tied;              // as published
-  bool head_bias;         // an untied head with a bias [V]
+  bool tied;       // as published
+  bool head_bias;  // an untied head with a bias [V]
   Index learned_positions;
-  double total;           // whole-model parameter count
+  double total;  // whole-model parameter count
   const char* total_source;
-  double quoted_table;     // the token table's size as the source chapter gives it
-  double quoted_rounding;  // the precision it is quoted to
+  double quoted_table;       // the token table's size as the source chapter gives it
+  double quoted_rounding;    // the precision it is quoted to
   const char* quoted_share;  // E's share of the model as the chapter gives it
-  Index quoted_positions;  // learned position table size given by the chapter, -1 if none given
+  Index quoted_positions;    // learned position table size given by the chapter, -1 if none given
 };
 
 EmbeddingHeadBudget budget(const Model& m, bool tied, bool bias) {
@@ -70,8 +70,8 @@ int main() {
   bool all_match = true;
 
   std::printf("Token table E [V, d] and its share of the whole model\n\n");
-  std::printf("%-12s %8s %6s %7s %13s %9s %7s %10s %12s %7s  %s\n", "model", "V", "d", "head", "E = V*d",
-              "positions", "E share", "(seeds)", "E+pos share", "counts", "model total");
+  std::printf("%-12s %8s %6s %7s %13s %9s %7s %10s %12s %7s  %s\n", "model", "V", "d", "head", "E = V*d", "positions",
+              "E share", "(seeds)", "E+pos share", "counts", "model total");
   for (const Model& m : models) {
     const EmbeddingHeadBudget b = budget(m, m.tied, m.head_bias);
     // The chapters quote E rounded (31.1M) or exactly (ANDREA); half a unit of rounding is allowed.
@@ -81,12 +81,12 @@ int main() {
     std::printf("%-12s %8s %6s %7s %13s %9s %6.2f%% %10s %11.2f%% %7s  %s\n", m.name, with_commas(m.V).c_str(),
                 with_commas(m.d).c_str(), m.tied ? "tied" : "untied", with_commas(b.token_embedding).c_str(),
                 with_commas(b.position_embedding).c_str(), percent(b.token_embedding, m.total), m.quoted_share,
-                percent(b.token_embedding + b.position_embedding, m.total), match ? "agree" : "DIFFER",
-                m.total_source);
+                percent(b.token_embedding + b.position_embedding, m.total), match ? "agree" : "DIFFER", m.total_source);
   }
-  std::printf("(\"counts\": E, and the position table where given, against the seeds' figures. Positions\n"
-              " are budgeted only for ANDREA-120M, the one model whose chapter counts them; GPT-1 and GPT-2\n"
-              " also have learned position tables, left out here as in the seeds.)\n");
+  std::printf(
+      "(\"counts\": E, and the position table where given, against the seeds' figures. Positions\n"
+      " are budgeted only for ANDREA-120M, the one model whose chapter counts them; GPT-1 and GPT-2\n"
+      " also have learned position tables, left out here as in the seeds.)\n");
 
   std::printf("\nEmbedding + head parameters, tied vs untied (positions included where learned)\n\n");
   std::printf("%-12s %13s %13s %15s %15s %14s %14s\n", "model", "as published", "tied", "untied, no bias",
@@ -100,9 +100,10 @@ int main() {
                 with_commas(tied).c_str(), with_commas(untied).c_str(), with_commas(untied_bias).c_str(),
                 ("+" + with_commas(untied - tied)).c_str(), ("+" + with_commas(untied_bias - tied)).c_str());
   }
-  std::printf("(LLaMA 7B is published untied without a head bias; the seeds give ANDREA-120M as untied\n"
-              " and do not mention a bias, so it is budgeted without one. For these two the +V*d column\n"
-              " is what tying would save.)\n");
+  std::printf(
+      "(LLaMA 7B is published untied without a head bias; the seeds give ANDREA-120M as untied\n"
+      " and do not mention a bias, so it is budgeted without one. For these two the +V*d column\n"
+      " is what tying would save.)\n");
 
   // The chapters' two tying examples: an untied head with bias costs V*d + V more than a tied one.
   std::printf("\nTying saves V*d + V against an untied head with bias\n\n");

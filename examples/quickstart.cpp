@@ -17,8 +17,7 @@ int main() {
 
   // Two sequences of T + 1 tokens; each position predicts the next token.
   IdMatrix<std::int32_t> tokens(B, T + 1);
-  tokens << 3, 14, 15, 9, 26, 5,
-            35, 8, 9, 7, 9, 3;
+  tokens << 3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3;
   const auto ids = tokens.leftCols(T);       // [B, T], a view: no copy (TokenIds reads strided blocks)
   const auto targets = tokens.rightCols(T);  // [B, T], shifted by one
 
@@ -43,7 +42,7 @@ int main() {
   // The lookup's share alone: only the rows of the ids present in the batch.
   embedding.zero_grad();
   embedding.backward(ids, dx);
-  std::printf("embedding backward alone: %ld of %ld rows touched, dense = %s\n",
-              static_cast<long>(dE.num_touched()), static_cast<long>(V), dE.is_dense() ? "yes" : "no");
+  std::printf("embedding backward alone: %ld of %ld rows touched, dense = %s\n", static_cast<long>(dE.num_touched()),
+              static_cast<long>(V), dE.is_dense() ? "yes" : "no");
   return 0;
 }

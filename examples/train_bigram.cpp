@@ -82,8 +82,7 @@ struct BigramModel {
   BigramModel(Index V, const Settings& s, bool tied)
       : embedding(V, s.d, embedding_options(s)), head(V, s.d, head_options(s)) {
     if (tied) head.tie_to(embedding);  // W becomes E itself; the head's own W and bias are dropped
-    for (const ParameterPtr& p : {embedding.weight_ptr()})
-      parameters.push_back(p);
+    for (const ParameterPtr& p : {embedding.weight_ptr()}) parameters.push_back(p);
     for (const ParameterPtr& p : head.parameters())
       if (std::find(parameters.begin(), parameters.end(), p) == parameters.end()) parameters.push_back(p);
   }
@@ -118,7 +117,8 @@ double evaluate(const BigramModel& model, const std::vector<std::int32_t>& text)
 void sgd_step(Parameter<float>& p, float lr) {
   const RowGradient<float>& g = p.grad();
   auto W = p.value();
-  for (Index i = 0; i < g.num_touched(); ++i) W.row(g.touched_rows()[static_cast<std::size_t>(i)]) -= lr * g.touched_row(i);
+  for (Index i = 0; i < g.num_touched(); ++i)
+    W.row(g.touched_rows()[static_cast<std::size_t>(i)]) -= lr * g.touched_row(i);
 }
 
 // One model trained from scratch; prints the loss curve, returns the final held-out loss.
@@ -160,11 +160,11 @@ double train(const char* label, BigramModel& model, const Corpus& corpus, const 
       }
     }
     model.zero_grad();
-    model.embedding.forward(ids, h);                                  // h = E[ids]      [N, d]
-    model.head.forward(h, logits);                                    // logits = h W^T (+ b)  [N, V]
+    model.embedding.forward(ids, h);  // h = E[ids]      [N, d]
+    model.head.forward(h, logits);    // logits = h W^T (+ b)  [N, V]
     batch_loss_sum += loss.forward_backward(logits, targets, dlogits).loss;
-    model.head.backward(h, dlogits, dh);                              // dW += dlogits^T h, dh = dlogits W
-    model.embedding.backward(ids, dh);                                // dE[ids] += dh
+    model.head.backward(h, dlogits, dh);  // dW += dlogits^T h, dh = dlogits W
+    model.embedding.backward(ids, dh);    // dE[ids] += dh
     touched_sum += model.embedding.weight().grad().num_touched();
     ++since_report;
     const float lr = s.lr * (1.0f - static_cast<float>(step) / static_cast<float>(s.steps));
@@ -250,10 +250,11 @@ int run(int argc, char** argv) {
 
   std::printf("\nheld-out loss: tied %.4f, untied %.4f, bigram count model %.4f\n", tied_held, untied_held,
               bigram_held);
-  std::printf("(with nothing between the two ends, tied logits are S[a][b] = E[a].E[b]: symmetric, no bias,\n"
-              " and S[a][b] <= (S[a][a] + S[b][b]) / 2, so a likely pair such as 'e' -> ' ' forces 'e' -> 'e'\n"
-              " or ' ' -> ' ' to score at least as high. The untied head has none of these constraints;\n"
-              " in a real model the blocks between embedding and head remove them.)\n");
+  std::printf(
+      "(with nothing between the two ends, tied logits are S[a][b] = E[a].E[b]: symmetric, no bias,\n"
+      " and S[a][b] <= (S[a][a] + S[b][b]) / 2, so a likely pair such as 'e' -> ' ' forces 'e' -> 'e'\n"
+      " or ' ' -> ' ' to score at least as high. The untied head has none of these constraints;\n"
+      " in a real model the blocks between embedding and head remove them.)\n");
   std::printf("\nsample, untied: %s\n", sample(untied, corpus, "The ", 120, s.seed + 200).c_str());
   std::printf("sample, tied:   %s\n", sample(tied, corpus, "The ", 120, s.seed + 200).c_str());
   return 0;

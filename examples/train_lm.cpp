@@ -40,11 +40,11 @@ using namespace embedhead;
 using Ids = IdMatrix<std::int32_t>;
 
 struct Settings {
-  Index d = 32;          // model width
-  Index C = 8;           // context bytes
-  Index batch = 128;     // predictions per step
+  Index d = 32;       // model width
+  Index C = 8;        // context bytes
+  Index batch = 128;  // predictions per step
   int epochs = 6;
-  double lr = 3e-3;      // AdamW, the head's (and positions') group
+  double lr = 3e-3;  // AdamW, the head's (and positions') group
   double weight_decay = 0.01;
   double dropout = 0.1;
   std::uint64_t seed = 11;
@@ -84,7 +84,8 @@ class Model {
         dropout_(s.dropout, s.seed + 2),
         // embedding_ is built before head_ (declaration order), so the tied head can share it.
         head_(v.tied ? OutputProjection<float>(embedding_)
-                     : OutputProjection<float>(V, v.concatenated ? s.C * s.d : s.d, OutputProjectionOptions{true, 0.02, s.seed + 3})) {}
+                     : OutputProjection<float>(V, v.concatenated ? s.C * s.d : s.d,
+                                               OutputProjectionOptions{true, 0.02, s.seed + 3})) {}
 
   // The parameter groups: the embedding (optionally at sqrt(d) x the learning rate), the rest,
   // and the head's bias without weight decay. A tied E appears once.
@@ -177,8 +178,8 @@ class Model {
 };
 
 // Trains one model from scratch; prints a line per epoch; returns the final held-out loss.
-double train(const Variant& v, const examples::Corpus& corpus, const Windows& train_windows, const Windows& held_windows,
-             const Settings& s) {
+double train(const Variant& v, const examples::Corpus& corpus, const Windows& train_windows,
+             const Windows& held_windows, const Settings& s) {
   Model model(v, corpus.V(), s);
   AdamOptions options;
   options.lr = s.lr;
@@ -230,9 +231,9 @@ int main(int argc, char** argv) {
     const examples::Corpus corpus = examples::load_corpus(argv[1]);
     const Windows train_windows = windows_of(corpus.train, s.C), held_windows = windows_of(corpus.held_out, s.C);
     const auto unigram = examples::unigram_baseline(corpus);
-    std::printf("corpus %s: %zu train / %zu held-out bytes, V = %ld distinct bytes; context C = %ld, d = %ld\n", argv[1],
-                corpus.train.size(), corpus.held_out.size(), static_cast<long>(corpus.V()), static_cast<long>(s.C),
-                static_cast<long>(s.d));
+    std::printf("corpus %s: %zu train / %zu held-out bytes, V = %ld distinct bytes; context C = %ld, d = %ld\n",
+                argv[1], corpus.train.size(), corpus.held_out.size(), static_cast<long>(corpus.V()),
+                static_cast<long>(s.C), static_cast<long>(s.d));
     std::printf("unigram baseline: held-out cross-entropy %.4f nats per byte (train entropy %.4f)\n", unigram.second,
                 unigram.first);
     const Variant variants[] = {
@@ -247,7 +248,8 @@ int main(int argc, char** argv) {
     for (const Variant& v : variants) held.push_back(train(v, corpus, train_windows, held_windows, s));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-    std::printf("\nsummary: held-out loss after %d epoch(s), nats per byte (unigram baseline %.4f)\n", s.epochs, unigram.second);
+    std::printf("\nsummary: held-out loss after %d epoch(s), nats per byte (unigram baseline %.4f)\n", s.epochs,
+                unigram.second);
     bool best_below_unigram = false;
     for (std::size_t i = 0; i < held.size(); ++i) {
       std::printf("  %-48s %.4f  (%+.4f vs unigram)\n", variants[i].name, held[i], held[i] - unigram.second);

@@ -20,9 +20,9 @@
 //   --out     where to write PREFIX.safetensors, PREFIX.vocab (one token per line), PREFIX.unseen
 //             and PREFIX.known (comma-separated ids) for embedhead-inspect; default
 //             "undertrained_tokens" in the working directory
-#include <embedhead/io/checkpoint.hpp>
-#include <embedhead/embedhead.hpp>
 #include <embedhead/analysis/geometry.hpp>
+#include <embedhead/embedhead.hpp>
+#include <embedhead/io/checkpoint.hpp>
 
 #include "corpus.hpp"
 
@@ -101,9 +101,12 @@ int run(int argc, char** argv) {
   std::string corpus_path, prefix = "undertrained_tokens";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--quick") s.steps = 600;
-    else if (a == "--out" && i + 1 < argc) prefix = argv[++i];
-    else if (corpus_path.empty() && a[0] != '-') corpus_path = a;
+    if (a == "--quick")
+      s.steps = 600;
+    else if (a == "--out" && i + 1 < argc)
+      prefix = argv[++i];
+    else if (corpus_path.empty() && a[0] != '-')
+      corpus_path = a;
     else {
       std::fprintf(stderr, "usage: %s <corpus.txt> [--quick] [--out PREFIX]\n", argv[0]);
       return 2;
@@ -173,7 +176,8 @@ int run(int argc, char** argv) {
     for (const auto& p : parameters) {
       const RowGradient<float>& g = p->grad();
       auto W = p->value();
-      for (Index i = 0; i < g.num_touched(); ++i) W.row(g.touched_rows()[static_cast<std::size_t>(i)]) -= lr * g.touched_row(i);
+      for (Index i = 0; i < g.num_touched(); ++i)
+        W.row(g.touched_rows()[static_cast<std::size_t>(i)]) -= lr * g.touched_row(i);
     }
   }
   std::printf("trained %d SGD steps of %ld tokens: mean batch loss over the last 100 steps %.4f nats (log V = %.4f)\n",
@@ -196,16 +200,20 @@ int run(int argc, char** argv) {
                                     unseen[static_cast<std::size_t>(2 * n_unseen / 3)], unseen.back()};
   write_ids(prefix + ".unseen", unseen);
   write_ids(prefix + ".known", known);
-  std::printf("wrote %s.safetensors (model.embed_tokens.weight, lm_head.weight, lm_head.bias), %s.vocab, %s.unseen, "
-              "%s.known\n",
-              prefix.c_str(), prefix.c_str(), prefix.c_str(), prefix.c_str());
+  std::printf(
+      "wrote %s.safetensors (model.embed_tokens.weight, lm_head.weight, lm_head.bias), %s.vocab, %s.unseen, "
+      "%s.known\n",
+      prefix.c_str(), prefix.c_str(), prefix.c_str(), prefix.c_str());
 
   // ---- rank and score ----
   std::vector<bool> none(kV, false), known_mask(kV, false);
   for (const Index v : known) known_mask[static_cast<std::size_t>(v)] = true;
-  std::printf("\nprecision at n = |unseen| (the fraction of the n top-ranked ids that are unseen; chance = n / V),\n"
-              "and the seen bytes ranked among them, with their count in the %zu training bytes:\n", text.size());
-  std::printf("  %-10s %-36s %4s %9s %6s  %s\n", "matrix", "indicator", "n", "precision", "chance", "seen bytes in the top n");
+  std::printf(
+      "\nprecision at n = |unseen| (the fraction of the n top-ranked ids that are unseen; chance = n / V),\n"
+      "and the seen bytes ranked among them, with their count in the %zu training bytes:\n",
+      text.size());
+  std::printf("  %-10s %-36s %4s %9s %6s  %s\n", "matrix", "indicator", "n", "precision", "chance",
+              "seen bytes in the top n");
   const auto line = [&](const char* matrix, const char* indicator, const std::vector<Index>& ranking,
                         const std::vector<bool>& excluded, Index candidates) {
     Index n = 0;
@@ -224,9 +232,10 @@ int run(int argc, char** argv) {
     line(matrix, "ascending centroid distance", undertrained_scores<float>(M).ranking, none, kV);
     line(matrix, "Magikarp, 4 known-unused excluded", undertrained_scores<float>(M, known).ranking, known_mask, kV - 4);
   }
-  std::printf("\ninspect it: embedhead-inspect %s.safetensors --vocab %s.vocab --unused-file %s.known --top %ld "
-              "--html report.html\n",
-              prefix.c_str(), prefix.c_str(), prefix.c_str(), static_cast<long>(n_unseen - 4));
+  std::printf(
+      "\ninspect it: embedhead-inspect %s.safetensors --vocab %s.vocab --unused-file %s.known --top %ld "
+      "--html report.html\n",
+      prefix.c_str(), prefix.c_str(), prefix.c_str(), static_cast<long>(n_unseen - 4));
   if (unchanged != n_unseen) {
     std::fprintf(stderr, "undertrained_tokens: error: %ld unseen rows of E changed in training\n",
                  static_cast<long>(n_unseen - unchanged));

@@ -54,7 +54,8 @@ void exercise(const embedhead::SafetensorsFile& file) {
       }
     });
   }
-  if (file.contains("wte.weight") || file.contains("transformer.wte.weight") || file.contains("model.embed_tokens.weight")) {
+  if (file.contains("wte.weight") || file.contains("transformer.wte.weight") ||
+      file.contains("model.embed_tokens.weight")) {
     expect_only_library_errors([&] {
       const auto names = embedhead::hugging_face_names(embedhead::guess_model_family(file), &file);
       const auto layers = embedhead::from_pretrained<float>(file, names);

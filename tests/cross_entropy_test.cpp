@@ -83,7 +83,8 @@ TEMPLATE_TEST_CASE("cross_entropy matches the naive reference for every reductio
 
     for (Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none}) {
       INFO("V = " << V << ", reduction = " << name_of(reduction));
-      const double expected_loss = reduction == Reduction::mean ? naive_sum / static_cast<double>(naive_count) : naive_sum;
+      const double expected_loss = reduction == Reduction::mean ? naive_sum / static_cast<double>(naive_count)
+                                                                : naive_sum;
       const auto r = embedhead::cross_entropy<S>(logits, targets, with(reduction));
       CHECK(r.count == naive_count);
       CHECK_THAT(r.sum, WithinRel(naive_sum, tol) || WithinAbs(naive_sum, tol));
@@ -100,8 +101,8 @@ TEMPLATE_TEST_CASE("cross_entropy matches the naive reference for every reductio
   }
 }
 
-TEMPLATE_TEST_CASE("cross_entropy accepts int32 and int64 targets, as [B, T] or as a column", "[cross_entropy][targets]",
-                   float, double) {
+TEMPLATE_TEST_CASE("cross_entropy accepts int32 and int64 targets, as [B, T] or as a column",
+                   "[cross_entropy][targets]", float, double) {
   using S = TestType;
   const Index B = 2, T = 5, N = B * T, V = 9;
   const RowMatrix<S> logits = random_matrix<S>(N, V, 7, kLogitSpread);
@@ -136,7 +137,8 @@ TEMPLATE_TEST_CASE("cross_entropy accepts int32 and int64 targets, as [B, T] or 
   same_as_reference(embedhead::cross_entropy_forward_backward<S>(logits, vector64, dlogits), dlogits);
 }
 
-TEMPLATE_TEST_CASE("cross_entropy gradient is (softmax - one_hot) * scale", "[cross_entropy][gradient]", float, double) {
+TEMPLATE_TEST_CASE("cross_entropy gradient is (softmax - one_hot) * scale", "[cross_entropy][gradient]", float,
+                   double) {
   using S = TestType;
   const double tol = std::is_same<S, float>::value ? 1e-6 : 1e-14;
 
@@ -359,7 +361,8 @@ TEMPLATE_TEST_CASE("cross_entropy ignore_index", "[cross_entropy][ignore]", floa
     CHECK(dlogits.row(5).isZero(0));
     // The default ignore_index (-100) does not apply any more.
     targets(1, 2) = -100;
-    REQUIRE_THROWS_AS(embedhead::cross_entropy<S>(logits, targets, with(Reduction::mean, V - 1)), embedhead::index_error);
+    REQUIRE_THROWS_AS(embedhead::cross_entropy<S>(logits, targets, with(Reduction::mean, V - 1)),
+                      embedhead::index_error);
   }
 }
 
@@ -507,9 +510,9 @@ TEMPLATE_TEST_CASE("cross_entropy rejects bad input and writes nothing", "[cross
 
   SECTION("negative target that is not ignore_index, int64, reported first in row-major order") {
     IdMatrix<std::int64_t> targets = IdMatrix<std::int64_t>::Zero(B, T);
-    targets(0, 2) = -1;   // n = 2, the first bad one
-    targets(1, 2) = 77;   // n = 5
-    targets(1, 1) = -100; // ignored, not an error
+    targets(0, 2) = -1;    // n = 2, the first bad one
+    targets(1, 2) = 77;    // n = 5
+    targets(1, 1) = -100;  // ignored, not an error
     REQUIRE_THROWS_AS(embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits), embedhead::index_error);
     REQUIRE_THROWS_WITH(embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits),
                         Contains("target -1") && Contains("n=2") && Contains("[0, 5)") && Contains("-100"));
@@ -563,8 +566,8 @@ TEMPLATE_TEST_CASE("cross_entropy rejects bad input and writes nothing", "[cross
   }
 }
 
-TEMPLATE_TEST_CASE("cross_entropy: the loss and gradient do not depend on where the logits live", "[cross_entropy][determinism]",
-                   float, double) {
+TEMPLATE_TEST_CASE("cross_entropy: the loss and gradient do not depend on where the logits live",
+                   "[cross_entropy][determinism]", float, double) {
   // Vectorised reductions that peel to an aligned address sum in an order that depends on the
   // pointer; the library's fixed 16-lane order must not. Copy the same logits to every offset
   // of a buffer (0..15 scalars) and require bit-identical results.
@@ -592,8 +595,8 @@ TEMPLATE_TEST_CASE("cross_entropy: the loss and gradient do not depend on where 
   }
 }
 
-TEMPLATE_TEST_CASE("cross_entropy_forward_backward with losses: one pass gives both outputs", "[cross_entropy][none]", float,
-                   double) {
+TEMPLATE_TEST_CASE("cross_entropy_forward_backward with losses: one pass gives both outputs", "[cross_entropy][none]",
+                   float, double) {
   using S = TestType;
   const Index N = 6, V = 21;
   std::mt19937 gen(3);
@@ -677,7 +680,8 @@ TEST_CASE("cross_entropy options: hand-computed values", "[cross_entropy][option
   }
 }
 
-TEMPLATE_TEST_CASE("cross_entropy options match the naive definition", "[cross_entropy][options][naive]", float, double) {
+TEMPLATE_TEST_CASE("cross_entropy options match the naive definition", "[cross_entropy][options][naive]", float,
+                   double) {
   using Scalar = TestType;
   const Index V = 19, classes = 17;
   const RowMatrix<Scalar> logits = random_matrix<Scalar>(10, V, 1201, kLogitSpread);
@@ -727,13 +731,14 @@ TEST_CASE("cross_entropy options gradient check in double", "[cross_entropy][opt
   o.valid_vocab = 6;
   RowMatrix<double> dz(4, 7);
   embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, o);
-  const RowMatrix<double> numeric =
-      naive::numerical_gradient(logits, [&] { return embedhead::cross_entropy<double>(logits, targets, o).loss; });
+  const RowMatrix<double> numeric = naive::numerical_gradient(logits, [&] {
+    return embedhead::cross_entropy<double>(logits, targets, o).loss;
+  });
   CHECK(naive::max_relative_error(dz, numeric, 1e-6) < 1e-6);
 }
 
-TEMPLATE_TEST_CASE("cross_entropy rejects options out of range and writes nothing", "[cross_entropy][options][errors]", float,
-                   double) {
+TEMPLATE_TEST_CASE("cross_entropy rejects options out of range and writes nothing", "[cross_entropy][options][errors]",
+                   float, double) {
   using Scalar = TestType;
   const RowMatrix<Scalar> logits = random_matrix<Scalar>(2, 5, 1401);
   IdMatrix<std::int32_t> targets(1, 2);
@@ -750,8 +755,9 @@ TEMPLATE_TEST_CASE("cross_entropy rejects options out of range and writes nothin
   o = {};
   o.valid_vocab = 4;  // target 4 becomes a padding column
   CHECK_THROWS_WITH(embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, o),
-                    Contains("target 4 at n=1 (b=0, t=1) outside [0, 4) and not ignore_index (-100); columns [4, 5) are "
-                             "vocabulary padding"));
+                    Contains(
+                        "target 4 at n=1 (b=0, t=1) outside [0, 4) and not ignore_index (-100); columns [4, 5) are "
+                        "vocabulary padding"));
   o.valid_vocab = 6;
   CHECK_THROWS_WITH(embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, o),
                     Contains("valid_vocab = 6 outside [1, 5] (or -1 for all V = 5 columns)"));

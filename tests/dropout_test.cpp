@@ -86,8 +86,8 @@ TEMPLATE_TEST_CASE("Dropout eval mode is the identity and draws nothing", "[drop
   CHECK_FALSE(dropout.is_training());
 }
 
-TEMPLATE_TEST_CASE("Dropout mask: kept entries are x / (1 - p), dropped are 0, backward reuses it",
-                   "[dropout][mask]", float, double) {
+TEMPLATE_TEST_CASE("Dropout mask: kept entries are x / (1 - p), dropped are 0, backward reuses it", "[dropout][mask]",
+                   float, double) {
   using S = TestType;
   for (double p : {0.1, 0.5, 0.9}) {
     for (Index d : {1, 7, 8, 9, 15, 16, 17}) {
@@ -133,7 +133,8 @@ TEMPLATE_TEST_CASE("Dropout mask: kept entries are x / (1 - p), dropped are 0, b
       dropout.forward(buffer, buffer);
       bool in_place_holds = true;
       for (Index i = 0; i < buffer.size(); ++i)
-        in_place_holds = in_place_holds && buffer.data()[i] == (dropout.mask().data()[i] == S(0) ? S(0) : x.data()[i] * keep_scale);
+        in_place_holds = in_place_holds &&
+                         buffer.data()[i] == (dropout.mask().data()[i] == S(0) ? S(0) : x.data()[i] * keep_scale);
       CHECK(in_place_holds);
     }
   }
@@ -250,8 +251,8 @@ TEMPLATE_TEST_CASE("Dropout rejects bad input and changes nothing", "[dropout][e
     // forward: out not [N, d].
     RowMatrix<S> wrong_out = RowMatrix<S>::Constant(4, 5, S(-9));
     REQUIRE_THROWS_AS(dropout.forward(x, wrong_out), embedhead::shape_error);
-    REQUIRE_THROWS_WITH(dropout.forward(x, wrong_out),
-                        Contains("Dropout::forward") && Contains("out") && Contains("[4, 5]") && Contains("expected [4, 6]"));
+    REQUIRE_THROWS_WITH(dropout.forward(x, wrong_out), Contains("Dropout::forward") && Contains("out") &&
+                                                           Contains("[4, 5]") && Contains("expected [4, 6]"));
     CHECK((wrong_out.array() == S(-9)).all());
     check_unchanged();
 

@@ -39,7 +39,6 @@ using test_support::close;
 using test_support::same_values;
 using test_support::tolerance;
 
-
 template <typename Scalar>
 struct Problem {
   Index N, V, d;
@@ -50,8 +49,13 @@ struct Problem {
 // h and W at scale 1 so logits reach a few units (soft-capping at 2 then matters).
 template <typename Scalar>
 Problem<Scalar> make_problem(Index B, Index T, Index V, Index d, std::uint64_t seed, Index classes = -1) {
-  Problem<Scalar> p{B * T, V, d, random_matrix<Scalar>(B * T, d, seed, 1.0), random_matrix<Scalar>(V, d, seed + 1, 0.5),
-                    random_matrix<Scalar>(V, 1, seed + 2, 0.5), random_ids<std::int64_t>(B, T, classes < 0 ? V : classes, seed + 3)};
+  Problem<Scalar> p{B * T,
+                    V,
+                    d,
+                    random_matrix<Scalar>(B * T, d, seed, 1.0),
+                    random_matrix<Scalar>(V, d, seed + 1, 0.5),
+                    random_matrix<Scalar>(V, 1, seed + 2, 0.5),
+                    random_ids<std::int64_t>(B, T, classes < 0 ? V : classes, seed + 3)};
   return p;
 }
 
@@ -69,7 +73,8 @@ Outputs unfused(const Problem<Scalar>& p, bool with_bias, const CrossEntropyOpti
   embedhead::output_projection_forward<Scalar>(p.h, p.W, bias, logits);
   Outputs out;
   out.result = embedhead::cross_entropy_forward_backward<Scalar>(logits, p.targets, dlogits, losses, options);
-  RowMatrix<Scalar> dh(p.N, p.d), dW = RowMatrix<Scalar>::Zero(p.V, p.d), db = RowMatrix<Scalar>::Zero(with_bias ? p.V : 0, 1);
+  RowMatrix<Scalar> dh(p.N, p.d), dW = RowMatrix<Scalar>::Zero(p.V, p.d),
+                                  db = RowMatrix<Scalar>::Zero(with_bias ? p.V : 0, 1);
   embedhead::output_projection_backward<Scalar>(p.h, p.W, dlogits, dh, dW, db);
   out.dh = dh.template cast<double>();
   out.dW = dW.template cast<double>();
@@ -88,10 +93,11 @@ FusedHeadLossExtras<Scalar> extras_of(const RowMatrix<Scalar>& weights, RowMatri
 }
 
 template <typename Scalar>
-Outputs fused(const Problem<Scalar>& p, bool with_bias, const FusedHeadLossOptions& options, const RowMatrix<Scalar>& weights,
-              RowMatrix<Scalar>* lse_out = nullptr) {
+Outputs fused(const Problem<Scalar>& p, bool with_bias, const FusedHeadLossOptions& options,
+              const RowMatrix<Scalar>& weights, RowMatrix<Scalar>* lse_out = nullptr) {
   const RowMatrix<Scalar> no_bias(0, 1);
-  RowMatrix<Scalar> dh(p.N, p.d), dW = RowMatrix<Scalar>::Zero(p.V, p.d), db = RowMatrix<Scalar>::Zero(with_bias ? p.V : 0, 1);
+  RowMatrix<Scalar> dh(p.N, p.d), dW = RowMatrix<Scalar>::Zero(p.V, p.d),
+                                  db = RowMatrix<Scalar>::Zero(with_bias ? p.V : 0, 1);
   RowMatrix<Scalar> lse(p.N, 1), losses(p.N, 1);
   FusedHeadLossWorkspace<Scalar> ws;
   Outputs out;
@@ -127,20 +133,24 @@ std::vector<Variant> variants(Index V) {
   add("z-loss", [](FusedHeadLossOptions& o) { o.z_loss = 1e-2; });
   add("soft-cap", [](FusedHeadLossOptions& o) { o.softcap = 2.0; });
   add("gradient scale", [](FusedHeadLossOptions& o) { o.gradient_scale = 0.25; });
-  add("padded vocabulary", [](FusedHeadLossOptions&) {}, V - 3);
-  add("everything", [](FusedHeadLossOptions& o) {
-    o.label_smoothing = 0.2;
-    o.z_loss = 1e-3;
-    o.softcap = 3.0;
-    o.ignore_index = 1;
-  }, V - 5);
+  add(
+      "padded vocabulary", [](FusedHeadLossOptions&) {}, V - 3);
+  add(
+      "everything",
+      [](FusedHeadLossOptions& o) {
+        o.label_smoothing = 0.2;
+        o.z_loss = 1e-3;
+        o.softcap = 3.0;
+        o.ignore_index = 1;
+      },
+      V - 5);
   return list;
 }
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("fused head loss equals the unfused head + loss + head backward", "[fused_head_loss][unfused]", float,
-                   double) {
+TEMPLATE_TEST_CASE("fused head loss equals the unfused head + loss + head backward", "[fused_head_loss][unfused]",
+                   float, double) {
   using Scalar = TestType;
   const Index V = 37, d = 11;
   Problem<Scalar> p = make_problem<Scalar>(3, 7, V, d, 101, V - 5);
@@ -162,7 +172,8 @@ TEMPLATE_TEST_CASE("fused head loss equals the unfused head + loss + head backwa
         CHECK(actual.result.weight_sum == expected.result.weight_sum);
         CHECK_THAT(actual.result.loss, WithinRel(expected.result.loss, tolerance<Scalar>()));
         CHECK_THAT(actual.result.sum, WithinRel(expected.result.sum, tolerance<Scalar>()));
-        CHECK_THAT(actual.result.z_loss, WithinRel(expected.result.z_loss, 1e-4) || WithinAbs(expected.result.z_loss, 1e-12));
+        CHECK_THAT(actual.result.z_loss,
+                   WithinRel(expected.result.z_loss, 1e-4) || WithinAbs(expected.result.z_loss, 1e-12));
         CHECK(close(actual.dh, expected.dh, tolerance<Scalar>()));
         CHECK(close(actual.dW, expected.dW, tolerance<Scalar>()));
         CHECK(close(actual.db, expected.db, tolerance<Scalar>()));
@@ -172,7 +183,8 @@ TEMPLATE_TEST_CASE("fused head loss equals the unfused head + loss + head backwa
   }
 }
 
-TEMPLATE_TEST_CASE("fused head loss spans several vocabulary and width blocks", "[fused_head_loss][blocks]", float, double) {
+TEMPLATE_TEST_CASE("fused head loss spans several vocabulary and width blocks", "[fused_head_loss][blocks]", float,
+                   double) {
   using Scalar = TestType;
   // Several vocabulary blocks, each cut into GEMM pieces (the last partial), and d > 2 * 128.
   const Index V = 4200, d = 260;
@@ -194,8 +206,8 @@ TEMPLATE_TEST_CASE("fused head loss spans several vocabulary and width blocks", 
   CHECK(actual.db.bottomRows(40).cwiseAbs().maxCoeff() == 0.0);
 }
 
-TEMPLATE_TEST_CASE("fused head loss with per-token weights matches the naive definition", "[fused_head_loss][naive][weights]",
-                   float, double) {
+TEMPLATE_TEST_CASE("fused head loss with per-token weights matches the naive definition",
+                   "[fused_head_loss][naive][weights]", float, double) {
   using Scalar = TestType;
   const Index V = 29, d = 9, classes = 26;
   Problem<Scalar> p = make_problem<Scalar>(2, 9, V, d, 303, classes);
@@ -274,8 +286,8 @@ TEST_CASE("fused head loss gradient check in double, every option on", "[fused_h
   CHECK(analytic.dW.bottomRows(V - classes).cwiseAbs().maxCoeff() == 0.0);
 }
 
-TEMPLATE_TEST_CASE("fused_head_loss (no gradient) gives the same loss and writes no gradient", "[fused_head_loss][forward]",
-                   float, double) {
+TEMPLATE_TEST_CASE("fused_head_loss (no gradient) gives the same loss and writes no gradient",
+                   "[fused_head_loss][forward]", float, double) {
   using Scalar = TestType;
   Problem<Scalar> p = make_problem<Scalar>(3, 4, 23, 6, 505);
   FusedHeadLossOptions options;
@@ -293,8 +305,8 @@ TEMPLATE_TEST_CASE("fused_head_loss (no gradient) gives the same loss and writes
   CHECK(same_values(RowMatrix<double>(losses.template cast<double>()), with_gradient.losses));
 }
 
-TEMPLATE_TEST_CASE("FusedHeadLoss layer: tied and untied, equal to the unfused layers", "[fused_head_loss][layer][tied]", float,
-                   double) {
+TEMPLATE_TEST_CASE("FusedHeadLoss layer: tied and untied, equal to the unfused layers",
+                   "[fused_head_loss][layer][tied]", float, double) {
   using Scalar = TestType;
   const Index V = 31, d = 8;
   const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(2, 6, V, 606);
@@ -408,8 +420,8 @@ TEMPLATE_TEST_CASE("fused head loss rejects bad input and writes nothing", "[fus
   };
   const FusedHeadLossOptions ok;
   SECTION("shapes") {
-    RowMatrix<Scalar> bad_h(N, d + 1), bad_bias(V + 1, 1), bad_w(N + 1, 1), bad_dh(N, d + 1), bad_dW(V, d + 1), bad_db(V - 1, 1),
-        bad_lse(N + 2, 1), bad_losses(N, 2);
+    RowMatrix<Scalar> bad_h(N, d + 1), bad_bias(V + 1, 1), bad_w(N + 1, 1), bad_dh(N, d + 1), bad_dW(V, d + 1),
+        bad_db(V - 1, 1), bad_lse(N + 2, 1), bad_losses(N, 2);
     CHECK_THROWS_WITH(call(bad_h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses, ok),
                       Contains("fused_head_loss_forward_backward: h has shape [4, 4], expected [4, 3]"));
     CHECK_THROWS_WITH(call(p.h, p.W, bad_bias, p.targets, weights, dh, dW, db, lse, losses, ok),
@@ -445,8 +457,9 @@ TEMPLATE_TEST_CASE("fused head loss rejects bad input and writes nothing", "[fus
     padded.valid_vocab = 5;
     t(0, 2) = 6;
     CHECK_THROWS_WITH(call(p.h, p.W, p.bias, t, weights, dh, dW, db, lse, losses, padded),
-                      Contains("target 6 at n=2 (b=0, t=2) outside [0, 5) and not ignore_index (-100); columns [5, 7) are "
-                               "vocabulary padding"));
+                      Contains(
+                          "target 6 at n=2 (b=0, t=2) outside [0, 5) and not ignore_index (-100); columns [5, 7) are "
+                          "vocabulary padding"));
     unchanged();
   }
   SECTION("weights") {
@@ -497,8 +510,8 @@ TEMPLATE_TEST_CASE("fused head loss rejects bad input and writes nothing", "[fus
   }
 }
 
-TEMPLATE_TEST_CASE("FusedHeadLoss layer leaves the gradients untouched when it throws", "[fused_head_loss][layer][errors]", float,
-                   double) {
+TEMPLATE_TEST_CASE("FusedHeadLoss layer leaves the gradients untouched when it throws",
+                   "[fused_head_loss][layer][errors]", float, double) {
   using Scalar = TestType;
   embedhead::TokenEmbedding<Scalar> emb(9, 4);
   embedhead::OutputProjection<Scalar> head(emb);

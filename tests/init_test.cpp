@@ -131,7 +131,7 @@ TEST_CASE("Rng: the state is (seed, counter) and bits_at ignores the counter", "
   SECTION("restoring (seed, counter) resumes the stream") {
     Rng original(12345);
     for (int i = 0; i < 37; ++i) original.next_bits();
-    (void)original.normal();  // two draws
+    (void)original.normal();   // two draws
     (void)original.uniform();  // one draw
     REQUIRE(original.counter() == 40);
 
@@ -339,9 +339,9 @@ TEMPLATE_TEST_CASE("init_normal: element (r, c) from draws counter + 2(r*cols + 
       RowMatrix<Scalar> W = RowMatrix<Scalar>::Constant(2, 3, Scalar(0.25));
       REQUIRE_THROWS_AS(embedhead::init_normal<Scalar>(W, bad.std, rng), embedhead::value_error);
       REQUIRE_THROWS_AS(embedhead::init_normal<Scalar>(W, bad.std, rng), std::invalid_argument);
-      REQUIRE_THROWS_WITH(embedhead::init_normal<Scalar>(W, bad.std, rng),
-                          Catch::Contains("init_normal") && Catch::Contains(bad.printed) &&
-                              Catch::Contains("outside (0, inf)"));
+      REQUIRE_THROWS_WITH(embedhead::init_normal<Scalar>(W, bad.std, rng), Catch::Contains("init_normal") &&
+                                                                               Catch::Contains(bad.printed) &&
+                                                                               Catch::Contains("outside (0, inf)"));
       CHECK(W == RowMatrix<Scalar>::Constant(2, 3, Scalar(0.25)));
       CHECK(rng.counter() == 6);
       CHECK(rng.seed() == 1);

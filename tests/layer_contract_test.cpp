@@ -77,7 +77,7 @@ std::vector<std::shared_ptr<Parameter<float>>> float_parameters(const Layer& lay
 struct Expected {
   Index rows = 0, cols = 0;  // the shape vocab_size()/max_positions() x dim()
   bool bias = false;
-  std::size_t stepped = 0;   // how many parameters an Optimizer<float> can step
+  std::size_t stepped = 0;  // how many parameters an Optimizer<float> can step
 };
 
 // The one generic check. `backward(layer)` runs a real backward with non-zero upstream gradients.
@@ -280,7 +280,8 @@ TEST_CASE("layer contract: the vocabulary-parallel layers on one rank", "[layer_
   }
 }
 
-TEST_CASE("layer contract: QuantizedEmbedding is inference-only and has the read-only part", "[layer_contract][quantized]") {
+TEST_CASE("layer contract: QuantizedEmbedding is inference-only and has the read-only part",
+          "[layer_contract][quantized]") {
   const QuantizedEmbedding table(random_matrix<float>(kV, kD, 31));
   CHECK(table.vocab_size() == kV);
   CHECK(table.dim() == kD);
@@ -311,19 +312,22 @@ TEST_CASE("layer contract: both ways of tying are one tied head everywhere", "[l
     // Registering both lists as they are is refused the same way for both heads.
     SGD<float> twice;
     twice.add_group(embedding.parameters());
-    CHECK_THROWS_WITH(twice.add_group(head->parameters()), Contains("'token_embedding.weight' [7, 4] is registered twice"));
+    CHECK_THROWS_WITH(twice.add_group(head->parameters()),
+                      Contains("'token_embedding.weight' [7, 4] is registered twice"));
     CHECK(twice.groups().size() == 1);
   }
   // An untied head of the same shape: not tied, to anything.
   OutputProjection<float> untied(kV, kD);
   CHECK_FALSE(untied.is_tied_to(embedding));
   // A head sharing the table but with its own bias shares W (is_tied_to) without the tied shape.
-  OutputProjection<float> shared_with_bias(embedding.weight_ptr(), std::make_shared<Parameter<float>>(kV, 1, "lm_head.bias"));
+  OutputProjection<float> shared_with_bias(embedding.weight_ptr(),
+                                           std::make_shared<Parameter<float>>(kV, 1, "lm_head.bias"));
   CHECK(shared_with_bias.is_tied_to(embedding));
   CHECK(shared_with_bias.has_bias());
 }
 
-TEST_CASE("layer contract: a head tied through weight_ptr() stays tied through resize_vocabulary", "[layer_contract][tied]") {
+TEST_CASE("layer contract: a head tied through weight_ptr() stays tied through resize_vocabulary",
+          "[layer_contract][tied]") {
   TokenEmbedding<float> embedding(kV, kD);
   OutputProjection<float> head(embedding.weight_ptr());
   const auto result = resize_vocabulary<float>(embedding, &head, kV + 3);
@@ -348,8 +352,8 @@ TEST_CASE("layer contract: the vocabulary-parallel head tied both ways", "[layer
   CHECK_FALSE(untied.is_tied_to(embedding));
 }
 
-TEMPLATE_TEST_CASE("layer contract: a low-precision table is a Parameter<Storage, float>", "[layer_contract][low_precision]",
-                   Eigen::bfloat16, Eigen::half) {
+TEMPLATE_TEST_CASE("layer contract: a low-precision table is a Parameter<Storage, float>",
+                   "[layer_contract][low_precision]", Eigen::bfloat16, Eigen::half) {
   using Storage = TestType;
   const RowMatrix<float> table = random_matrix<float>(kV, kD, 41);
   LowPrecisionEmbedding<Storage> embedding(table);

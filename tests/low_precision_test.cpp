@@ -87,9 +87,9 @@ struct Size {
   Index V, d, B, T;
 };
 // V = 1, d = 1, packet widths +-1 (float: 4, 8, 16 lanes; bf16/fp16: 8, 16, 32).
-const Size kSizes[] = {{1, 1, 1, 1},   {1, 5, 2, 3},   {5, 1, 3, 4},    {3, 2, 1, 1},     {10, 7, 2, 5},
-                       {10, 8, 3, 3},  {10, 9, 1, 9},  {40, 15, 2, 4},  {40, 16, 4, 2},   {40, 17, 3, 3},
-                       {50, 31, 2, 8}, {50, 32, 2, 8}, {50, 33, 2, 8},  {100000, 3, 2, 5}, {7, 64, 3, 3}};
+const Size kSizes[] = {{1, 1, 1, 1},   {1, 5, 2, 3},   {5, 1, 3, 4},   {3, 2, 1, 1},      {10, 7, 2, 5},
+                       {10, 8, 3, 3},  {10, 9, 1, 9},  {40, 15, 2, 4}, {40, 16, 4, 2},    {40, 17, 3, 3},
+                       {50, 31, 2, 8}, {50, 32, 2, 8}, {50, 33, 2, 8}, {100000, 3, 2, 5}, {7, 64, 3, 3}};
 
 // Largest |got - exact| / bound over all entries, where bound = k * 2^-24 * (sum of |terms|): a
 // float dot product of k terms is within (k * 2^-24) sum |terms| of the exact one (Higham).
@@ -113,7 +113,7 @@ TEMPLATE_TEST_CASE("low precision: convert_table rounds to nearest even, widen_t
 
   SECTION("worked values: ties go to the even neighbour") {
     RowMatrix<float> src(2, 3);
-    src << 1.0f, 1.0f + u / 2, 1.0f + 3 * u / 2,      // exact; tie -> 1 (even); tie -> 1 + 2u (even)
+    src << 1.0f, 1.0f + u / 2, 1.0f + 3 * u / 2,       // exact; tie -> 1 (even); tie -> 1 + 2u (even)
         1.0f + u / 2 + u / 64, -(1.0f + u / 4), 0.0f;  // above the tie -> 1 + u; below -> -1; 0
     RowMatrix<float> expected(2, 3);
     expected << 1.0f, 1.0f, 1.0f + 2 * u, 1.0f + u, -1.0f, 0.0f;
@@ -142,7 +142,8 @@ TEMPLATE_TEST_CASE("low precision: convert_table rounds to nearest even, widen_t
     RowMatrix<Storage> dst = RowMatrix<Storage>::Constant(2, 3, Storage(7.0f));
     REQUIRE_THROWS_AS(embedhead::convert_table<Storage>(src, dst), embedhead::value_error);
     REQUIRE_THROWS_WITH(embedhead::convert_table<Storage>(src, dst),
-                        Contains("convert_table: value -") && Contains("at (1, 2) overflows " + std::string(name<Storage>())) &&
+                        Contains("convert_table: value -") &&
+                            Contains("at (1, 2) overflows " + std::string(name<Storage>())) &&
                             Contains(bf16 ? "largest finite 3.38953e+38" : "largest finite 65504"));
     CHECK(first_difference(widen_by_bits(dst), RowMatrix<float>::Constant(2, 3, 7.0f)) == "");
     // The largest finite value itself converts.
@@ -298,7 +299,7 @@ TEMPLATE_TEST_CASE("low precision: embedding backward is the float scatter into 
     options.scale_by_sqrt_d = true;
     LowPrecisionEmbedding<Storage> emb(random_table<Storage>(V, d, 41), options);
     IdMatrix<std::int32_t> ids(B, T);
-    ids << 0, 3, 3, 6, 2, 3, 0, 0;  // repeats; rows 1, 4, 5 absent
+    ids << 0, 3, 3, 6, 2, 3, 0, 0;                                  // repeats; rows 1, 4, 5 absent
     const RowMatrix<float> G = random_matrix<float>(B * T, d, 42);  // L = sum(G .* out)
     emb.backward(ids, G);
     RowMatrix<double> E = widen_by_bits(RowMatrix<Storage>(emb.table())).template cast<double>();
@@ -555,7 +556,8 @@ TEMPLATE_TEST_CASE("low precision: head errors name the operand and shapes; noth
   RowMatrix<float> dW = RowMatrix<float>::Constant(V, d + 1, 1.0f), db = RowMatrix<float>::Constant(V, 1, 1.0f);
   REQUIRE_THROWS_WITH(embedhead::output_projection_backward<Storage>(h, W, dlogits, dh, dW, db, workspace),
                       Contains("output_projection_backward: dW has shape [5, 5], expected [5, 4]"));
-  RowMatrix<float> good_dW = RowMatrix<float>::Constant(V, d, 1.0f), bad_db = RowMatrix<float>::Constant(V - 1, 1, 1.0f);
+  RowMatrix<float> good_dW = RowMatrix<float>::Constant(V, d, 1.0f),
+                   bad_db = RowMatrix<float>::Constant(V - 1, 1, 1.0f);
   REQUIRE_THROWS_WITH(embedhead::output_projection_backward<Storage>(h, W, dlogits, dh, good_dW, bad_db, workspace),
                       Contains("db has shape [4, 1], expected [5, 1]"));
   CHECK(good_dW == RowMatrix<float>::Constant(V, d, 1.0f));

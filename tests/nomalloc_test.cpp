@@ -66,9 +66,8 @@ TEMPLATE_TEST_CASE("forward and backward passes with output arguments do not all
   const RowMatrix<S> few = RowMatrix<S>::Constant(3, d, S(0.25));
   RowMatrix<S> few_logits(3, V);
   without_allocation([&] { head.forward(few, few_logits); });
-  without_allocation([&] {
-    embedhead::output_projection_decode<S>(few, head.weight().value(), head.bias()->value(), few_logits);
-  });
+  without_allocation(
+      [&] { embedhead::output_projection_decode<S>(few, head.weight().value(), head.bias()->value(), few_logits); });
   without_allocation([&] { embedhead::cross_entropy_forward_backward<S>(logits, ids, dlogits, losses); });
   without_allocation([&] { head.backward(y, dlogits, dh); });
   without_allocation([&] { tied.backward(y, dlogits, dh); });
@@ -89,8 +88,8 @@ TEMPLATE_TEST_CASE("forward and backward passes with output arguments do not all
   CHECK_FALSE(embedding.weight().grad().is_dense());
 }
 
-TEMPLATE_TEST_CASE("low-precision and int8 passes with output arguments do not allocate", "[nomalloc]",
-                   Eigen::bfloat16, Eigen::half) {
+TEMPLATE_TEST_CASE("low-precision and int8 passes with output arguments do not allocate", "[nomalloc]", Eigen::bfloat16,
+                   Eigen::half) {
   using Storage = TestType;
   const Index V = 300, d = 16, B = 2, T = 5, N = B * T;  // V > 256: the head runs two tiles
   IdMatrix<std::int32_t> ids(B, T);

@@ -624,9 +624,9 @@ TEMPLATE_TEST_CASE("OutputProjection errors throw and leave everything unchanged
     RowMatrix<Scalar> dh_wrong = RowMatrix<Scalar>::Constant(3, d + 1, Scalar(42));
 
     REQUIRE_THROWS_AS(head.backward(h, dlogits_wrong_V, dh), embedhead::shape_error);
-    REQUIRE_THROWS_WITH(
-        head.backward(h, dlogits_wrong_V, dh),
-        Contains("OutputProjection::backward") && Contains("dlogits has shape [3, 7], expected [3, 5]"));
+    REQUIRE_THROWS_WITH(head.backward(h, dlogits_wrong_V, dh),
+                        Contains("OutputProjection::backward") &&
+                            Contains("dlogits has shape [3, 7], expected [3, 5]"));
     REQUIRE_THROWS_WITH(head.backward(h, dlogits_wrong_N), Contains("dlogits has shape [2, 5], expected [3, 5]"));
     REQUIRE_THROWS_WITH(head.backward(h, dlogits, dh_wrong), Contains("dh has shape [3, 5], expected [3, 4]"));
     REQUIRE_THROWS_WITH(head.backward(h_wide, dlogits, dh), Contains("h has shape [3, 5], expected [3, 4]"));
@@ -758,7 +758,8 @@ TEST_CASE("OutputProjection wraps existing W and bias without copying them", "[o
   REQUIRE_THROWS_AS(OutputProjection<double>(nullptr), embedhead::value_error);
   auto wrong_bias = std::make_shared<Parameter<double>>(4, 1);
   REQUIRE_THROWS_AS(OutputProjection<double>(W, wrong_bias), embedhead::shape_error);
-  REQUIRE_THROWS_WITH(OutputProjection<double>(W, wrong_bias), Contains("bias") && Contains("[4, 1]") && Contains("[3, 1]"));
+  REQUIRE_THROWS_WITH(OutputProjection<double>(W, wrong_bias),
+                      Contains("bias") && Contains("[4, 1]") && Contains("[3, 1]"));
 }
 
 // ---- the chunked GEMMs (N > 8) across chunk boundaries ----
@@ -841,8 +842,7 @@ TEMPLATE_TEST_CASE("output_projection_decode computes h W^T + b for 1 to 8 token
     const RowMatrix<Scalar> W_wide = random_matrix<Scalar>(V, d + 3, 322);
     const RowMatrix<Scalar> b_wide = random_matrix<Scalar>(V, 4, 323);
     RowMatrix<Scalar> logits_wide = RowMatrix<Scalar>::Constant(N, V + 2, Scalar(42));
-    output_projection_decode<Scalar>(h_wide.leftCols(d), W_wide.leftCols(d), b_wide.col(2),
-                                     logits_wide.leftCols(V));
+    output_projection_decode<Scalar>(h_wide.leftCols(d), W_wide.leftCols(d), b_wide.col(2), logits_wide.leftCols(V));
     const RowMatrix<Scalar> h = h_wide.leftCols(d), W = W_wide.leftCols(d), b = b_wide.col(2);
     check_close<Scalar>(logits_wide.leftCols(V), naive_logits<Scalar>(h, W, &b));
     CHECK((logits_wide.rightCols(2).array() == Scalar(42)).all());
@@ -886,7 +886,7 @@ TEST_CASE("output_projection free functions accept empty operands (N = 0 with V 
   SECTION("N = 0: nothing to compute, the gradients stay as they were") {
     const RowMatrix<float> h(0, 3), W = random_matrix<float>(V, 3, 402), g(0, V);
     RowMatrix<float> logits(0, V), dh(0, 3), dW = RowMatrix<float>::Constant(V, 3, 2.0f),
-                                          db = RowMatrix<float>::Constant(V, 1, 3.0f);
+                                             db = RowMatrix<float>::Constant(V, 1, 3.0f);
     embedhead::output_projection_forward<float>(h, W, b, logits);
     embedhead::output_projection_backward<float>(h, W, g, dh, dW, db);
     CHECK((dW.array() == 2.0f).all());
@@ -950,8 +950,8 @@ TEMPLATE_TEST_CASE("OutputProjection with a frozen W or bias: dh unchanged, the 
   }
 }
 
-TEMPLATE_TEST_CASE("Tied: freezing the embedding freezes the head's W (one Parameter)", "[output_projection][tied][freeze]",
-                   float, double) {
+TEMPLATE_TEST_CASE("Tied: freezing the embedding freezes the head's W (one Parameter)",
+                   "[output_projection][tied][freeze]", float, double) {
   using Scalar = TestType;
   const Index N = 3, V = 6, d = 2;
   TokenEmbedding<Scalar> embedding(V, d);

@@ -138,7 +138,8 @@ TEST_CASE("embedding_head_budget rejects bad shapes", "[parameter_count][errors]
                       Contains("embedding_head_budget") && Contains("V = 0") && Contains("[1, inf)"));
   REQUIRE_THROWS_WITH(embedhead::embedding_head_budget(shape_of(-4, 8, false)), Contains("V = -4"));
   REQUIRE_THROWS_AS(embedhead::embedding_head_budget(shape_of(10, 0, true)), embedhead::value_error);
-  REQUIRE_THROWS_WITH(embedhead::embedding_head_budget(shape_of(10, 0, true)), Contains("d = 0") && Contains("[1, inf)"));
+  REQUIRE_THROWS_WITH(embedhead::embedding_head_budget(shape_of(10, 0, true)),
+                      Contains("d = 0") && Contains("[1, inf)"));
   REQUIRE_THROWS_AS(embedhead::embedding_head_budget(shape_of(10, 8, true, false, -1)), embedhead::value_error);
   REQUIRE_THROWS_WITH(embedhead::embedding_head_budget(shape_of(10, 8, true, false, -1)),
                       Contains("learned_positions = -1") && Contains("[0, inf)"));

@@ -87,8 +87,7 @@ void check_gradient(const RowGradient<Scalar>& grad, const std::set<Index>& expe
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("RowGradient: touch_rows merges sorted id batches", "[parameter][row_gradient]", float,
-                   double) {
+TEMPLATE_TEST_CASE("RowGradient: touch_rows merges sorted id batches", "[parameter][row_gradient]", float, double) {
   using Scalar = TestType;
 
   SECTION("worked example: ids before, between and after the existing ones, and repeats") {
@@ -98,13 +97,13 @@ TEMPLATE_TEST_CASE("RowGradient: touch_rows merges sorted id batches", "[paramet
     std::set<Index> expected;
     std::mt19937_64 gen(1);
     const std::vector<std::vector<Index>> batches = {
-        {10, 20},            // into an empty gradient
-        {5},                 // before everything
-        {15},                // between
-        {25},                // after everything
-        {0, 12, 20, 30, 39}, // new ids at both ends and between, plus an existing one
-        {10, 20},            // all existing: no new rows
-        {},                  // empty batch
+        {10, 20},                            // into an empty gradient
+        {5},                                 // before everything
+        {15},                                // between
+        {25},                                // after everything
+        {0, 12, 20, 30, 39},                 // new ids at both ends and between, plus an existing one
+        {10, 20},                            // all existing: no new rows
+        {},                                  // empty batch
         {5, 10, 12, 15, 20, 25, 30, 39, 0},  // sorted below
     };
     for (auto ids : batches) {
@@ -311,8 +310,7 @@ TEST_CASE("RowGradient: zero_grad forgets touched rows without ever going dense"
     }
     // Only this step's rows, holding only this step's values.
     failures += grad.touched_rows() == ids ? 0 : 1;
-    for (Index i = 0; i < grad.num_touched(); ++i)
-      failures += grad.touched_row(i) == contributions.row(i) ? 0 : 1;
+    for (Index i = 0; i < grad.num_touched(); ++i) failures += grad.touched_row(i) == contributions.row(i) ? 0 : 1;
     failures += grad.is_dense() ? 1 : 0;
     if (step == 999) {
       RowMatrix<float> expected = RowMatrix<float>::Zero(V, d);
@@ -427,16 +425,17 @@ TEMPLATE_TEST_CASE("RowGradient: touch_rows rejects bad ids and changes nothing"
   expect_unchanged();
   const std::vector<Index> unsorted{3, 1, 7};
   REQUIRE_THROWS_AS(g.touch_rows(unsorted.data(), 3, out.data()), embedhead::value_error);
-  REQUIRE_THROWS_WITH(g.touch_rows(unsorted.data(), 3, out.data()),
-                      Catch::Contains("strictly increasing") && Catch::Contains("id 1 at index 1") &&
-                          Catch::Contains("follows 3"));
+  REQUIRE_THROWS_WITH(g.touch_rows(unsorted.data(), 3, out.data()), Catch::Contains("strictly increasing") &&
+                                                                        Catch::Contains("id 1 at index 1") &&
+                                                                        Catch::Contains("follows 3"));
   expect_unchanged();
   const std::vector<Index> repeated{4, 4};
   REQUIRE_THROWS_AS(g.touch_rows(repeated.data(), 2, out.data()), embedhead::value_error);
   expect_unchanged();
 }
 
-TEST_CASE("RowGradient: touch_rows with `fresh` flags new rows and leaves them for the caller", "[parameter][row_gradient]") {
+TEST_CASE("RowGradient: touch_rows with `fresh` flags new rows and leaves them for the caller",
+          "[parameter][row_gradient]") {
   RowGradient<double> g(20, 2);
   std::vector<Index> slots(3);
   std::vector<unsigned char> fresh(3, 9);
@@ -507,7 +506,7 @@ namespace {
 // 100 r + c + 0.25; gradient of row r: -(r + 1) - c / 8), and the dense reference of that gradient.
 template <typename Scalar>
 std::pair<std::shared_ptr<Parameter<Scalar>>, RowMatrix<Scalar>> filled_parameter(Index rows, Index cols,
-                                                                                   const std::vector<Index>& ids) {
+                                                                                  const std::vector<Index>& ids) {
   auto p = std::make_shared<Parameter<Scalar>>(rows, cols, "E");
   RowMatrix<Scalar> grad = RowMatrix<Scalar>::Zero(rows, cols);
   for (Index r = 0; r < rows; ++r)

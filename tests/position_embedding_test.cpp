@@ -35,8 +35,8 @@ double table_tolerance() {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("LearnedPositionEmbedding forward adds P[start + t] to every batch row",
-                   "[position][learned]", float, double) {
+TEMPLATE_TEST_CASE("LearnedPositionEmbedding forward adds P[start + t] to every batch row", "[position][learned]",
+                   float, double) {
   using S = TestType;
 
   SECTION("naive reference: out[b*T + t] == x[b*T + t] + P[start + t], exactly") {
@@ -104,8 +104,8 @@ TEMPLATE_TEST_CASE("LearnedPositionEmbedding forward adds P[start + t] to every 
   }
 }
 
-TEMPLATE_TEST_CASE("LearnedPositionEmbedding init is reproducible from the seed", "[position][learned][init]",
-                   float, double) {
+TEMPLATE_TEST_CASE("LearnedPositionEmbedding init is reproducible from the seed", "[position][learned][init]", float,
+                   double) {
   using S = TestType;
   const Index T_max = 32, d = 17;
   embedhead::LearnedPositionOptions options;
@@ -122,8 +122,9 @@ TEMPLATE_TEST_CASE("LearnedPositionEmbedding init is reproducible from the seed"
   bool all_match = true;
   for (Index r = 0; r < T_max; ++r)
     for (Index c = 0; c < d; ++c)
-      all_match = all_match && a.weight().value()(r, c) ==
-                                   static_cast<S>(options.init_std * rng.normal_at(2 * static_cast<std::uint64_t>(r * d + c)));
+      all_match = all_match &&
+                  a.weight().value()(r, c) ==
+                      static_cast<S>(options.init_std * rng.normal_at(2 * static_cast<std::uint64_t>(r * d + c)));
   CHECK(all_match);
 
   options.seed = 1235;
@@ -293,9 +294,9 @@ TEMPLATE_TEST_CASE("LearnedPositionEmbedding rejects bad input and changes nothi
       REQUIRE_THROWS_WITH(pos.forward(x, bad.B, bad.T, bad.start),
                           Contains(start_text) && Contains(T_text) && Contains("[0, 8)"));
       REQUIRE_THROWS_AS(pos.backward(x, bad.B, bad.T, bad.start), embedhead::index_error);
-      REQUIRE_THROWS_WITH(pos.backward(x, bad.B, bad.T, bad.start),
-                          Contains("LearnedPositionEmbedding::backward") && Contains(start_text) && Contains(T_text) &&
-                              Contains("[0, 8)"));
+      REQUIRE_THROWS_WITH(pos.backward(x, bad.B, bad.T, bad.start), Contains("LearnedPositionEmbedding::backward") &&
+                                                                        Contains(start_text) && Contains(T_text) &&
+                                                                        Contains("[0, 8)"));
       CHECK((out.array() == sentinel).all());
       check_unchanged();
     }
@@ -303,7 +304,7 @@ TEMPLATE_TEST_CASE("LearnedPositionEmbedding rejects bad input and changes nothi
 
   SECTION("x / dout not [B*T, d]") {
     RowMatrix<S> out = RowMatrix<S>::Constant(6, d, sentinel);
-    const RowMatrix<S> short_x = RowMatrix<S>::Ones(5, d);      // rows != B*T = 6
+    const RowMatrix<S> short_x = RowMatrix<S>::Ones(5, d);       // rows != B*T = 6
     const RowMatrix<S> narrow_x = RowMatrix<S>::Ones(6, d - 1);  // cols != d
     REQUIRE_THROWS_AS(pos.forward(short_x, 2, 3, out), embedhead::shape_error);
     REQUIRE_THROWS_WITH(pos.forward(short_x, 2, 3, out), Contains("[5, 3]") && Contains("expected [6, 3]"));
@@ -320,7 +321,8 @@ TEMPLATE_TEST_CASE("LearnedPositionEmbedding rejects bad input and changes nothi
     const RowMatrix<S> x = RowMatrix<S>::Ones(6, d);
     RowMatrix<S> out = RowMatrix<S>::Constant(6, d + 1, sentinel);
     REQUIRE_THROWS_AS(pos.forward(x, 2, 3, out), embedhead::shape_error);
-    REQUIRE_THROWS_WITH(pos.forward(x, 2, 3, out), Contains("out") && Contains("[6, 4]") && Contains("expected [6, 3]"));
+    REQUIRE_THROWS_WITH(pos.forward(x, 2, 3, out),
+                        Contains("out") && Contains("[6, 4]") && Contains("expected [6, 3]"));
     CHECK((out.array() == sentinel).all());
     check_unchanged();
   }
@@ -340,8 +342,8 @@ TEMPLATE_TEST_CASE("LearnedPositionEmbedding rejects bad input and changes nothi
   }
 }
 
-TEMPLATE_TEST_CASE("SinusoidalPositionEmbedding, interleaved layout (Vaswani et al.)", "[position][sinusoidal]",
-                   float, double) {
+TEMPLATE_TEST_CASE("SinusoidalPositionEmbedding, interleaved layout (Vaswani et al.)", "[position][sinusoidal]", float,
+                   double) {
   using S = TestType;
   const double tol = table_tolerance<S>();
 
@@ -397,8 +399,8 @@ TEMPLATE_TEST_CASE("SinusoidalPositionEmbedding, interleaved layout (Vaswani et 
   }
 }
 
-TEMPLATE_TEST_CASE("SinusoidalPositionEmbedding, concatenated layout (tensor2tensor)", "[position][sinusoidal]",
-                   float, double) {
+TEMPLATE_TEST_CASE("SinusoidalPositionEmbedding, concatenated layout (tensor2tensor)", "[position][sinusoidal]", float,
+                   double) {
   using S = TestType;
   const double tol = table_tolerance<S>();
   const auto concatenated = embedhead::SinusoidLayout::concatenated;
@@ -409,8 +411,8 @@ TEMPLATE_TEST_CASE("SinusoidalPositionEmbedding, concatenated layout (tensor2ten
     CHECK(pe.layout() == concatenated);
     for (Index p : {0, 1, 3, 9}) {
       const double q = static_cast<double>(p);
-      const double expected[6] = {std::sin(q),         std::sin(q / 100.0), std::sin(q / 10000.0),
-                                  std::cos(q),         std::cos(q / 100.0), std::cos(q / 10000.0)};
+      const double expected[6] = {std::sin(q), std::sin(q / 100.0), std::sin(q / 10000.0),
+                                  std::cos(q), std::cos(q / 100.0), std::cos(q / 10000.0)};
       for (Index j = 0; j < 6; ++j) CHECK_THAT(static_cast<double>(pe.table()(p, j)), WithinAbs(expected[j], tol));
     }
     // Position 0: sin half zero, cos half one, exactly.
@@ -469,8 +471,9 @@ TEMPLATE_TEST_CASE("SinusoidalPositionEmbedding forward, parameters and errors",
 
   SECTION("no parameters") {
     CHECK(pe.parameter_count() == 0);
-    CHECK(embedhead::SinusoidalPositionEmbedding<S>(100, 64, embedhead::SinusoidLayout::concatenated)
-              .parameter_count() == 0);
+    CHECK(
+        embedhead::SinusoidalPositionEmbedding<S>(100, 64, embedhead::SinusoidLayout::concatenated).parameter_count() ==
+        0);
     CHECK(pe.max_positions() == T_max);
     CHECK(pe.dim() == d);
   }
@@ -534,8 +537,8 @@ TEMPLATE_TEST_CASE("LearnedPositionEmbedding: a huge start or B*T cannot overflo
   REQUIRE_THROWS_WITH(pos.forward(x, big, 4, out, 0), Contains("B = " + std::to_string(big)) && Contains("T = 4"));
 }
 
-TEMPLATE_TEST_CASE("LearnedPositionEmbedding: backward of an empty batch touches no row", "[position_embedding][backward]",
-                   float, double) {
+TEMPLATE_TEST_CASE("LearnedPositionEmbedding: backward of an empty batch touches no row",
+                   "[position_embedding][backward]", float, double) {
   using S = TestType;
   embedhead::LearnedPositionEmbedding<S> pos(8, 3);
   pos.backward(RowMatrix<S>(0, 3), 0, 5);

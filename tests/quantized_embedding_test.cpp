@@ -63,8 +63,8 @@ Index check_error_bound(const RowMatrix<float>& E, const QuantizedEmbedding& q) 
 
 TEST_CASE("quantized embedding: worked example and the all-zero row", "[quantized]") {
   RowMatrix<float> E(3, 4);
-  E << 0.5f, -1.27f, 0.0f, 0.004f,  // amax 1.27: scale 0.01, codes 50, -127, 0, 0 (0.4 rounds down)
-      0.0f, 0.0f, 0.0f, 0.0f,       // all zero: scale 0, codes 0, dequantizes to 0 (not NaN)
+  E << 0.5f, -1.27f, 0.0f, 0.004f,   // amax 1.27: scale 0.01, codes 50, -127, 0, 0 (0.4 rounds down)
+      0.0f, 0.0f, 0.0f, 0.0f,        // all zero: scale 0, codes 0, dequantizes to 0 (not NaN)
       -2.0f, 1.0f, 0.015748f, 2.0f;  // amax 2: scale 2/127; 1 -> 63.5 -> 64 (half away from 0)
   const QuantizedEmbedding q(E);
   REQUIRE(q.vocab_size() == 3);
@@ -91,8 +91,8 @@ TEST_CASE("quantized embedding: worked example and the all-zero row", "[quantize
 TEST_CASE("quantized embedding: error bound |dequant - E| <= scale_v / 2 on random tables", "[quantized]") {
   std::mt19937_64 gen(7);
   // V = 1, d = 1, odd and packet-width +-1 d, a large V.
-  const Index shapes[][2] = {{1, 1}, {1, 7}, {5, 1}, {9, 3}, {20, 15}, {20, 16}, {20, 17}, {33, 31},
-                             {8, 32}, {8, 33}, {16, 64}, {3, 769}, {5000, 3}};
+  const Index shapes[][2] = {{1, 1},   {1, 7},  {5, 1},  {9, 3},   {20, 15}, {20, 16}, {20, 17},
+                             {33, 31}, {8, 32}, {8, 33}, {16, 64}, {3, 769}, {5000, 3}};
   for (const auto& shape : shapes) {
     const Index V = shape[0], d = shape[1];
     for (const double magnitude : {1.0, 1e-3, 1e4}) {
@@ -162,7 +162,8 @@ TEST_CASE("quantized embedding: errors name the value, where it is and the range
     ids << 0, 1, 2, 3, 4, 0;
     RowMatrix<float> out = RowMatrix<float>::Constant(6, 3, 42.0f);
     REQUIRE_THROWS_AS(q.forward(ids, out), embedhead::index_error);
-    REQUIRE_THROWS_WITH(q.forward(ids, out), Contains("QuantizedEmbedding::forward: id 4 at (b=1, t=1) outside [0, 4)"));
+    REQUIRE_THROWS_WITH(q.forward(ids, out),
+                        Contains("QuantizedEmbedding::forward: id 4 at (b=1, t=1) outside [0, 4)"));
     REQUIRE_THROWS_WITH(q.forward(ids), Contains("id 4 at (b=1, t=1) outside [0, 4)"));
     CHECK(out == RowMatrix<float>::Constant(6, 3, 42.0f));
     IdMatrix<std::int64_t> ids64(1, 2);
@@ -179,7 +180,8 @@ TEST_CASE("quantized embedding: errors name the value, where it is and the range
     ids << 0, 3;
     RowMatrix<float> out = RowMatrix<float>::Constant(2, 4, 42.0f);
     REQUIRE_THROWS_AS(q.forward(ids, out), embedhead::shape_error);
-    REQUIRE_THROWS_WITH(q.forward(ids, out), Contains("QuantizedEmbedding::forward: out has shape [2, 4], expected [2, 3]"));
+    REQUIRE_THROWS_WITH(q.forward(ids, out),
+                        Contains("QuantizedEmbedding::forward: out has shape [2, 4], expected [2, 3]"));
     CHECK(out == RowMatrix<float>::Constant(2, 4, 42.0f));
     RowMatrix<float> good = RowMatrix<float>::Constant(2, 3, 42.0f);
     const RowMatrix<float> short_scales = RowMatrix<float>::Ones(3, 1);
@@ -197,7 +199,9 @@ TEST_CASE("quantized embedding: errors name the value, where it is and the range
     bad(0, 1) = -std::numeric_limits<float>::infinity();
     REQUIRE_THROWS_WITH(QuantizedEmbedding(bad), Contains("value -inf at (0, 1) is not finite"));
     REQUIRE_THROWS_AS(QuantizedEmbedding(RowMatrix<float>(0, 3)), embedhead::value_error);
-    REQUIRE_THROWS_WITH(QuantizedEmbedding(RowMatrix<float>(0, 3)), Contains("QuantizedEmbedding: V = 0 outside [1, inf)"));
-    REQUIRE_THROWS_WITH(QuantizedEmbedding(RowMatrix<float>(2, 0)), Contains("QuantizedEmbedding: d = 0 outside [1, inf)"));
+    REQUIRE_THROWS_WITH(QuantizedEmbedding(RowMatrix<float>(0, 3)),
+                        Contains("QuantizedEmbedding: V = 0 outside [1, inf)"));
+    REQUIRE_THROWS_WITH(QuantizedEmbedding(RowMatrix<float>(2, 0)),
+                        Contains("QuantizedEmbedding: d = 0 outside [1, inf)"));
   }
 }

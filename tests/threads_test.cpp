@@ -95,8 +95,8 @@ TEMPLATE_TEST_CASE("threads: lookup and sparse backward are bit-identical for 1 
   }
 }
 
-TEMPLATE_TEST_CASE("threads: the fused head loss is bit-identical for 1 and 2 threads", "[threads][fused_head_loss]", float,
-                   double) {
+TEMPLATE_TEST_CASE("threads: the fused head loss is bit-identical for 1 and 2 threads", "[threads][fused_head_loss]",
+                   float, double) {
   using S = TestType;
   // Blocks of 1000 rows cut into GEMM pieces of 256, d cut into pieces of 128, the last partial.
   const Index V = 4500, d = 300, N = 23;
@@ -323,9 +323,11 @@ TEMPLATE_TEST_CASE("threads: the bf16 / fp16 head's forward and backward are bit
     const RowMatrix<double> b = test_support::random_matrix<float>(s.V, 1, 51).template cast<double>();
     const RowMatrix<double> h = test_support::random_matrix<float>(s.N, s.d, 52).template cast<double>();
     const RowMatrix<double> expected = (h * Wd.transpose()).rowwise() + b.col(0).transpose();
-    const RowMatrix<double> magnitude = (h.cwiseAbs() * Wd.cwiseAbs().transpose()).rowwise() + b.cwiseAbs().col(0).transpose();
+    const RowMatrix<double> magnitude = (h.cwiseAbs() * Wd.cwiseAbs().transpose()).rowwise() +
+                                        b.cwiseAbs().col(0).transpose();
     const double eps = std::numeric_limits<float>::epsilon();
-    CHECK(((one[0].template cast<double>() - expected).cwiseAbs().array() <= s.d * eps * magnitude.array() + 1e-30).all());
+    CHECK(((one[0].template cast<double>() - expected).cwiseAbs().array() <= s.d * eps * magnitude.array() + 1e-30)
+              .all());
   }
 }
 

@@ -76,8 +76,8 @@ struct Size {
 
 // Edge sizes (V = 1, d = 1, single tokens), packet widths +-1 for float and double (SSE/AVX:
 // 2, 4, 8, 16 lanes) and a large vocabulary with a small width.
-const Size kSizes[] = {{1, 1, 1, 1},   {1, 5, 2, 3},  {5, 1, 3, 4},   {3, 2, 1, 1},     {6, 3, 4, 16},
-                       {10, 7, 2, 5},  {10, 8, 3, 3}, {10, 9, 1, 9},  {40, 15, 2, 4},   {40, 16, 4, 2},
+const Size kSizes[] = {{1, 1, 1, 1},   {1, 5, 2, 3},  {5, 1, 3, 4},   {3, 2, 1, 1},      {6, 3, 4, 16},
+                       {10, 7, 2, 5},  {10, 8, 3, 3}, {10, 9, 1, 9},  {40, 15, 2, 4},    {40, 16, 4, 2},
                        {40, 17, 3, 3}, {2, 4, 5, 7},  {50, 32, 2, 8}, {100000, 3, 2, 5}, {100000, 1, 1, 3}};
 
 // Runs `check(V, d, B, T)` over kSizes and some random sizes.
@@ -90,8 +90,8 @@ void for_each_size(std::mt19937_64& gen, Check check) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("TokenEmbedding forward: the gather equals one_hot(ids) * E", "[token_embedding][forward]",
-                   float, double) {
+TEMPLATE_TEST_CASE("TokenEmbedding forward: the gather equals one_hot(ids) * E", "[token_embedding][forward]", float,
+                   double) {
   using Scalar = TestType;
 
   SECTION("worked example: one-hot(1) * E = [0.3, -0.1]") {
@@ -109,8 +109,7 @@ TEMPLATE_TEST_CASE("TokenEmbedding forward: the gather equals one_hot(ids) * E",
     IdMatrix<std::int64_t> batch(2, 2);
     batch << 2, 0, 1, 2;
     RowMatrix<Scalar> expected(4, 2);
-    expected << Scalar(0.0), Scalar(0.5), Scalar(0.1), Scalar(0.2), Scalar(0.3), Scalar(-0.1), Scalar(0.0),
-        Scalar(0.5);
+    expected << Scalar(0.0), Scalar(0.5), Scalar(0.1), Scalar(0.2), Scalar(0.3), Scalar(-0.1), Scalar(0.0), Scalar(0.5);
     CHECK(first_difference(emb.forward(batch), expected) == "");
   }
 
@@ -184,8 +183,8 @@ TEMPLATE_TEST_CASE("TokenEmbedding forward: the gather equals one_hot(ids) * E",
   }
 }
 
-TEMPLATE_TEST_CASE("TokenEmbedding backward: dE += s * one_hot(ids)^T * dout", "[token_embedding][backward]",
-                   float, double) {
+TEMPLATE_TEST_CASE("TokenEmbedding backward: dE += s * one_hot(ids)^T * dout", "[token_embedding][backward]", float,
+                   double) {
   using Scalar = TestType;
 
   SECTION("worked example: V=5, d=3, x=[[1,3,1]], L = sum(out)") {
@@ -234,8 +233,8 @@ TEMPLATE_TEST_CASE("TokenEmbedding backward: dE += s * one_hot(ids)^T * dout", "
       for (const bool padded : {false, true}) {
         for_each_size(gen, [&](Index V, Index d, Index B, Index T) {
           // A small vocabulary relative to B*T forces many repeated ids.
-          INFO("V = " << V << ", d = " << d << ", B = " << B << ", T = " << T << ", scaled " << scaled
-                      << ", padded " << padded);
+          INFO("V = " << V << ", d = " << d << ", B = " << B << ", T = " << T << ", scaled " << scaled << ", padded "
+                      << padded);
           TokenEmbeddingOptions options;
           options.scale_by_sqrt_d = scaled;
           std::uniform_int_distribution<Index> pad_dist(0, V - 1);
@@ -414,8 +413,7 @@ TEST_CASE("TokenEmbedding backward: central finite differences of L = sum(W o fo
   }
 }
 
-TEMPLATE_TEST_CASE("TokenEmbedding init: N(0, init_std^2) from Rng(seed)", "[token_embedding][init]", float,
-                   double) {
+TEMPLATE_TEST_CASE("TokenEmbedding init: N(0, init_std^2) from Rng(seed)", "[token_embedding][init]", float, double) {
   using Scalar = TestType;
 
   SECTION("reproducible: same seed, same table; different seed, different table") {
@@ -600,8 +598,8 @@ TEMPLATE_TEST_CASE("TokenEmbedding errors: clear messages, nothing changed", "[t
       TokenEmbeddingOptions o;
       o.init_std = bad.std;
       REQUIRE_THROWS_AS(TokenEmbedding<Scalar>(5, 4, o), embedhead::value_error);
-      REQUIRE_THROWS_WITH(TokenEmbedding<Scalar>(5, 4, o), Catch::Contains(bad.printed) &&
-                                                               Catch::Contains("outside (0, inf)"));
+      REQUIRE_THROWS_WITH(TokenEmbedding<Scalar>(5, 4, o),
+                          Catch::Contains(bad.printed) && Catch::Contains("outside (0, inf)"));
     }
   }
 
@@ -738,7 +736,8 @@ TEMPLATE_TEST_CASE("a large lookup (streaming stores) is the same row gather, on
   }
 }
 
-TEMPLATE_TEST_CASE("a frozen table takes no gradient; its checks still run", "[token_embedding][freeze]", float, double) {
+TEMPLATE_TEST_CASE("a frozen table takes no gradient; its checks still run", "[token_embedding][freeze]", float,
+                   double) {
   using Scalar = TestType;
   const Index V = 7, d = 3;
   TokenEmbedding<Scalar> embedding(V, d);
@@ -759,7 +758,8 @@ TEMPLATE_TEST_CASE("a frozen table takes no gradient; its checks still run", "[t
   CHECK(first_difference(out.row(1), embedding.weight().value().row(4)).empty());
   IdMatrix<std::int32_t> bad = ids;
   bad(1, 2) = 7;
-  CHECK_THROWS_WITH(embedding.backward(bad, dout), Catch::Contains("TokenEmbedding::backward: id 7 at (b=1, t=2) outside [0, 7)"));
+  CHECK_THROWS_WITH(embedding.backward(bad, dout),
+                    Catch::Contains("TokenEmbedding::backward: id 7 at (b=1, t=2) outside [0, 7)"));
   CHECK_THROWS_AS(embedding.backward(ids, RowMatrix<Scalar>(5, d)), embedhead::shape_error);
   // Unfrozen, it accumulates again.
   embedding.set_frozen(false);

@@ -47,7 +47,6 @@ using test_support::close;
 using test_support::same_values;
 using test_support::tolerance;
 
-
 // Mean of rows [0, valid) of m, in double.
 template <typename Matrix>
 RowMatrix<double> mean_rows(const Matrix& m, Index valid) {
@@ -70,8 +69,7 @@ template <typename Scalar>
 struct Model {
   TokenEmbedding<Scalar> embedding;
   OutputProjection<Scalar> head;
-  Model(Index V, Index d, const embedhead::TokenEmbeddingOptions& options = {})
-      : embedding(V, d, options), head(V, d) {
+  Model(Index V, Index d, const embedhead::TokenEmbeddingOptions& options = {}) : embedding(V, d, options), head(V, d) {
     head.bias()->value() = random_matrix<Scalar>(V, 1, 900);
     touch(embedding.weight(), V > 1 ? std::vector<Index>{0, V - 1} : std::vector<Index>{0}, 901);
     head.backward(random_matrix<Scalar>(2, d, 902), random_matrix<Scalar>(2, V, 903));  // dense dW, db
@@ -216,8 +214,8 @@ TEMPLATE_TEST_CASE("resize_vocabulary keeps a tied head tied", "[vocabulary][tie
   CHECK(head.vocab_size() == 4);
 }
 
-TEMPLATE_TEST_CASE("resize_vocabulary noise is reproducible from the seed at the documented draws", "[vocabulary][noise]",
-                   float, double) {
+TEMPLATE_TEST_CASE("resize_vocabulary noise is reproducible from the seed at the documented draws",
+                   "[vocabulary][noise]", float, double) {
   using Scalar = TestType;
   const Index V = 4, d = 3, grown = 7;
   VocabularyResizeOptions options;
@@ -231,7 +229,8 @@ TEMPLATE_TEST_CASE("resize_vocabulary noise is reproducible from the seed at the
   };
   const auto [E, W] = resized(options);
   Model<Scalar> m(V, d);  // the same values before the resize
-  const RowMatrix<double> mean_E = mean_rows(m.embedding.weight().value(), V), mean_W = mean_rows(m.head.weight().value(), V);
+  const RowMatrix<double> mean_E = mean_rows(m.embedding.weight().value(), V),
+                          mean_W = mean_rows(m.head.weight().value(), V);
   const embedhead::Rng rng(42);
   const std::uint64_t head_offset = 2 * static_cast<std::uint64_t>(8 * d);
   for (Index r = V; r < grown; ++r)
@@ -317,8 +316,9 @@ TEMPLATE_TEST_CASE("resize_vocabulary shrinks and re-pads", "[vocabulary][shrink
   }
 }
 
-TEMPLATE_TEST_CASE("a padded vocabulary with valid_vocab: padded columns get zero gradient and leave the loss unchanged",
-                   "[vocabulary][padding][loss]", float, double) {
+TEMPLATE_TEST_CASE(
+    "a padded vocabulary with valid_vocab: padded columns get zero gradient and leave the loss unchanged",
+    "[vocabulary][padding][loss]", float, double) {
   using Scalar = TestType;
   const Index V = 7, d = 4, N = 6;
   const IdMatrix<std::int32_t> targets = random_ids<std::int32_t>(2, 3, V, 930);
@@ -391,8 +391,8 @@ TEMPLATE_TEST_CASE("a padded vocabulary with valid_vocab: padded columns get zer
   }
 }
 
-TEMPLATE_TEST_CASE("after resize_vocabulary, old rows train exactly as if never resized", "[vocabulary][optimizer]", float,
-                   double) {
+TEMPLATE_TEST_CASE("after resize_vocabulary, old rows train exactly as if never resized", "[vocabulary][optimizer]",
+                   float, double) {
   using Scalar = TestType;
   const Index V = 6, d = 3, N = 5;
   const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(1, N, V, 940);
@@ -426,13 +426,15 @@ TEMPLATE_TEST_CASE("after resize_vocabulary, old rows train exactly as if never 
   });
 }
 
-TEMPLATE_TEST_CASE("resize_vocabulary rejects bad arguments and changes nothing", "[vocabulary][errors]", float, double) {
+TEMPLATE_TEST_CASE("resize_vocabulary rejects bad arguments and changes nothing", "[vocabulary][errors]", float,
+                   double) {
   using Scalar = TestType;
   const Index V = 5, d = 3;
   embedhead::TokenEmbeddingOptions embedding_options;
   embedding_options.padding_idx = 3;
   Model<Scalar> m(V, d, embedding_options);
-  embedhead::AdamW<Scalar> adam(embedhead::AdamOptions{}, {m.embedding.weight_ptr(), m.head.weight_ptr(), m.head.parameters()[1]});
+  embedhead::AdamW<Scalar> adam(embedhead::AdamOptions{},
+                                {m.embedding.weight_ptr(), m.head.weight_ptr(), m.head.parameters()[1]});
   adam.step();
   const Snapshot<Scalar> before(m, adam);
   auto resize = [&](Index new_vocab, const VocabularyResizeOptions& options, OutputProjection<Scalar>* head) {
@@ -450,9 +452,11 @@ TEMPLATE_TEST_CASE("resize_vocabulary rejects bad arguments and changes nothing"
   CHECK_THROWS_WITH(resize(-4, defaults, &m.head), Contains("new_vocab = -4 outside [1, inf)"));
   const auto no_multiple = with([](auto& o) { o.pad_to_multiple = 0; });
   CHECK_THROWS_AS(resize(6, no_multiple, &m.head), embedhead::value_error);
-  CHECK_THROWS_WITH(resize(6, no_multiple, &m.head), Contains("resize_vocabulary: pad_to_multiple = 0 outside [1, inf)"));
+  CHECK_THROWS_WITH(resize(6, no_multiple, &m.head),
+                    Contains("resize_vocabulary: pad_to_multiple = 0 outside [1, inf)"));
   const auto negative_noise = with([](auto& o) { o.noise_std = -0.5; });
-  CHECK_THROWS_WITH(resize(6, negative_noise, &m.head), Contains("resize_vocabulary: noise_std = -0.5 outside [0, inf)"));
+  CHECK_THROWS_WITH(resize(6, negative_noise, &m.head),
+                    Contains("resize_vocabulary: noise_std = -0.5 outside [0, inf)"));
   const auto nan_noise = with([](auto& o) { o.noise_std = std::numeric_limits<double>::quiet_NaN(); });
   CHECK_THROWS_AS(resize(6, nan_noise, &m.head), embedhead::value_error);
   const auto bad_valid = with([](auto& o) { o.old_valid_vocab = 6; });
@@ -470,8 +474,9 @@ TEMPLATE_TEST_CASE("resize_vocabulary rejects bad arguments and changes nothing"
   // An untied head of another shape.
   OutputProjection<Scalar> wide(V, d + 1), longer(V + 1, d);
   CHECK_THROWS_AS(resize(6, defaults, &wide), embedhead::shape_error);
-  CHECK_THROWS_WITH(resize(6, defaults, &wide),
-                    Contains("resize_vocabulary: the untied head is [V=5, d=4] with a bias of V=5 but the embedding is [V=5, d=3]"));
+  CHECK_THROWS_WITH(
+      resize(6, defaults, &wide),
+      Contains("resize_vocabulary: the untied head is [V=5, d=4] with a bias of V=5 but the embedding is [V=5, d=3]"));
   CHECK_THROWS_WITH(resize(6, defaults, &longer), Contains("the untied head is [V=6, d=3]"));
   const RowMatrix<Scalar> wide_W = wide.weight().value();
 

@@ -64,14 +64,15 @@ inline void check_loss_options(const char* where, const CrossEntropyOptions& opt
     message << where << ": " << what << " = " << value << " outside " << range;
     throw value_error(message.str());
   };
-  if (!(options.label_smoothing >= 0 && options.label_smoothing <= 1)) fail("label_smoothing", options.label_smoothing, "[0, 1]");
+  if (!(options.label_smoothing >= 0 && options.label_smoothing <= 1))
+    fail("label_smoothing", options.label_smoothing, "[0, 1]");
   if (!(options.z_loss >= 0) || !std::isfinite(options.z_loss)) fail("z_loss", options.z_loss, "[0, inf)");
   if (!(options.softcap >= 0) || !std::isfinite(options.softcap)) fail("softcap", options.softcap, "[0, inf) (0: off)");
   if (!std::isfinite(options.gradient_scale)) fail("gradient_scale", options.gradient_scale, "the finite numbers");
   if (options.valid_vocab != -1 && (options.valid_vocab < 1 || options.valid_vocab > V)) {
     std::ostringstream message;
-    message << where << ": valid_vocab = " << options.valid_vocab << " outside [1, " << V << "] (or -1 for all V = " << V
-            << " columns)";
+    message << where << ": valid_vocab = " << options.valid_vocab << " outside [1, " << V
+            << "] (or -1 for all V = " << V << " columns)";
     throw value_error(message.str());
   }
 }
@@ -87,17 +88,18 @@ void check_targets(const char* where, const TypedTokenIds<Id>& targets, Index N,
                    Index V = -1) {
   if (targets.size() != N) {
     std::ostringstream message;
-    message << where << ": targets has " << targets.size() << " entries, expected N = " << N
-            << " (one per logits row)";
+    message << where << ": targets has " << targets.size() << " entries, expected N = " << N << " (one per logits row)";
     throw shape_error(message.str());
   }
   for (Index n = 0; n < N; ++n) {
     const Index y = static_cast<Index>(targets(n / targets.cols(), n % targets.cols()));
     if (y != ignore_index && (y < 0 || y >= classes)) {
       std::ostringstream message;
-      message << where << ": target " << y << " at n=" << n << " (b=" << n / targets.cols() << ", t=" << n % targets.cols()
-              << ") outside [0, " << classes << ") and not ignore_index (" << ignore_index << ")";
-      if (V > classes && y >= classes && y < V) message << "; columns [" << classes << ", " << V << ") are vocabulary padding";
+      message << where << ": target " << y << " at n=" << n << " (b=" << n / targets.cols()
+              << ", t=" << n % targets.cols() << ") outside [0, " << classes << ") and not ignore_index ("
+              << ignore_index << ")";
+      if (V > classes && y >= classes && y < V)
+        message << "; columns [" << classes << ", " << V << ") are vocabulary padding";
       throw index_error(message.str());
     }
   }

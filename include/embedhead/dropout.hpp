@@ -27,7 +27,8 @@ class Dropout {
 
  public:
   // \throws value_error unless 0 <= p <= 1.
-  explicit Dropout(double p, std::uint64_t seed = 0) : p_((detail::check_probability("Dropout", "p", p), p)), rng_(seed) {}
+  explicit Dropout(double p, std::uint64_t seed = 0)
+      : p_((detail::check_probability("Dropout", "p", p), p)), rng_(seed) {}
 
   double p() const { return p_; }
   bool is_training() const { return training_; }

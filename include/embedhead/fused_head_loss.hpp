@@ -70,13 +70,13 @@ struct FusedHeadLossOptions : CrossEntropyOptions {
 // buffers. Contents are internal; a default-constructed one is always valid.
 template <typename Scalar>
 struct FusedHeadLossWorkspace {
-  std::vector<Scalar> hidden;   // [count, d] the counted tokens' rows of h, when some are ignored
-  std::vector<Scalar> dhidden;  // [count, d] their dh, accumulated over the blocks
-  std::vector<Scalar> logits;   // [count, vocab_block] one block's logits, then its dz
-  std::vector<Index> tokens;    // token index n of each counted row
+  std::vector<Scalar> hidden;                      // [count, d] the counted tokens' rows of h, when some are ignored
+  std::vector<Scalar> dhidden;                     // [count, d] their dh, accumulated over the blocks
+  std::vector<Scalar> logits;                      // [count, vocab_block] one block's logits, then its dz
+  std::vector<Index> tokens;                       // token index n of each counted row
   std::vector<detail::SoftmaxRowStats> row_stats;  // pass 1's running statistics
-  std::vector<double> lse;      // each counted row's log-sum-exp
-  std::vector<double> reduced;  // vocabulary-parallel: the per-row sums all-reduced in one call
+  std::vector<double> lse;                         // each counted row's log-sum-exp
+  std::vector<double> reduced;                     // vocabulary-parallel: the per-row sums all-reduced in one call
 };
 
 namespace detail {
@@ -228,14 +228,16 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   const bool gather = count < N || dh_overlaps_h || dh_strided;
   if (gather) {
     ws.hidden.resize(static_cast<std::size_t>(count * d));
-    for (Index r = 0; r < count; ++r) std::copy_n(h.row(ws.tokens[static_cast<std::size_t>(r)]).data(), d, ws.hidden.data() + r * d);
+    for (Index r = 0; r < count; ++r)
+      std::copy_n(h.row(ws.tokens[static_cast<std::size_t>(r)]).data(), d, ws.hidden.data() + r * d);
     if (gradient) ws.dhidden.resize(static_cast<std::size_t>(count * d));
   }
   const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> hidden(
       gather ? ws.hidden.data() : h.data(), count, d, Eigen::OuterStride<>(gather ? d : h.outerStride()));
   Scalar* dh_base = gradient ? (gather ? ws.dhidden.data() : dh->data()) : nullptr;
   Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> dhidden(dh_base, gradient ? count : 0, d,
-                                                                 Eigen::OuterStride<>(gather || !gradient ? d : dh->outerStride()));
+                                                                 Eigen::OuterStride<>(
+                                                                     gather || !gradient ? d : dh->outerStride()));
   if (gradient) dhidden.setZero();
 
   // The block is chosen from this rank's classes (all of them on one process), so the buffer stays
@@ -254,8 +256,8 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   auto block_logits = [&](Index v0, Index width) {
     Eigen::Map<RowMatrix<Scalar>> logits(ws.logits.data(), count, width);
     const gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::col_major> product{
-        count, width, d, hidden.data(), hidden.outerStride(), W.data() + v0 * W.outerStride(), W.outerStride(),
-        logits.data(), width, gemm::Init::zero};
+        count,           width,         d,     hidden.data(),   hidden.outerStride(), W.data() + v0 * W.outerStride(),
+        W.outerStride(), logits.data(), width, gemm::Init::zero};
     const gemm::Plan pieces{gemm::Split::cols, kFusedRowPiece, true};
     gemm::run<gemm::Kernel::expression>(product, pieces, [&](Index p0, Index p1) {
       const Index p_width = p1 - p0;
@@ -272,7 +274,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
     auto logits = block_logits(v0, width);
     parallel_rows(count, [&](Index r) {
       const std::size_t i = static_cast<std::size_t>(r);
-      const Index y = target_of(ws.tokens[i]) - begin;  // in W's local numbering
+      const Index y = target_of(ws.tokens[i]) - begin;                         // in W's local numbering
       ws.row_stats[i].accumulate(logits.row(r).data(), width, y - v0, terms);  // the online rescale
     });
   }
@@ -302,16 +304,30 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
       apply_softmax_gradient(logits.row(r).data(), width, y - v0, k, terms, /*holds_exp=*/false);
     });
     const gemm::Op<Scalar, gemm::Layout::col_major, gemm::Layout::row_major> dW_product{
-        width, d, count, logits.data(), width, hidden.data(), hidden.outerStride(),
-        want_dW ? dW->data() + v0 * dW->outerStride() : nullptr, want_dW ? dW->outerStride() : 0};
+        width,
+        d,
+        count,
+        logits.data(),
+        width,
+        hidden.data(),
+        hidden.outerStride(),
+        want_dW ? dW->data() + v0 * dW->outerStride() : nullptr,
+        want_dW ? dW->outerStride() : 0};
     const gemm::Plan row_pieces{gemm::Split::rows, kFusedRowPiece, true};
-    if (want_dW || want_db) gemm::run<gemm::Kernel::expression>(dW_product, row_pieces, [&](Index p0, Index p1) {
-      const Index p_width = p1 - p0;
-      if (want_db) db->col(0).segment(v0 + p0, p_width) += logits.middleCols(p0, p_width).colwise().sum().transpose();
-    });
-    const gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::row_major> dh_product{
-        count, d, width, logits.data(), width, W.data() + v0 * W.outerStride(), W.outerStride(), dhidden.data(),
-        dhidden.outerStride()};
+    if (want_dW || want_db)
+      gemm::run<gemm::Kernel::expression>(dW_product, row_pieces, [&](Index p0, Index p1) {
+        const Index p_width = p1 - p0;
+        if (want_db) db->col(0).segment(v0 + p0, p_width) += logits.middleCols(p0, p_width).colwise().sum().transpose();
+      });
+    const gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::row_major> dh_product{count,
+                                                                                        d,
+                                                                                        width,
+                                                                                        logits.data(),
+                                                                                        width,
+                                                                                        W.data() + v0 * W.outerStride(),
+                                                                                        W.outerStride(),
+                                                                                        dhidden.data(),
+                                                                                        dhidden.outerStride()};
     gemm::run<gemm::Kernel::expression>(dh_product, gemm::Plan{gemm::Split::cols, kFusedDimPiece, true});
   }
   // Vocabulary-parallel: each rank's dhidden is the sum over its own columns; dh is the sum
@@ -436,8 +452,8 @@ class FusedHeadLoss {
       if (lse.size() != 0) detail::check_shape(where, "lse", lse, h.rows(), 1);
       if (losses.size() != 0) detail::check_shape(where, "losses", losses, h.rows(), 1);
       detail::check_loss_options(where, options_, head.vocab_size());
-      detail::check_targets(where, targets, h.rows(), detail::classes_of(options_, head.vocab_size()), options_.ignore_index,
-                            head.vocab_size());
+      detail::check_targets(where, targets, h.rows(), detail::classes_of(options_, head.vocab_size()),
+                            options_.ignore_index, head.vocab_size());
       detail::check_token_weights(where, extras.weights);
     }
     auto dW = weight.frozen() ? no_output : head.weight().grad().dense_accumulator();
@@ -445,7 +461,8 @@ class FusedHeadLoss {
     Eigen::Map<RowMatrix<Scalar>> lse = extras.lse, losses = extras.losses;
     MatrixRef<Scalar> dh_ref(dh), dW_ref(dW), db_ref(db), lse_ref(lse), losses_ref(losses);
     return detail::fused_head_loss_pass<Scalar, Id>(h, weight.value(), bias_of(head), targets, extras.weights, &dh_ref,
-                                                    &dW_ref, &db_ref, &lse_ref, &losses_ref, options_, workspace_, where);
+                                                    &dW_ref, &db_ref, &lse_ref, &losses_ref, options_, workspace_,
+                                                    where);
   }
 
   template <typename Id>
@@ -454,8 +471,8 @@ class FusedHeadLoss {
     Eigen::Map<RowMatrix<Scalar>> lse = extras.lse, losses = extras.losses;
     MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
     return detail::fused_head_loss_pass<Scalar, Id>(h, head.weight().value(), bias_of(head), targets, extras.weights,
-                                                    nullptr, nullptr, nullptr, &lse_ref, &losses_ref, options_, workspace_,
-                                                    "FusedHeadLoss::forward");
+                                                    nullptr, nullptr, nullptr, &lse_ref, &losses_ref, options_,
+                                                    workspace_, "FusedHeadLoss::forward");
   }
 
   FusedHeadLossOptions options_;

@@ -29,13 +29,9 @@ class Rng {
   void advance(std::uint64_t draws) { counter_ += draws; }
 
   // Draw `index` of this stream, independent of the counter.
-  std::uint64_t bits_at(std::uint64_t index) const {
-    return finalise(key_ + (index + 1) * kGolden);
-  }
+  std::uint64_t bits_at(std::uint64_t index) const { return finalise(key_ + (index + 1) * kGolden); }
   // Uniform in [0, 1) with 53 random bits, from draw `index`.
-  double uniform_at(std::uint64_t index) const {
-    return static_cast<double>(bits_at(index) >> 11) * 0x1.0p-53;
-  }
+  double uniform_at(std::uint64_t index) const { return static_cast<double>(bits_at(index) >> 11) * 0x1.0p-53; }
   // Standard normal from draws `index` and `index + 1` (Box-Muller; 1 - u keeps log away from 0).
   double normal_at(std::uint64_t index) const {
     const double u1 = 1.0 - uniform_at(index);

@@ -452,7 +452,8 @@ class LowPrecisionOutputProjection {
     detail::check_shape(where, "dlogits", dlogits, h.rows(), vocab_size());
     detail::check_shape(where, "dh", dh, h.rows(), dim());
     auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<float>>(nullptr, 0, dim()) : weight_->grad().dense_accumulator();
-    auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : Eigen::Map<RowMatrix<float>>(nullptr, 0, 1);
+    auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator()
+                                        : Eigen::Map<RowMatrix<float>>(nullptr, 0, 1);
     detail::output_projection_backward<Storage>(h, weight_value(), dlogits, dh, dW, db, workspace_, where);
   }
   RowMatrix<float> backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<float>& dlogits) {
@@ -473,7 +474,9 @@ class LowPrecisionOutputProjection {
     if (bias.size() == 0) return nullptr;
     return std::make_shared<Parameter<float>>(RowMatrix<float>(bias), "lm_head.bias");
   }
-  Eigen::Map<const RowMatrix<Storage>> weight_value() const { return static_cast<const ParameterType&>(*weight_).value(); }
+  Eigen::Map<const RowMatrix<Storage>> weight_value() const {
+    return static_cast<const ParameterType&>(*weight_).value();
+  }
   Eigen::Map<const RowMatrix<float>> bias_view() const {
     if (bias_) return static_cast<const Parameter<float>&>(*bias_).value();
     return {nullptr, 0, 1};

@@ -83,16 +83,22 @@ template <typename Scalar, typename WStorage = Scalar>
 void head_backward_chunked(const ConstMatrixRef<Scalar>& h,
                            const ConstMatrixRef<typename non_deduced<WStorage>::type>& W,
                            const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW,
-                           MatrixRef<Scalar> db, Index vocab_chunk, Index token_chunk, std::vector<float>* tiles = nullptr,
-                           bool db_sums_first = false) {
+                           MatrixRef<Scalar> db, Index vocab_chunk, Index token_chunk,
+                           std::vector<float>* tiles = nullptr, bool db_sums_first = false) {
   using namespace gemm;
   const Index N = h.rows(), V = W.rows(), d = W.cols();
   const bool threaded = head_threaded(N, V, d);
   // dW = dlogits^T h: dlogits^T is the [V, N] column-major view of row-major dlogits. An empty dW
   // (a frozen W) skips its GEMM (c = nullptr), an empty db its sums; with neither, the pass is skipped.
-  const Op<Scalar, Layout::col_major, Layout::row_major> dW_op{
-      V, d, N, dlogits.data(), dlogits.outerStride(), h.data(), h.outerStride(), dW.size() != 0 ? dW.data() : nullptr,
-      dW.outerStride()};
+  const Op<Scalar, Layout::col_major, Layout::row_major> dW_op{V,
+                                                               d,
+                                                               N,
+                                                               dlogits.data(),
+                                                               dlogits.outerStride(),
+                                                               h.data(),
+                                                               h.outerStride(),
+                                                               dW.size() != 0 ? dW.data() : nullptr,
+                                                               dW.outerStride()};
   // db[v] += dlogits[0, v], then dlogits[1, v], ...: in token order, vectorised over v (with
   // db_sums_first: into a zeroed group of kSumGroup sums on the stack, then added to db).
   auto db_sums = [&](Index v0, Index v1) {
@@ -113,7 +119,8 @@ void head_backward_chunked(const ConstMatrixRef<Scalar>& h,
   if (dW.size() != 0 || db.size() != 0) run<Kernel::gemm>(dW_op, Plan{Split::rows, vocab_chunk, threaded}, db_sums);
   // run returns after every chunk is done, so dW has read h before dh is written: dh may be h itself.
   const Op<Scalar, Layout::row_major, Layout::row_major, WStorage> dh_op{
-      N, d, V, dlogits.data(), dlogits.outerStride(), W.data(), W.outerStride(), dh.data(), dh.outerStride(), Init::zero};
+      N,         d, V, dlogits.data(), dlogits.outerStride(), W.data(), W.outerStride(), dh.data(), dh.outerStride(),
+      Init::zero};
   run<Kernel::gemm>(dh_op, Plan{Split::rows, token_chunk, threaded}, NoEpilogue{}, tiles);
 }
 
@@ -125,8 +132,8 @@ void head_decode(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& 
                  MatrixRef<Scalar> logits) {
   using namespace gemm;
   const Index N = h.rows(), V = W.rows(), d = W.cols();
-  Op<Scalar, Layout::row_major, Layout::col_major> op{N, V, d, h.data(), h.outerStride(), W.data(), W.outerStride(),
-                                                      logits.data(), logits.outerStride(), Init::zero};
+  Op<Scalar, Layout::row_major, Layout::col_major> op{
+      N, V, d, h.data(), h.outerStride(), W.data(), W.outerStride(), logits.data(), logits.outerStride(), Init::zero};
   // A column of a wider matrix is strided: bias_stride is its outer stride.
   if (bias.size() != 0) op.init = Init::bias, op.bias = bias.data(), op.bias_stride = bias.outerStride();
   run<Kernel::decode>(op, Plan{Split::cols, kDecodeVocabChunk, V * d >= kDecodeMinElements});
@@ -265,7 +272,8 @@ class OutputProjection {
   // for none), values untouched. Passing embedding.weight_ptr() without a bias ties the head, as
   // the TokenEmbedding constructor does. \throws value_error if weight is null; shape_error if the
   // bias is not [V, 1].
-  explicit OutputProjection(std::shared_ptr<Parameter<Scalar>> weight, std::shared_ptr<Parameter<Scalar>> bias = nullptr)
+  explicit OutputProjection(std::shared_ptr<Parameter<Scalar>> weight,
+                            std::shared_ptr<Parameter<Scalar>> bias = nullptr)
       : weight_(std::move(weight)), bias_(std::move(bias)) {
     if (!weight_) throw value_error("OutputProjection: weight is a null shared_ptr<Parameter>");
     if (bias_) detail::check_shape("OutputProjection", "bias", bias_->value(), weight_->rows(), 1);
@@ -342,7 +350,8 @@ class OutputProjection {
     detail::check_shape(where, "dh", dh, h.rows(), dim());
     // The V x d buffer first: if its allocation fails, the bias gradient is still untouched.
     const Eigen::Map<RowMatrix<Scalar>> none(nullptr, 0, 1);
-    auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, dim()) : weight_->grad().dense_accumulator();
+    auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, dim())
+                                : weight_->grad().dense_accumulator();
     auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : none;
     detail::output_projection_backward<Scalar>(h, weight_->value(), dlogits, dh, dW, db, where);
   }
@@ -370,7 +379,8 @@ class OutputProjection {
 
  private:
   static void check_not_moved_from(const TokenEmbedding<Scalar>& embedding) {
-    if (!embedding.weight_ptr()) throw value_error("OutputProjection: the TokenEmbedding was moved from and holds no table");
+    if (!embedding.weight_ptr())
+      throw value_error("OutputProjection: the TokenEmbedding was moved from and holds no table");
   }
   static std::shared_ptr<Parameter<Scalar>> make_weight(Index V, Index d, const OutputProjectionOptions& options) {
     detail::check_size("OutputProjection", "V", V);

@@ -197,9 +197,7 @@ class RowGradient {
 
   Index slot_of_touched(Index i) const { return dense_mode_ ? touched_[i] : i; }
   Scalar* slot_data(Index slot) { return dense_mode_ ? dense_.row(slot).data() : block_.row(slot).data(); }
-  const Scalar* slot_data(Index slot) const {
-    return dense_mode_ ? dense_.row(slot).data() : block_.row(slot).data();
-  }
+  const Scalar* slot_data(Index slot) const { return dense_mode_ ? dense_.row(slot).data() : block_.row(slot).data(); }
 
   // Merges sorted unique ids into touched_, moving block rows so they stay aligned with it, and
   // records in is_new_ which block rows are new. Returns false when every id was already there.
@@ -321,7 +319,8 @@ class Parameter : public ParameterBase<Grad> {
 
   // A zero-initialised [rows, cols] parameter. \throws value_error if rows or cols < 1.
   Parameter(Index rows, Index cols, std::string name = {})
-      : ParameterBase<Grad>((check(rows, cols), rows), cols, std::move(name)), value_(RowMatrix<Value>::Zero(rows, cols)) {}
+      : ParameterBase<Grad>((check(rows, cols), rows), cols, std::move(name)),
+        value_(RowMatrix<Value>::Zero(rows, cols)) {}
   // Takes `value` [rows, cols] as the initial value (by value: an rvalue is moved in, not copied).
   // \throws value_error if it has fewer than one row or column.
   explicit Parameter(RowMatrix<Value> value, std::string name = {})
@@ -330,9 +329,7 @@ class Parameter : public ParameterBase<Grad> {
 
   // The values [rows, cols]. A Map so callers can read and write entries but never resize.
   Eigen::Map<RowMatrix<Value>> value() { return {value_.data(), value_.rows(), value_.cols()}; }
-  Eigen::Map<const RowMatrix<Value>> value() const {
-    return {value_.data(), value_.rows(), value_.cols()};
-  }
+  Eigen::Map<const RowMatrix<Value>> value() const { return {value_.data(), value_.rows(), value_.cols()}; }
 
   // Changes the row count to new_rows in place: this object stays, so every layer holding it (a
   // tied embedding and head share one) sees the new table. Rows [0, min(rows(), new_rows)) keep

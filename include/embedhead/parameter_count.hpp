@@ -17,12 +17,12 @@
 namespace embedhead {
 
 struct EmbeddingHeadShape {
-  Index V = 0;                 // vocabulary size
-  Index d = 0;                 // model width
-  bool tied = true;            // head shares E
-  bool head_bias = true;       // untied head has a bias [V], as OutputProjectionOptions' default
-                               // (ignored when tied)
-  Index learned_positions = 0; // T_max of a learned position table, 0 for none
+  Index V = 0;                  // vocabulary size
+  Index d = 0;                  // model width
+  bool tied = true;             // head shares E
+  bool head_bias = true;        // untied head has a bias [V], as OutputProjectionOptions' default
+                                // (ignored when tied)
+  Index learned_positions = 0;  // T_max of a learned position table, 0 for none
 };
 
 struct EmbeddingHeadBudget {
@@ -46,8 +46,8 @@ inline EmbeddingHeadBudget embedding_head_budget(const EmbeddingHeadShape& shape
   const Index rows = std::max(shape.V, shape.learned_positions);
   if (rows > std::numeric_limits<Index>::max() / (3 * shape.d)) {  // E, W and P together must fit
     std::ostringstream message;
-    message << "embedding_head_budget: V = " << shape.V << ", d = " << shape.d << ", learned_positions = "
-            << shape.learned_positions << " give counts that overflow Index";
+    message << "embedding_head_budget: V = " << shape.V << ", d = " << shape.d
+            << ", learned_positions = " << shape.learned_positions << " give counts that overflow Index";
     throw value_error(message.str());
   }
   EmbeddingHeadBudget budget;

@@ -121,8 +121,8 @@ class LearnedPositionEmbedding {
     detail::add_position_rows<Scalar>(x, weight_->value(), B, T, start, out, "LearnedPositionEmbedding::forward");
   }
   RowMatrix<Scalar> forward(const ConstMatrixRef<Scalar>& x, Index B, Index T, Index start = 0) const {
-    detail::check_positions("LearnedPositionEmbedding::forward", "x", x.rows(), x.cols(), B, T, start,
-                            max_positions(), dim());
+    detail::check_positions("LearnedPositionEmbedding::forward", "x", x.rows(), x.cols(), B, T, start, max_positions(),
+                            dim());
     RowMatrix<Scalar> out(x.rows(), x.cols());
     forward(x, B, T, out, start);
     return out;
@@ -208,7 +208,8 @@ class SinusoidalPositionEmbedding {
       if (layout == SinusoidLayout::interleaved) {
         for (Index j = 0; j < d; ++j) {
           const Index i = j / 2;
-          const double angle = static_cast<double>(p) * std::exp(-log_base * static_cast<double>(2 * i) / static_cast<double>(d));
+          const double angle = static_cast<double>(p) *
+                               std::exp(-log_base * static_cast<double>(2 * i) / static_cast<double>(d));
           P(p, j) = static_cast<Scalar>(j % 2 == 0 ? std::sin(angle) : std::cos(angle));
         }
       } else {

@@ -102,7 +102,8 @@ class QuantizedEmbedding {
   Index parameter_count() const { return values_.size(); }
   // Bytes held: V*d int8 values + V float scales.
   Index bytes() const {
-    return values_.size() * static_cast<Index>(sizeof(std::int8_t)) + scales_.size() * static_cast<Index>(sizeof(float));
+    return values_.size() * static_cast<Index>(sizeof(std::int8_t)) +
+           scales_.size() * static_cast<Index>(sizeof(float));
   }
 
   // ids [B, T] -> out float [B*T, d]. See quantized_embedding_forward.

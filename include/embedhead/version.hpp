@@ -13,8 +13,6 @@
 
 // Single comparable number: major * 10000 + minor * 100 + patch (0.1.0 -> 100).
 // Usable in preprocessor conditionals, e.g. `#if EMBEDHEAD_VERSION >= 100`.
-#define EMBEDHEAD_VERSION                                                     \
-  (EMBEDHEAD_VERSION_MAJOR * 10000 + EMBEDHEAD_VERSION_MINOR * 100 +          \
-   EMBEDHEAD_VERSION_PATCH)
+#define EMBEDHEAD_VERSION (EMBEDHEAD_VERSION_MAJOR * 10000 + EMBEDHEAD_VERSION_MINOR * 100 + EMBEDHEAD_VERSION_PATCH)
 
 #endif  // EMBEDHEAD_VERSION_HPP

@@ -120,12 +120,15 @@ void fill_new_rows(RowMatrix<Scalar>& table, const ConstMatrixRef<Scalar>& old, 
 // buffer twice, old and new, until the install.
 template <typename Scalar>
 VocabularyResize resize_vocabulary(TokenEmbedding<Scalar>& embedding, OutputProjection<Scalar>* head, Index new_vocab,
-                                   const VocabularyResizeOptions& options = {}, Optimizer<Scalar>* optimizer = nullptr) {
+                                   const VocabularyResizeOptions& options = {},
+                                   Optimizer<Scalar>* optimizer = nullptr) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   const char* where = "resize_vocabulary";
   // ---- every check before anything changes ----
-  if (!embedding.weight_ptr()) throw value_error("resize_vocabulary: the TokenEmbedding was moved from and holds no table");
-  if (head && !head->weight_ptr()) throw value_error("resize_vocabulary: the OutputProjection was moved from and holds no weight");
+  if (!embedding.weight_ptr())
+    throw value_error("resize_vocabulary: the TokenEmbedding was moved from and holds no table");
+  if (head && !head->weight_ptr())
+    throw value_error("resize_vocabulary: the OutputProjection was moved from and holds no weight");
   detail::check_size(where, "new_vocab", new_vocab);
   detail::check_size(where, "pad_to_multiple", options.pad_to_multiple);
   if (!(options.noise_std >= 0) || !std::isfinite(options.noise_std)) {
@@ -162,7 +165,8 @@ VocabularyResize resize_vocabulary(TokenEmbedding<Scalar>& embedding, OutputProj
     const Index head_bias_rows = head->bias() ? head->bias()->rows() : old_rows;
     if (head->vocab_size() != old_rows || head->dim() != d || head_bias_rows != old_rows) {
       std::ostringstream message;
-      message << where << ": the " << (untied_head ? "untied " : "") << "head is [V=" << head->vocab_size() << ", d=" << head->dim() << "]";
+      message << where << ": the " << (untied_head ? "untied " : "") << "head is [V=" << head->vocab_size()
+              << ", d=" << head->dim() << "]";
       if (head->bias()) message << " with a bias of V=" << head_bias_rows;
       message << " but the embedding is [V=" << old_rows << ", d=" << d << "]; they must agree";
       throw shape_error(message.str());
@@ -180,8 +184,8 @@ VocabularyResize resize_vocabulary(TokenEmbedding<Scalar>& embedding, OutputProj
                                 options.noise_std, rng, 0);
   if (untied_head) {
     tables.emplace_back(head->weight(), rows, keep);
-    detail::fill_new_rows<Scalar>(tables.back().value(), head->weight().value(), valid, keep, new_vocab, options.noise_std,
-                                  rng, 2 * static_cast<std::uint64_t>(rows * d));
+    detail::fill_new_rows<Scalar>(tables.back().value(), head->weight().value(), valid, keep, new_vocab,
+                                  options.noise_std, rng, 2 * static_cast<std::uint64_t>(rows * d));
   }
   if (head && head->bias()) {
     // The bias: the mean of the old valid entries, no noise (W's noise already breaks the symmetry).

@@ -96,8 +96,8 @@ void check_against_naive(const Neighbours& got, const RowMatrix<Scalar>& E, cons
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("geometry: row norms, centroid and centroid distances match the naive formulas", "[geometry]",
-                   float, double) {
+TEMPLATE_TEST_CASE("geometry: row norms, centroid and centroid distances match the naive formulas", "[geometry]", float,
+                   double) {
   using S = TestType;
   for (const Index d : {Index{1}, Index{15}, Index{16}, Index{17}}) {
     for (const Index V : {Index{1}, Index{7}, Index{1500}}) {
@@ -321,8 +321,7 @@ TEST_CASE("geometry: PCA matches the eigen-decomposition of the covariance", "[g
   const RowMatrix<double> coords_ref = (E.rowwise() - pc.mean.transpose()) * pc.directions.transpose();
   REQUIRE(test_support::close(coords, coords_ref, 1e-12));
   // The variance of each coordinate is the component's variance.
-  for (Index j = 0; j < k; ++j)
-    REQUIRE_THAT(coords.col(j).squaredNorm() / V, WithinRel(pc.variances[j], 1e-8));
+  for (Index j = 0; j < k; ++j) REQUIRE_THAT(coords.col(j).squaredNorm() / V, WithinRel(pc.variances[j], 1e-8));
   // Reproducible: the same seed gives the same bits.
   const embedhead::PrincipalComponents again = embedhead::principal_components<double>(E, k);
   REQUIRE(test_support::same_values(pc.directions, again.directions));
@@ -382,7 +381,8 @@ TEMPLATE_TEST_CASE("geometry: under-trained rows rank first", "[geometry]", floa
     r /= static_cast<double>(known.size());
     REQUIRE(test_support::close(s.magikarp, Eigen::VectorXd(removed * r.transpose()), 1e-10));
     // ranking is sorted by score, descending.
-    for (std::size_t i = 0; i + 1 < s.ranking.size(); ++i) REQUIRE(s.magikarp[s.ranking[i]] >= s.magikarp[s.ranking[i + 1]]);
+    for (std::size_t i = 0; i + 1 < s.ranking.size(); ++i)
+      REQUIRE(s.magikarp[s.ranking[i]] >= s.magikarp[s.ranking[i + 1]]);
   }
 }
 

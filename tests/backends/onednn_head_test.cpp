@@ -58,8 +58,8 @@ TEST_CASE("to_bf16 rounds to nearest even and keeps representable values", "[one
   x << 1.0f, 1.0f + std::ldexp(1.0f, -8), 1.0f + 3 * std::ldexp(1.0f, -9), -2.5f;
   const RowMatrix<bfloat16> y = embedhead::to_bf16(x);
   CHECK(static_cast<float>(y(0, 0)) == 1.0f);
-  CHECK(static_cast<float>(y(0, 1)) == 1.0f);                             // tie -> even (1.0)
-  CHECK(static_cast<float>(y(0, 2)) == 1.0f + std::ldexp(1.0f, -7));      // above half -> up
+  CHECK(static_cast<float>(y(0, 1)) == 1.0f);                         // tie -> even (1.0)
+  CHECK(static_cast<float>(y(0, 2)) == 1.0f + std::ldexp(1.0f, -7));  // above half -> up
   CHECK(static_cast<float>(y(0, 3)) == -2.5f);
   RowMatrix<bfloat16> wrong(2, 4);
   CHECK_THROWS_WITH(embedhead::to_bf16(x, wrong), Contains("to_bf16: out has shape [2, 4], expected [1, 4]"));
@@ -86,7 +86,7 @@ TEST_CASE("OneDnnHead: worked example", "[onednn_head]") {
 
 TEST_CASE("OneDnnHead matches the double product of the bf16 inputs", "[onednn_head]") {
   // Sizes around the 16-float packet and oneDNN's 32-wide bf16 blocks, and the degenerate ones.
-  const Index shapes[][3] = {{1, 1, 1},   {1, 1, 7},   {3, 1, 5},    {2, 15, 17}, {5, 16, 33}, {7, 17, 31},
+  const Index shapes[][3] = {{1, 1, 1},   {1, 1, 7},   {3, 1, 5},     {2, 15, 17},   {5, 16, 33},   {7, 17, 31},
                              {9, 31, 65}, {4, 32, 64}, {16, 33, 129}, {33, 768, 97}, {64, 96, 1000}};
   OneDnnHead head;
   std::uint64_t seed = 1;
@@ -158,7 +158,8 @@ TEST_CASE("OneDnnHead: shape errors name the argument and write nothing", "[oned
   CHECK_THROWS_WITH(head.forward(h, W, random_matrix<float>(4, 1, 5), logits),
                     Contains("OneDnnHead::forward: bias has shape [4, 1], expected [5, 1]"));
   RowMatrix<float> wrong(4, 6);
-  CHECK_THROWS_WITH(head.forward(h, W, bias, wrong), Contains("OneDnnHead::forward: logits has shape [4, 6], expected [4, 5]"));
+  CHECK_THROWS_WITH(head.forward(h, W, bias, wrong),
+                    Contains("OneDnnHead::forward: logits has shape [4, 6], expected [4, 5]"));
   CHECK(test_support::same_values(logits, before));
   CHECK(head.cached_primitives() == 0);
 }

@@ -9,12 +9,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 using embedhead::AdamW;
@@ -44,7 +44,8 @@ std::string read_bytes(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
 // Every value of the layers, to compare before and after a failed load.
@@ -54,7 +55,8 @@ struct Snapshot {
     return table == o.table && head == o.head && bias == o.bias && positions == o.positions;
   }
 };
-Snapshot snapshot(const TokenEmbedding<float>& e, const OutputProjection<float>& h, const LearnedPositionEmbedding<float>* p) {
+Snapshot snapshot(const TokenEmbedding<float>& e, const OutputProjection<float>& h,
+                  const LearnedPositionEmbedding<float>* p) {
   Snapshot s;
   s.table = e.weight().value();
   s.head = h.weight().value();
@@ -151,7 +153,8 @@ TEST_CASE("checkpoint: Llama layout, untied, and Gemma's sqrt(d) scale", "[check
   CHECK(gemma.token_embedding.scale() == 4.0f);
   // The same file as Llama names but no scale: loading it into a scaled table is refused.
   auto scaled = table(V, 16, 8, true);
-  CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(gemma_file, embedhead::hugging_face_names(ModelFamily::llama), scaled),
+  CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(gemma_file, embedhead::hugging_face_names(ModelFamily::llama),
+                                                      scaled),
                     Catch::Contains("sqrt(d)"));
   std::remove(path.c_str());
 }
@@ -177,7 +180,8 @@ TEST_CASE("checkpoint: a tied checkpoint into an untied model, and the reverse, 
     const auto before = snapshot(e, h, nullptr);
     CHECK_THROWS_AS(embedhead::load_checkpoint<float>(tied_file, names, e, &h), value_error);
     CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(tied_file, names, e, &h),
-                      Catch::Contains("untied but the file has no 'lm_head.weight'") && Catch::Contains("tied checkpoint"));
+                      Catch::Contains("untied but the file has no 'lm_head.weight'") &&
+                          Catch::Contains("tied checkpoint"));
     CHECK(snapshot(e, h, nullptr) == before);  // not even the table was written
     // from_pretrained with the config saying untied: the same error.
     embedhead::PretrainedOptions untied;
@@ -247,14 +251,16 @@ TEST_CASE("checkpoint: a head wrapping the embedding's weight_ptr() follows the 
     CheckpointNames biased = llama;
     biased.head_bias = "lm_head.bias";
     auto source = table(V, d, 53);
-    OutputProjection<float> source_head(source.weight_ptr(), std::make_shared<embedhead::Parameter<float>>(V, 1, "lm_head.bias"));
+    OutputProjection<float> source_head(source.weight_ptr(),
+                                        std::make_shared<embedhead::Parameter<float>>(V, 1, "lm_head.bias"));
     source_head.bias()->value().setConstant(0.25f);
     embedhead::save_checkpoint<float>(with_bias, biased, source, &source_head);
     const auto saved = SafetensorsFile::open(with_bias);
     CHECK_FALSE(saved.contains("lm_head.weight"));
     CHECK(saved.contains("lm_head.bias"));
     auto target = table(V, d, 54);
-    OutputProjection<float> target_head(target.weight_ptr(), std::make_shared<embedhead::Parameter<float>>(V, 1, "lm_head.bias"));
+    OutputProjection<float> target_head(target.weight_ptr(),
+                                        std::make_shared<embedhead::Parameter<float>>(V, 1, "lm_head.bias"));
     embedhead::load_checkpoint<float>(saved, biased, target, &target_head);
     CHECK(target_head.bias()->value().isConstant(0.25f, 0));
     CHECK(target.weight().value() == source.weight().value());
@@ -298,7 +304,8 @@ TEST_CASE("checkpoint: loads are all-or-nothing for every layout error", "[check
   CHECK(wrong_v.weight().value() == wrong_v_before);
 
   // Positions asked of a layout without them.
-  CHECK_THROWS_AS(embedhead::load_checkpoint<float>(file, embedhead::hugging_face_names(ModelFamily::llama), e, nullptr, &p),
+  CHECK_THROWS_AS(embedhead::load_checkpoint<float>(file, embedhead::hugging_face_names(ModelFamily::llama), e, nullptr,
+                                                    &p),
                   format_error);  // the Llama table name is not in a GPT-2 file
   CHECK(snapshot(e, h, &p) == before);
 
@@ -335,12 +342,14 @@ TEST_CASE("checkpoint: non-finite values and wrong dtypes are refused, naming th
   bytes.replace(at, 5, "\"I32\"");  // same byte size, other dtype
   write_bytes(path, bytes);
   CHECK_THROWS_AS(embedhead::load_checkpoint<float>(SafetensorsFile::open(path), names, e), format_error);
-  CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(SafetensorsFile::open(path), names, e), Catch::Contains("dtype I32"));
+  CHECK_THROWS_WITH(embedhead::load_checkpoint<float>(SafetensorsFile::open(path), names, e),
+                    Catch::Contains("dtype I32"));
   CHECK(snapshot(e, h, nullptr) == before);
   std::remove(path.c_str());
 }
 
-TEST_CASE("checkpoint: F64 values beyond float's range are refused for a float model, kept for double", "[checkpoint]") {
+TEST_CASE("checkpoint: F64 values beyond float's range are refused for a float model, kept for double",
+          "[checkpoint]") {
   const Index V = 4, d = 3;
   const auto names = embedhead::hugging_face_names(ModelFamily::llama);
   RowMatrix<double> values = RowMatrix<double>::Constant(V, d, 0.5);
@@ -376,8 +385,8 @@ TEST_CASE("checkpoint: corrupted copies of a good file never change the model", 
 
   std::vector<std::string> corrupted;
   for (std::size_t cut = 0; cut < good.size(); cut += 7) corrupted.push_back(good.substr(0, cut));  // truncations
-  corrupted.push_back(good + "x");                                                                   // trailing byte
-  for (std::size_t i = 0; i < 8; ++i) {                                                              // header length
+  corrupted.push_back(good + "x");                                                                  // trailing byte
+  for (std::size_t i = 0; i < 8; ++i) {                                                             // header length
     std::string b = good;
     b[i] = static_cast<char>(b[i] ^ 0x40);
     corrupted.push_back(b);
@@ -473,9 +482,12 @@ TEST_CASE("checkpoint: optimizer state saved beside the model resumes training b
   const std::string plain = temp_path("plain.safetensors");
   embedhead::save_checkpoint<float>(plain, names, embedding, &head);
   CHECK_THROWS_AS(embedhead::read_optimizer_state<float>(SafetensorsFile::open(plain)), format_error);
-  CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(SafetensorsFile::open(plain)), Catch::Contains("no metadata 'optimizer'"));
+  CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(SafetensorsFile::open(plain)),
+                    Catch::Contains("no metadata 'optimizer'"));
   SafetensorsWriter bad;
-  bad.set_metadata("optimizer", "AdamW").set_metadata("optimizer.step", "three").set_metadata("optimizer.parameters", "[]");
+  bad.set_metadata("optimizer", "AdamW")
+      .set_metadata("optimizer.step", "three")
+      .set_metadata("optimizer.parameters", "[]");
   bad.write(plain);
   CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(SafetensorsFile::open(plain)), Catch::Contains("'three'"));
   // The state of another optimizer kind is refused by load_state.
@@ -488,7 +500,8 @@ TEST_CASE("checkpoint: optimizer state saved beside the model resumes training b
 // fuzz/corpus/safetensors/crash-review-optimizer-*: read_optimizer_state allocated the buffer at
 // the metadata's size before checking the tensor's shape (std::bad_alloc for 2^62 rows) and cast
 // sizes beyond Index to negative ones (Eigen abort). Now: format_error / shape_error, no allocation.
-TEST_CASE("checkpoint: forged optimizer sizes in the metadata are refused before any allocation", "[checkpoint][fuzz]") {
+TEST_CASE("checkpoint: forged optimizer sizes in the metadata are refused before any allocation",
+          "[checkpoint][fuzz]") {
   const std::string path = temp_path("forged_optimizer.safetensors");
   const RowMatrix<float> m = RowMatrix<float>::Ones(2, 2);
   const auto with_sizes = [&](const std::string& parameters) {
@@ -507,7 +520,8 @@ TEST_CASE("checkpoint: forged optimizer sizes in the metadata are refused before
   const auto beyond = with_sizes(R"([["w",9223372036854775808,0]])");
   CHECK_THROWS_AS(embedhead::read_optimizer_state<float>(beyond), format_error);
   CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(beyond),
-                    Catch::Contains("entry 0") && Catch::Contains("9223372036854775808") && Catch::Contains("outside [0, 9223372036854775807]"));
+                    Catch::Contains("entry 0") && Catch::Contains("9223372036854775808") &&
+                        Catch::Contains("outside [0, 9223372036854775807]"));
   const auto fine = with_sizes(R"([["w",2,2]])");
   CHECK(embedhead::read_optimizer_state<float>(fine).parameters.at(0).buffers.at("m") == m);
   std::remove(path.c_str());
@@ -564,7 +578,8 @@ TEST_CASE("checkpoint: guess_model_family and from_pretrained refuse what they c
   SafetensorsWriter().add<float>("encoder.weight", x, DType::F32).write(path);
   const auto file = SafetensorsFile::open(path);
   CHECK_THROWS_AS(embedhead::guess_model_family(file), format_error);
-  CHECK_THROWS_WITH(embedhead::guess_model_family(file), Catch::Contains("wte.weight") && Catch::Contains("model.embed_tokens.weight"));
+  CHECK_THROWS_WITH(embedhead::guess_model_family(file),
+                    Catch::Contains("wte.weight") && Catch::Contains("model.embed_tokens.weight"));
   CheckpointNames custom;
   custom.token_embedding = "encoder.weight";
   auto layers = embedhead::from_pretrained<float>(file, custom);  // any names work

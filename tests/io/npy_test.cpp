@@ -7,6 +7,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/stat.h>
+#include <unistd.h>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -14,8 +16,6 @@
 #include <iterator>
 #include <limits>
 #include <string>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <vector>
 
 using Catch::Matchers::Contains;
@@ -29,13 +29,16 @@ using embedhead::shape_error;
 
 namespace {
 
-std::string temp_path(const std::string& name) { return "/tmp/embedhead_npy_test_" + std::to_string(::getpid()) + "_" + name; }
+std::string temp_path(const std::string& name) {
+  return "/tmp/embedhead_npy_test_" + std::to_string(::getpid()) + "_" + name;
+}
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
 // "\x93NUMPY" 1.0, the header padded with spaces to a multiple of 64 with '\n', then data.
@@ -85,9 +88,11 @@ TEST_CASE("npy: save_npy writes numpy's bytes: magic, v1.0, dict, 64-byte paddin
   std::remove(path.c_str());
 }
 
-TEMPLATE_TEST_CASE("npy: round trip is exact in the own dtype, including empty and strided views", "[npy]", float, double) {
+TEMPLATE_TEST_CASE("npy: round trip is exact in the own dtype, including empty and strided views", "[npy]", float,
+                   double) {
   const std::string path = temp_path("roundtrip.npy");
-  for (const auto& [rows, cols] : std::vector<std::pair<Index, Index>>{{1, 1}, {7, 5}, {3, 17}, {0, 4}, {4, 0}, {129, 1}}) {
+  for (const auto& [rows, cols] :
+       std::vector<std::pair<Index, Index>>{{1, 1}, {7, 5}, {3, 17}, {0, 4}, {4, 0}, {129, 1}}) {
     RowMatrix<TestType> m = RowMatrix<TestType>::Random(rows, cols);
     if (m.size() > 0) {
       m(0, 0) = std::numeric_limits<TestType>::infinity();
@@ -97,7 +102,8 @@ TEMPLATE_TEST_CASE("npy: round trip is exact in the own dtype, including empty a
     const RowMatrix<TestType> back = load_npy<TestType>(path);
     REQUIRE(back.rows() == rows);
     REQUIRE(back.cols() == cols);
-    if (m.size() > 0) CHECK(std::memcmp(back.data(), m.data(), static_cast<std::size_t>(m.size()) * sizeof(TestType)) == 0);
+    if (m.size() > 0)
+      CHECK(std::memcmp(back.data(), m.data(), static_cast<std::size_t>(m.size()) * sizeof(TestType)) == 0);
   }
   // A block of a larger matrix (outer stride != cols) is written as its own rows.
   RowMatrix<TestType> big = RowMatrix<TestType>::Random(6, 8);
@@ -114,28 +120,33 @@ TEMPLATE_TEST_CASE("npy: round trip is exact in the own dtype, including empty a
 TEST_CASE("npy: 1-D arrays load as [n, 1]; f4 -> double is exact, f8 -> float rounds to nearest-even", "[npy]") {
   const std::string path = temp_path("one_d.npy");
   // numpy.save of np.arange(3, dtype='<f8') + 0.5, and of a float64 tie case.
-  write_bytes(path, npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (3,), }", le_bytes(std::vector<double>{0.5, 1.5, 2.5})));
+  write_bytes(path, npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (3,), }",
+                              le_bytes(std::vector<double>{0.5, 1.5, 2.5})));
   const RowMatrix<double> v = load_npy<double>(path);
   REQUIRE(v.rows() == 3);
   REQUIRE(v.cols() == 1);
   CHECK(v(2, 0) == 2.5);
 
-  const double tie = 1.0 + std::ldexp(1.0, -24);        // halfway between 1 and 1 + 2^-23: to 1 (even)
-  const double above = 1.0 + std::ldexp(3.0, -24);      // halfway between 1 + 2^-23 and 1 + 2^-22: up (even)
-  write_bytes(path, npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (1, 3), }", le_bytes(std::vector<double>{tie, above, 1e300})));
+  const double tie = 1.0 + std::ldexp(1.0, -24);    // halfway between 1 and 1 + 2^-23: to 1 (even)
+  const double above = 1.0 + std::ldexp(3.0, -24);  // halfway between 1 + 2^-23 and 1 + 2^-22: up (even)
+  write_bytes(path, npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (1, 3), }",
+                              le_bytes(std::vector<double>{tie, above, 1e300})));
   const RowMatrix<float> f = load_npy<float>(path);
   CHECK(f(0, 0) == 1.0f);
   CHECK(f(0, 1) == 1.0f + std::ldexp(1.0f, -22));
   CHECK(f(0, 2) == std::numeric_limits<float>::infinity());
 
-  write_bytes(path, npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 1), }", le_bytes(std::vector<float>{0.1f, -3.0f})));
+  write_bytes(path, npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 1), }",
+                              le_bytes(std::vector<float>{0.1f, -3.0f})));
   const RowMatrix<double> wide = load_npy<double>(path);
   CHECK(wide(0, 0) == static_cast<double>(0.1f));
 
   // Format versions 2.0 and 3.0 (4-byte header length), other quotes, spacing and no padding.
-  write_bytes(path, npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 1), }", le_bytes(std::vector<float>{1.0f, 2.0f}), 2));
+  write_bytes(path, npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 1), }",
+                              le_bytes(std::vector<float>{1.0f, 2.0f}), 2));
   CHECK(load_npy<float>(path)(1, 0) == 2.0f);
-  write_bytes(path, npy_bytes("{ \"shape\" : (2 , 1) , \"descr\":\"<f4\",\"fortran_order\":False}", le_bytes(std::vector<float>{1.0f, 2.0f}), 3, false));
+  write_bytes(path, npy_bytes("{ \"shape\" : (2 , 1) , \"descr\":\"<f4\",\"fortran_order\":False}",
+                              le_bytes(std::vector<float>{1.0f, 2.0f}), 3, false));
   CHECK(load_npy<float>(path)(1, 0) == 2.0f);
   std::remove(path.c_str());
 }
@@ -158,24 +169,34 @@ TEST_CASE("npy: malformed files are refused naming the problem, the destination 
       {"version 4.0", std::string("\x93NUMPY\x04\x00", 8) + npy_bytes(dict23, six).substr(8), "format version 4.0"},
       {"header longer than numpy's limit", long_header, "more than numpy.load's limit of 10000"},
       {"header runs past the end", npy_bytes(dict23, six).substr(0, 40), "runs past the end of the file"},
-      {"truncated data", npy_bytes(dict23, six.substr(0, 20)), "24 bytes of data, but 20 bytes follow the header (truncated)"},
+      {"truncated data", npy_bytes(dict23, six.substr(0, 20)),
+       "24 bytes of data, but 20 bytes follow the header (truncated)"},
       {"trailing bytes", npy_bytes(dict23, six + "xx"), "(trailing bytes)"},
       {"int32", npy_bytes("{'descr': '<i4', 'fortran_order': False, 'shape': (2, 3), }", six), "dtype '<i4'"},
-      {"big-endian float", npy_bytes("{'descr': '>f4', 'fortran_order': False, 'shape': (2, 3), }", six), "dtype '>f4'"},
+      {"big-endian float", npy_bytes("{'descr': '>f4', 'fortran_order': False, 'shape': (2, 3), }", six),
+       "dtype '>f4'"},
       {"float16", npy_bytes("{'descr': '<f2', 'fortran_order': False, 'shape': (2, 6), }", six), "dtype '<f2'"},
       {"Fortran order", npy_bytes("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3), }", six), "Fortran order"},
       {"3-D", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 3), }", six), "shape (1, 2, 3)"},
       {"0-D", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (), }", six.substr(0, 4)), "shape ()"},
-      {"too large", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 4), }", six), "too large to address"},
-      {"shape overflows 64 bits", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (18446744073709551616, 1), }", six), "overflows 64 bits"},
-      {"negative shape", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (-2, 3), }", six), "not a non-negative integer"},
-      {"missing key", npy_bytes("{'descr': '<f4', 'shape': (2, 3), }", six), "lacks one of descr, fortran_order, shape"},
-      {"unknown key", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), 'x': 1}", six), "unexpected or repeated key 'x'"},
-      {"repeated key", npy_bytes("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }", six), "repeated key 'descr'"},
+      {"too large", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 4), }", six),
+       "too large to address"},
+      {"shape overflows 64 bits",
+       npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (18446744073709551616, 1), }", six),
+       "overflows 64 bits"},
+      {"negative shape", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (-2, 3), }", six),
+       "not a non-negative integer"},
+      {"missing key", npy_bytes("{'descr': '<f4', 'shape': (2, 3), }", six),
+       "lacks one of descr, fortran_order, shape"},
+      {"unknown key", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), 'x': 1}", six),
+       "unexpected or repeated key 'x'"},
+      {"repeated key", npy_bytes("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }", six),
+       "repeated key 'descr'"},
       {"not a dict", npy_bytes("['descr', '<f4']", six), "expected '{'"},
       {"text after the dict", npy_bytes(dict23 + " 0", six), "after the header's closing '}'"},
       {"unterminated string", npy_bytes("{'descr: '<f4}", six), "expected ':'"},
-      {"fortran_order not a bool", npy_bytes("{'descr': '<f4', 'fortran_order': 0, 'shape': (2, 3), }", six), "not True or False"},
+      {"fortran_order not a bool", npy_bytes("{'descr': '<f4', 'fortran_order': 0, 'shape': (2, 3), }", six),
+       "not True or False"},
   };
   RowMatrix<float> out = RowMatrix<float>::Constant(2, 3, 42.0f);
   for (const auto& c : cases) {
@@ -200,7 +221,8 @@ TEST_CASE("npy: malformed files are refused naming the problem, the destination 
 TEST_CASE("npy: save_npy failures throw io_error and leave what is at the path", "[npy]") {
   RowMatrix<double> m = RowMatrix<double>::Ones(2, 2);
   REQUIRE_THROWS_AS(save_npy("/nonexistent_embedhead_dir/x.npy", m), io_error);
-  REQUIRE_THROWS_WITH(save_npy("/nonexistent_embedhead_dir/x.npy", m), Contains("cannot create '/nonexistent_embedhead_dir/x.npy.tmp'"));
+  REQUIRE_THROWS_WITH(save_npy("/nonexistent_embedhead_dir/x.npy", m),
+                      Contains("cannot create '/nonexistent_embedhead_dir/x.npy.tmp'"));
 
   // A directory at the path: the temporary is written, the rename fails, the directory stays.
   const std::string dir = temp_path("dir.npy");

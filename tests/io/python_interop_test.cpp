@@ -33,8 +33,9 @@ namespace {
 std::string interop_dir() {
   const char* dir = std::getenv("EMBEDHEAD_INTEROP_DIR");
   if (!dir || !*dir)
-    FAIL("EMBEDHEAD_INTEROP_DIR is not set: run through ctest (tests python_fixture_generate -> python_interop_test), "
-         "or run tests/python/safetensors_fixture.py generate <dir> and set it to <dir>");
+    FAIL(
+        "EMBEDHEAD_INTEROP_DIR is not set: run through ctest (tests python_fixture_generate -> python_interop_test), "
+        "or run tests/python/safetensors_fixture.py generate <dir> and set it to <dir>");
   return dir;
 }
 
@@ -67,7 +68,8 @@ std::string bit_difference(const RowMatrix<Scalar>& got, const RowMatrix<Scalar>
 template <typename Scalar>
 RowMatrix<Scalar> pattern(Index rows, Index cols) {
   RowMatrix<Scalar> m(rows, cols);
-  for (Index k = 0; k < rows * cols; ++k) m(k / cols, k % cols) = static_cast<Scalar>((static_cast<double>(k) - 7) * 0.375);
+  for (Index k = 0; k < rows * cols; ++k)
+    m(k / cols, k % cols) = static_cast<Scalar>((static_cast<double>(k) - 7) * 0.375);
   return m;
 }
 
@@ -130,7 +132,8 @@ TEST_CASE("python fixtures: from_pretrained builds GPT-2 (tied) and Llama (untie
     if (layers.tied) {
       CHECK(layers.head.weight_ptr() == layers.token_embedding.weight_ptr());
     } else {
-      CHECK(bit_difference<float>(layers.head.weight().value(), embedhead::load_npy<float>(sidecar(file, entry.at("head")))) == "");
+      CHECK(bit_difference<float>(layers.head.weight().value(),
+                                  embedhead::load_npy<float>(sidecar(file, entry.at("head")))) == "");
     }
     if (entry.contains("positions")) {
       REQUIRE(layers.position_embedding.has_value());
@@ -189,16 +192,25 @@ TEST_CASE("C++ writes checkpoints, a double table and .npy files for numpy to ch
   embedhead::OutputProjection<float> head(V, d, head_options);
   head.bias()->value() = RowMatrix<float>::Random(V, 1);
   auto E = table.weight().value();  // a Map onto the parameter
-  const float specials[] = {1.0f + std::ldexp(1.0f, -8),  1.0f + std::ldexp(3.0f, -8),  -(1.0f + std::ldexp(1.0f, -8)),
-                            1.0f + std::ldexp(1.0f, -11), 1.0f + std::ldexp(3.0f, -11), 6.0e-8f,
-                            -3.0e-5f,                     70000.0f,                     65519.0f,
-                            -0.0f,                        1.0e-40f,                     3.0e38f};
+  const float specials[] = {1.0f + std::ldexp(1.0f, -8),
+                            1.0f + std::ldexp(3.0f, -8),
+                            -(1.0f + std::ldexp(1.0f, -8)),
+                            1.0f + std::ldexp(1.0f, -11),
+                            1.0f + std::ldexp(3.0f, -11),
+                            6.0e-8f,
+                            -3.0e-5f,
+                            70000.0f,
+                            65519.0f,
+                            -0.0f,
+                            1.0e-40f,
+                            3.0e38f};
   for (std::size_t i = 0; i < sizeof(specials) / sizeof(specials[0]); ++i) E.data()[i] = specials[i];
   embedhead::save_npy(cpp + "llama_table.npy", E);
   embedhead::save_npy(cpp + "llama_head.npy", head.weight().value());
   embedhead::save_npy(cpp + "llama_bias.npy", head.bias()->value());
   const auto llama = embedhead::hugging_face_names(embedhead::ModelFamily::llama);
-  for (const auto& [dtype, suffix] : {std::pair{DType::F32, "f32"}, std::pair{DType::F16, "f16"}, std::pair{DType::BF16, "bf16"}}) {
+  for (const auto& [dtype, suffix] :
+       {std::pair{DType::F32, "f32"}, std::pair{DType::F16, "f16"}, std::pair{DType::BF16, "bf16"}}) {
     const std::string file = std::string("ckpt_llama_") + suffix + ".safetensors";
     embedhead::save_checkpoint<float>(cpp + file, llama, table, &head, nullptr, dtype);
     written["checkpoints"].push_back({{"file", file},
@@ -216,8 +228,9 @@ TEST_CASE("C++ writes checkpoints, a double table and .npy files for numpy to ch
   embedhead::LearnedPositionEmbedding<float> wpe(6, 4);
   embedhead::save_npy(cpp + "gpt2_wte.npy", wte.weight().value());
   embedhead::save_npy(cpp + "gpt2_wpe.npy", wpe.weight().value());
-  embedhead::save_checkpoint<float>(cpp + "ckpt_gpt2_tied_bf16.safetensors", embedhead::hugging_face_names(embedhead::ModelFamily::gpt2),
-                                    wte, &tied, &wpe, DType::BF16);
+  embedhead::save_checkpoint<float>(cpp + "ckpt_gpt2_tied_bf16.safetensors",
+                                    embedhead::hugging_face_names(embedhead::ModelFamily::gpt2), wte, &tied, &wpe,
+                                    DType::BF16);
   written["checkpoints"].push_back({{"file", "ckpt_gpt2_tied_bf16.safetensors"},
                                     {"dtype", "BF16"},
                                     {"tied", true},
@@ -229,8 +242,8 @@ TEST_CASE("C++ writes checkpoints, a double table and .npy files for numpy to ch
   RowMatrix<double> source = RowMatrix<double>::Random(4, 8);
   const double tiny = std::ldexp(1.0, -30);
   const double traps[] = {
-      1.0 + std::ldexp(1.0, -8) + tiny,   // bf16: up to 1 + 2^-7 (via float: down to 1)
-      1.0 + std::ldexp(3.0, -8) - tiny,   // bf16: down to 1 + 2^-7 (via float: up to 1 + 2^-6)
+      1.0 + std::ldexp(1.0, -8) + tiny,  // bf16: up to 1 + 2^-7 (via float: down to 1)
+      1.0 + std::ldexp(3.0, -8) - tiny,  // bf16: down to 1 + 2^-7 (via float: up to 1 + 2^-6)
       -(1.0 + std::ldexp(1.0, -8) + tiny),
       1.0 + std::ldexp(1.0, -11) + tiny,  // f16: up to 1 + 2^-10 (via float: down to 1)
       1.0 + std::ldexp(3.0, -11) - tiny,  // f16: down to 1 + 2^-10 (via float: up to 1 + 2^-9)
@@ -241,9 +254,9 @@ TEST_CASE("C++ writes checkpoints, a double table and .npy files for numpy to ch
     source.data()[i] = traps[i];
     trap_indices.push_back(i);
   }
-  source(3, 7) = 1e300;        // beyond every format but F64: +inf
-  source(3, 6) = -1e-300;      // underflows to -0
-  source(3, 5) = 3.0e-7;       // a half subnormal
+  source(3, 7) = 1e300;    // beyond every format but F64: +inf
+  source(3, 6) = -1e-300;  // underflows to -0
+  source(3, 5) = 3.0e-7;   // a half subnormal
   embedhead::save_npy(cpp + "from_double.npy", source);
   embedhead::SafetensorsWriter writer;
   writer.add<double>("as_bf16", source, DType::BF16)
@@ -251,10 +264,11 @@ TEST_CASE("C++ writes checkpoints, a double table and .npy files for numpy to ch
       .add<double>("as_f32", source, DType::F32)
       .add<double>("as_f64", source, DType::F64);
   writer.write(cpp + "from_double.safetensors");
-  written["from_double"].push_back({{"file", "from_double.safetensors"},
-                                    {"source", "from_double.npy"},
-                                    {"tensors", {{"as_bf16", "BF16"}, {"as_f16", "F16"}, {"as_f32", "F32"}, {"as_f64", "F64"}}},
-                                    {"double_rounding_traps", trap_indices}});
+  written["from_double"].push_back(
+      {{"file", "from_double.safetensors"},
+       {"source", "from_double.npy"},
+       {"tensors", {{"as_bf16", "BF16"}, {"as_f16", "F16"}, {"as_f32", "F32"}, {"as_f64", "F64"}}},
+       {"double_rounding_traps", trap_indices}});
 
   // .npy files numpy.load must read, byte-identical to numpy.save's.
   embedhead::save_npy(cpp + "cpp_f32.npy", pattern<float>(3, 5));

@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -16,7 +17,6 @@
 #include <limits>
 #include <random>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 using embedhead::DType;
@@ -39,7 +39,9 @@ std::string file_bytes(const std::string& header, const std::string& data = {}, 
   return out + header + data;
 }
 
-SafetensorsFile parse(const std::string& bytes) { return SafetensorsFile::from_bytes(bytes.data(), bytes.size(), "test"); }
+SafetensorsFile parse(const std::string& bytes) {
+  return SafetensorsFile::from_bytes(bytes.data(), bytes.size(), "test");
+}
 
 template <typename T>
 std::string le_bytes(const std::vector<T>& values) {
@@ -128,12 +130,11 @@ TEST_CASE("safetensors: a hand-built file is read value by value for every float
   const std::vector<double> f64 = {0.1, -1.0e300, 1.0e-300, 2.5};
   const std::vector<std::uint16_t> f16 = {0x3C00, 0xC000, 0x7BFF, 0x0001, 0x8400, 0x3555};
   const std::vector<std::uint16_t> bf16 = {0x3F80, 0x4049, 0xFF7F, 0x0001};
-  const std::string header =
-      R"({"a":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},)"
-      R"("b":{"dtype":"F64","shape":[4],"data_offsets":[24,56]},)"
-      R"("c":{"dtype":"F16","shape":[3,2],"data_offsets":[56,68]},)"
-      R"("d":{"dtype":"BF16","shape":[2,2],"data_offsets":[68,76]},)"
-      R"("__metadata__":{"format":"pt","note":"hand-built"}})";
+  const std::string header = R"({"a":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},)"
+                             R"("b":{"dtype":"F64","shape":[4],"data_offsets":[24,56]},)"
+                             R"("c":{"dtype":"F16","shape":[3,2],"data_offsets":[56,68]},)"
+                             R"("d":{"dtype":"BF16","shape":[2,2],"data_offsets":[68,76]},)"
+                             R"("__metadata__":{"format":"pt","note":"hand-built"}})";
   const auto file = parse(file_bytes(header, le_bytes(f32) + le_bytes(f64) + le_bytes(f16) + le_bytes(bf16)));
 
   REQUIRE(file.tensors().size() == 4);
@@ -156,8 +157,10 @@ TEST_CASE("safetensors: a hand-built file is read value by value for every float
     // The float nearest to x: no neighbour of the result is closer.
     const float r = b_float(i, 0);
     if (std::isfinite(r)) {
-      CHECK(std::abs(static_cast<double>(r) - x) <= std::abs(static_cast<double>(std::nextafter(r, std::numeric_limits<float>::infinity())) - x));
-      CHECK(std::abs(static_cast<double>(r) - x) <= std::abs(static_cast<double>(std::nextafter(r, -std::numeric_limits<float>::infinity())) - x));
+      CHECK(std::abs(static_cast<double>(r) - x) <=
+            std::abs(static_cast<double>(std::nextafter(r, std::numeric_limits<float>::infinity())) - x));
+      CHECK(std::abs(static_cast<double>(r) - x) <=
+            std::abs(static_cast<double>(std::nextafter(r, -std::numeric_limits<float>::infinity())) - x));
     }
   }
   CHECK(std::isinf(b_float(1, 0)));  // -1e300 overflows float
@@ -168,7 +171,8 @@ TEST_CASE("safetensors: a hand-built file is read value by value for every float
   CHECK(c(0, 0) == 1.0);
   CHECK(c(1, 0) == 65504.0);
   const auto d = file.read<float>("d");
-  for (int i = 0; i < 4; ++i) CHECK(static_cast<double>(d(i / 2, i % 2)) == bfloat16_value(bf16[static_cast<std::size_t>(i)]));
+  for (int i = 0; i < 4; ++i)
+    CHECK(static_cast<double>(d(i / 2, i % 2)) == bfloat16_value(bf16[static_cast<std::size_t>(i)]));
   CHECK(d(0, 1) == 3.140625f);
 }
 
@@ -179,7 +183,9 @@ TEST_CASE("safetensors: writer output follows the specification byte by byte", "
   bias << 1.0f, 2.0f, 3.0f;
   const std::string path = temp_path("layout.safetensors");
   SafetensorsWriter writer;
-  writer.add<float>("table", table, DType::F32).add<float>("bias", bias, DType::BF16, true).set_metadata("format", "pt");
+  writer.add<float>("table", table, DType::F32)
+      .add<float>("bias", bias, DType::BF16, true)
+      .set_metadata("format", "pt");
   writer.write(path);
   const std::string bytes = read_file(path);
   std::remove(path.c_str());
@@ -216,10 +222,10 @@ TEST_CASE("safetensors: writing rounds to nearest-even, from float and from doub
   // above the bfloat16 tie between 1 and 1 + 2^-7, but rounds to the tie itself in float.
   x(0, 0) = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -30);
   x(1, 0) = 1.0 + std::ldexp(1.0, -11) + std::ldexp(1.0, -40);  // the same for half
-  x(2, 0) = 1.0 + std::ldexp(1.0, -8);                           // an exact bfloat16 tie -> 1
-  x(3, 0) = 1.0 + 3 * std::ldexp(1.0, -8);                       // an exact tie -> up to even
-  x(4, 0) = 65520.0;                                             // half overflow boundary -> inf
-  x(5, 0) = 65519.99;                                            // -> 65504
+  x(2, 0) = 1.0 + std::ldexp(1.0, -8);                          // an exact bfloat16 tie -> 1
+  x(3, 0) = 1.0 + 3 * std::ldexp(1.0, -8);                      // an exact tie -> up to even
+  x(4, 0) = 65520.0;                                            // half overflow boundary -> inf
+  x(5, 0) = 65519.99;                                           // -> 65504
   const RowMatrix<float> x_float = x.cast<float>();
 
   const std::string path = temp_path("rounding.safetensors");
@@ -290,8 +296,10 @@ TEST_CASE("safetensors: every malformed file is rejected with a message that nam
       {"binary zeros in the header", file_bytes(std::string("{\0}", 3)), "not valid JSON"},
       {"duplicate tensor", file_bytes("{" + ok_tensor + "," + ok_tensor + "}", eight), "appears twice"},
       {"tensor not an object", file_bytes(R"({"t":[1]})"), "is not an object"},
-      {"unknown dtype", file_bytes(R"({"t":{"dtype":"F12","shape":[2],"data_offsets":[0,8]}})", eight), "unknown dtype 'F12'"},
-      {"dtype not a string", file_bytes(R"({"t":{"dtype":4,"shape":[2],"data_offsets":[0,8]}})", eight), "no string 'dtype'"},
+      {"unknown dtype", file_bytes(R"({"t":{"dtype":"F12","shape":[2],"data_offsets":[0,8]}})", eight),
+       "unknown dtype 'F12'"},
+      {"dtype not a string", file_bytes(R"({"t":{"dtype":4,"shape":[2],"data_offsets":[0,8]}})", eight),
+       "no string 'dtype'"},
       {"missing shape", file_bytes(R"({"t":{"dtype":"F32","data_offsets":[0,8]}})", eight), "no array 'shape'"},
       {"negative dimension", file_bytes(R"({"t":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", eight),
        "not a non-negative integer"},
@@ -302,21 +310,27 @@ TEST_CASE("safetensors: every malformed file is rejected with a message that nam
       {"element count overflow",
        file_bytes(R"({"t":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", eight),
        "overflows 64 bits"},
-      {"byte size overflow", file_bytes(R"({"t":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,8]}})", eight),
+      {"byte size overflow",
+       file_bytes(R"({"t":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,8]}})", eight),
        "byte size overflows"},
       {"missing offsets", file_bytes(R"({"t":{"dtype":"F32","shape":[2]}})", eight), "'data_offsets' pair"},
-      {"three offsets", file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,4,8]}})", eight), "'data_offsets' pair"},
-      {"negative offset", file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}})", eight), "'data_offsets' pair"},
-      {"end before begin", file_bytes(R"({"t":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", eight), "end < begin"},
+      {"three offsets", file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,4,8]}})", eight),
+       "'data_offsets' pair"},
+      {"negative offset", file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}})", eight),
+       "'data_offsets' pair"},
+      {"end before begin", file_bytes(R"({"t":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", eight),
+       "end < begin"},
       {"size disagrees with shape", file_bytes(R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", eight),
        "span 8"},
       {"overlapping tensors",
-       file_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
-                  std::string(12, '\0')),
+       file_bytes(
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+           std::string(12, '\0')),
        "(overlap)"},
       {"gap between tensors",
-       file_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
-                  std::string(12, '\0')),
+       file_bytes(
+           R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+           std::string(12, '\0')),
        "(gap)"},
       {"data truncated", file_bytes("{" + ok_tensor + "}", std::string(5, '\0')), "(truncated)"},
       {"trailing bytes", file_bytes("{" + ok_tensor + "}", std::string(9, '\0')), "(trailing bytes)"},
@@ -324,7 +338,8 @@ TEST_CASE("safetensors: every malformed file is rejected with a message that nam
       {"metadata value not a string", file_bytes(R"({"__metadata__":{"k":1}})"), "entry 'k' is not a string"},
       {"unknown field", file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}})", eight),
        "unknown field 'x'"},
-      {"empty tensor name", file_bytes(R"({"":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", eight), "empty name"},
+      {"empty tensor name", file_bytes(R"({"":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", eight),
+       "empty name"},
       {"deep nesting", file_bytes(R"({"t":)" + std::string(5000, '[') + std::string(5000, ']') + "}"), "nests deeper"},
   };
   for (const auto& c : cases) {
@@ -360,9 +375,13 @@ TEST_CASE("safetensors: zero-sized tensors of every float dtype read as empty ma
   for (const char* dtype : {"F32", "F64", "F16", "BF16"}) {
     INFO(dtype);
     const std::string d(dtype);
-    const auto file = parse(file_bytes(R"({"z":{"dtype":")" + d + R"(","shape":[0,4],"data_offsets":[0,0]},)"
-                                       R"("y":{"dtype":")" + d + R"(","shape":[3,0],"data_offsets":[0,0]},)"
-                                       R"("e":{"dtype":")" + d + R"(","shape":[0],"data_offsets":[0,0]}})"));
+    const auto file = parse(file_bytes(R"({"z":{"dtype":")" + d +
+                                       R"(","shape":[0,4],"data_offsets":[0,0]},)"
+                                       R"("y":{"dtype":")" +
+                                       d +
+                                       R"(","shape":[3,0],"data_offsets":[0,0]},)"
+                                       R"("e":{"dtype":")" +
+                                       d + R"(","shape":[0],"data_offsets":[0,0]}})"));
     const RowMatrix<float> y = file.read<float>("y");
     CHECK(y.rows() == 3);
     CHECK(y.cols() == 0);
@@ -400,8 +419,8 @@ TEST_CASE("safetensors: lookups and shape checks name the tensor", "[safetensors
   CHECK_THROWS_AS(file.at("missing"), format_error);
   CHECK_THROWS_WITH(file.at("missing"), Catch::Contains("no tensor 'missing'") && Catch::Contains("'w'"));
   CHECK_THROWS_AS(file.expect("w", 3, 2, "the thing"), shape_error);
-  CHECK_THROWS_WITH(file.expect("w", 3, 2, "the thing"), Catch::Contains("'w'") && Catch::Contains("[2, 3]") &&
-                                                             Catch::Contains("the thing is [3, 2]"));
+  CHECK_THROWS_WITH(file.expect("w", 3, 2, "the thing"),
+                    Catch::Contains("'w'") && Catch::Contains("[2, 3]") && Catch::Contains("the thing is [3, 2]"));
   CHECK(&file.expect("w", 2, 3, "x") == &file.at("w"));
   CHECK_THROWS_AS(file.read<float>("v"), shape_error);  // 3-D
   RowMatrix<float> wrong(3, 3);

@@ -98,8 +98,10 @@ struct NaiveAdam {
       if (lazy && !touched) continue;
       for (Index j = 0; j < p.cols(); ++j) {
         double grad = touched ? g(r, j) : 0.0;
-        if (decoupled) p(r, j) *= 1 - lr * wd;
-        else grad += wd * p(r, j);
+        if (decoupled)
+          p(r, j) *= 1 - lr * wd;
+        else
+          grad += wd * p(r, j);
         m(r, j) = b1 * m(r, j) + (1 - b1) * grad;
         v(r, j) = b2 * v(r, j) + (1 - b2) * grad * grad;
         p(r, j) -= lr / bc1 * m(r, j) / (std::sqrt(v(r, j)) / std::sqrt(bc2) + eps);
@@ -151,7 +153,8 @@ bool close(const A& a, const B& b, double tol) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("AdamW and Adam follow the torch.optim formulas step by step", "[optimizer][adam][naive]", float, double) {
+TEMPLATE_TEST_CASE("AdamW and Adam follow the torch.optim formulas step by step", "[optimizer][adam][naive]", float,
+                   double) {
   using Scalar = TestType;
   const Index V = 6, d = 5;
   const Steps steps = make_steps(V, d, 11);
@@ -192,8 +195,8 @@ TEST_CASE("AdamW first step by hand: p (1 - lr wd) - lr g / (|g| + eps)", "[opti
   CHECK_THAT(p->value()(0, 1), WithinRel(-2.0 * (1 - 0.05) + 0.1 * 3.0 / (3.0 + 1e-8), 1e-14));
 }
 
-TEMPLATE_TEST_CASE("LazyAdam updates touched rows only; equals AdamW when every row is touched", "[optimizer][lazy]", float,
-                   double) {
+TEMPLATE_TEST_CASE("LazyAdam updates touched rows only; equals AdamW when every row is touched", "[optimizer][lazy]",
+                   float, double) {
   using Scalar = TestType;
   const Index V = 6, d = 4;
   const Steps steps = make_steps(V, d, 21);
@@ -245,7 +248,7 @@ TEMPLATE_TEST_CASE("LazyAdam updates touched rows only; equals AdamW when every 
     set_gradient(*b, steps.G[1], {1});
     lazy.step();
     exact.step();
-    CHECK(same_values(a->value().row(0), lazy_row));        // lazy: row 0 untouched, unchanged
+    CHECK(same_values(a->value().row(0), lazy_row));         // lazy: row 0 untouched, unchanged
     CHECK_FALSE(same_values(b->value().row(0), exact_row));  // exact: stale momentum moves it
   }
 }
@@ -258,7 +261,8 @@ TEMPLATE_TEST_CASE("SGD: plain, momentum, Nesterov, decoupled weight decay", "[o
     double mu, wd;
     bool nesterov;
   };
-  for (const Case c : {Case{0, 0, false}, Case{0.9, 0, false}, Case{0.9, 0, true}, Case{0, 0.1, false}, Case{0.5, 0.2, true}}) {
+  for (const Case c :
+       {Case{0, 0, false}, Case{0.9, 0, false}, Case{0.9, 0, true}, Case{0, 0.1, false}, Case{0.5, 0.2, true}}) {
     CAPTURE(c.mu, c.wd, c.nesterov);
     auto p = make_parameter<Scalar>(V, d, 30);
     embedhead::SGDOptions options;
@@ -278,7 +282,8 @@ TEMPLATE_TEST_CASE("SGD: plain, momentum, Nesterov, decoupled weight decay", "[o
   }
 }
 
-TEST_CASE("SGD without momentum or decay touches only the gradient's rows, p - lr g exactly", "[optimizer][sgd][sparse]") {
+TEST_CASE("SGD without momentum or decay touches only the gradient's rows, p - lr g exactly",
+          "[optimizer][sgd][sparse]") {
   auto p = make_parameter<double>(5, 2, 40);
   const RowMatrix<double> before = p->value();
   RowMatrix<double> G = random_matrix<double>(5, 2, 41);
@@ -292,8 +297,8 @@ TEST_CASE("SGD without momentum or decay touches only the gradient's rows, p - l
     for (Index j = 0; j < 2; ++j) CHECK(p->value()(r, j) == before(r, j) - 0.5 * G(r, j));
 }
 
-TEMPLATE_TEST_CASE("Adagrad matches torch.optim.Adagrad (lr decay, initial accumulator)", "[optimizer][adagrad][naive]", float,
-                   double) {
+TEMPLATE_TEST_CASE("Adagrad matches torch.optim.Adagrad (lr decay, initial accumulator)", "[optimizer][adagrad][naive]",
+                   float, double) {
   using Scalar = TestType;
   const Index V = 6, d = 4;
   const Steps steps = make_steps(V, d, 51);
@@ -342,7 +347,8 @@ TEST_CASE("parameter groups: per-group learning-rate multiplier and weight decay
   CHECK(sgd.groups()[1].weight_decay == 0.0);
 }
 
-TEMPLATE_TEST_CASE("a tied pair is one parameter: one update with the summed gradient", "[optimizer][tied]", float, double) {
+TEMPLATE_TEST_CASE("a tied pair is one parameter: one update with the summed gradient", "[optimizer][tied]", float,
+                   double) {
   using Scalar = TestType;
   const Index V = 7, d = 3;
   embedhead::TokenEmbedding<Scalar> embedding(V, d);
@@ -353,7 +359,8 @@ TEMPLATE_TEST_CASE("a tied pair is one parameter: one update with the summed gra
   SECTION("registering the raw list is an error that names the table") {
     embedhead::SGD<Scalar> sgd;
     CHECK_THROWS_AS(sgd.add_group(list), embedhead::value_error);
-    CHECK_THROWS_WITH(sgd.add_group(list), Contains("SGD: parameter 'token_embedding.weight' [7, 3] is registered twice"));
+    CHECK_THROWS_WITH(sgd.add_group(list),
+                      Contains("SGD: parameter 'token_embedding.weight' [7, 3] is registered twice"));
     CHECK(sgd.groups().empty());
   }
   SECTION("unique_parameters: the sparse and dense contributions are summed once") {
@@ -375,7 +382,8 @@ TEMPLATE_TEST_CASE("a tied pair is one parameter: one update with the summed gra
   }
 }
 
-TEMPLATE_TEST_CASE("clip_grad_norm counts each touched row once, sparse and dense together", "[optimizer][clip]", float, double) {
+TEMPLATE_TEST_CASE("clip_grad_norm counts each touched row once, sparse and dense together", "[optimizer][clip]", float,
+                   double) {
   using Scalar = TestType;
   auto sparse = make_parameter<Scalar>(8, 3, 80, "E");
   auto dense = make_parameter<Scalar>(2, 3, 81, "W");
@@ -398,8 +406,10 @@ TEMPLATE_TEST_CASE("clip_grad_norm counts each touched row once, sparse and dens
     CHECK_THAT(embedhead::clip_grad_norm<Scalar>({sparse, dense}, 1e3), WithinRel(0.5, 1e-5));
   }
   SECTION("errors") {
-    CHECK_THROWS_WITH(embedhead::clip_grad_norm<Scalar>({sparse}, -1.0), Contains("clip_grad_norm: max_norm = -1 outside [0, inf)"));
-    CHECK_THROWS_WITH(embedhead::clip_grad_norm<Scalar>({sparse, nullptr}, 1.0), Contains("parameter 1 is a null pointer"));
+    CHECK_THROWS_WITH(embedhead::clip_grad_norm<Scalar>({sparse}, -1.0),
+                      Contains("clip_grad_norm: max_norm = -1 outside [0, inf)"));
+    CHECK_THROWS_WITH(embedhead::clip_grad_norm<Scalar>({sparse, nullptr}, 1.0),
+                      Contains("parameter 1 is a null pointer"));
     CHECK(close(sparse->grad().to_dense(), masked(GS, {1, 6}), tolerance<Scalar>()));
   }
 }
@@ -414,10 +424,10 @@ TEST_CASE("learning-rate schedules", "[optimizer][schedule]") {
   CHECK(warmup(10) == 1.0);
   const auto cosine = embedhead::LrSchedule::warmup_cosine(2, 12, 0.1);
   CHECK(cosine(0) == 0.5);
-  CHECK(cosine(2) == 1.0);                                    // progress 0
-  CHECK_THAT(cosine(7), WithinAbs(0.1 + 0.9 * 0.5, 1e-15));   // progress 1/2
-  CHECK_THAT(cosine(12), WithinAbs(0.1, 1e-15));              // the end
-  CHECK_THAT(cosine(100), WithinAbs(0.1, 1e-15));             // and after it
+  CHECK(cosine(2) == 1.0);                                   // progress 0
+  CHECK_THAT(cosine(7), WithinAbs(0.1 + 0.9 * 0.5, 1e-15));  // progress 1/2
+  CHECK_THAT(cosine(12), WithinAbs(0.1, 1e-15));             // the end
+  CHECK_THAT(cosine(100), WithinAbs(0.1, 1e-15));            // and after it
   CHECK_THROWS_WITH(embedhead::LrSchedule::linear_warmup(-1), Contains("warmup_steps = -1 outside [0, inf)"));
   CHECK_THROWS_WITH(embedhead::LrSchedule::warmup_cosine(5, 5), Contains("total_steps = 5 outside (5, inf)"));
   CHECK_THROWS_WITH(embedhead::LrSchedule::warmup_cosine(0, 5, 1.5), Contains("min_ratio = 1.5 outside [0, 1]"));
@@ -456,12 +466,14 @@ TEMPLATE_TEST_CASE("state save and restore continues the same trajectory", "[opt
   sgd_options.momentum = 0.9;
   run([&](const ParameterPtr<Scalar>& p) { return embedhead::SGD<Scalar>(sgd_options, {p}); });
   run([&](const ParameterPtr<Scalar>& p) { return embedhead::AdamW<Scalar>(embedhead::AdamOptions{}, {p}); });
-  run([&](const ParameterPtr<Scalar>& p) { return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p}); });
+  run([&](const ParameterPtr<Scalar>& p) {
+    return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p});
+  });
   run([&](const ParameterPtr<Scalar>& p) { return embedhead::Adagrad<Scalar>(embedhead::AdagradOptions{}, {p}); });
 }
 
-TEMPLATE_TEST_CASE("load_state rejects a state that does not fit and changes nothing", "[optimizer][state][errors]", float,
-                   double) {
+TEMPLATE_TEST_CASE("load_state rejects a state that does not fit and changes nothing", "[optimizer][state][errors]",
+                   float, double) {
   using Scalar = TestType;
   auto p = make_parameter<Scalar>(4, 2, 100, "E");
   embedhead::AdamW<Scalar> adam(embedhead::AdamOptions{}, {p});
@@ -483,7 +495,8 @@ TEMPLATE_TEST_CASE("load_state rejects a state that does not fit and changes not
   CHECK_THROWS_WITH(adam.load_state(bad), Contains("has a buffer 'momentum_buffer' that AdamW does not use"));
   bad = good;
   bad.parameters.clear();
-  CHECK_THROWS_WITH(adam.load_state(bad), Contains("the state has 0 parameters and step 1, this optimizer 1 parameters"));
+  CHECK_THROWS_WITH(adam.load_state(bad),
+                    Contains("the state has 0 parameters and step 1, this optimizer 1 parameters"));
   // Unchanged: the state reads back equal, and the step count is still 1.
   const auto after = adam.state();
   CHECK(adam.step_count() == 1);
@@ -601,7 +614,9 @@ TEMPLATE_TEST_CASE("every optimizer leaves a frozen parameter bit-identical", "[
   sgd.weight_decay = 0.1;
   check([&](const ParameterPtr<Scalar>& p) { return embedhead::SGD<Scalar>(sgd, {p}); });
   check([&](const ParameterPtr<Scalar>& p) { return embedhead::AdamW<Scalar>(embedhead::AdamOptions{}, {p}); });
-  check([&](const ParameterPtr<Scalar>& p) { return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p}); });
+  check([&](const ParameterPtr<Scalar>& p) {
+    return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p});
+  });
   check([&](const ParameterPtr<Scalar>& p) { return embedhead::Adagrad<Scalar>(embedhead::AdagradOptions{}, {p}); });
 }
 

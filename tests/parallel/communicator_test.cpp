@@ -77,14 +77,16 @@ TEST_CASE("collectives: all_reduce sum and max, all_gather_v with different coun
   REQUIRE(all.size() == static_cast<std::size_t>(R));
   for (int r = 0; r < R; ++r) CHECK(all[static_cast<std::size_t>(r)] == 100 + r);
 
-  CHECK_THROWS_AS(comm.all_gather_v(send.data(), recv.data(), std::vector<Index>(static_cast<std::size_t>(R + 1), 0)), shape_error);
+  CHECK_THROWS_AS(comm.all_gather_v(send.data(), recv.data(), std::vector<Index>(static_cast<std::size_t>(R + 1), 0)),
+                  shape_error);
 }
 
 TEST_CASE("check_on_every_rank: one rank's failure is every rank's, with the same message") {
   Communicator& comm = world();
   const int R = comm.size(), me = comm.rank();
   // Nothing fails: returns on every rank.
-  CHECK_NOTHROW(check_on_every_rank(comm, "test", [] {}, 42));
+  CHECK_NOTHROW(check_on_every_rank(
+      comm, "test", [] {}, 42));
 
   // The last rank fails with an index_error; every rank throws it, naming that rank.
   const int bad = R - 1;
@@ -102,13 +104,15 @@ TEST_CASE("check_on_every_rank: one rank's failure is every rank's, with the sam
 
   // Two ranks fail with different kinds: the lowest failing rank's wins everywhere.
   if (R >= 2) {
-    CHECK_THROWS_AS(check_on_every_rank(comm, "test", [&] {
-                      if (me == 1) throw shape_error("test: rank one's shape");
-                      if (me == 0) throw value_error("test: rank zero's value");
-                    }),
+    CHECK_THROWS_AS(check_on_every_rank(comm, "test",
+                                        [&] {
+                                          if (me == 1) throw shape_error("test: rank one's shape");
+                                          if (me == 0) throw value_error("test: rank zero's value");
+                                        }),
                     value_error);
     // Different fingerprints: value_error naming what differs.
-    CHECK_THROWS_WITH(check_on_every_rank(comm, "test", [] {}, static_cast<std::uint64_t>(me == 0 ? 1 : 2), "the token ids"),
+    CHECK_THROWS_WITH(check_on_every_rank(
+                          comm, "test", [] {}, static_cast<std::uint64_t>(me == 0 ? 1 : 2), "the token ids"),
                       Catch::Contains("ranks 0 and 1 of " + std::to_string(R) + " disagree on the token ids"));
   } else {
     CHECK_THROWS_AS(check_on_every_rank(comm, "test", [] { throw shape_error("test: shape"); }), shape_error);

@@ -5,14 +5,14 @@
 // other rank's input and compute the expected sum itself, in rank order (the order the sparse path
 // adds in, hence exact comparisons for it). Tests use CHECK wherever a collective follows.
 #include <embedhead/cross_entropy.hpp>
-#include <embedhead/parallel/data_parallel.hpp>
 #include <embedhead/optim/optimizer.hpp>
 #include <embedhead/optim/sgd.hpp>
 #include <embedhead/output_projection.hpp>
+#include <embedhead/parallel/data_parallel.hpp>
 #include <embedhead/token_embedding.hpp>
 
-#include "world.hpp"
 #include "../reference/test_support.hpp"
+#include "world.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -22,8 +22,8 @@
 #include <limits>
 #include <memory>
 #include <random>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <vector>
 
 using namespace embedhead;
@@ -90,8 +90,11 @@ bool same_on_every_rank(Communicator& comm, const Matrix& m) {
 // A snapshot of a gradient, to check that a throwing call changed nothing.
 template <typename Scalar>
 struct GradientState {
-  explicit GradientState(const RowGradient<Scalar>& g) : dense(g.is_dense()), touched(g.touched_rows()), values(g.to_dense()) {}
-  bool operator==(const GradientState& o) const { return dense == o.dense && touched == o.touched && same_values(values, o.values); }
+  explicit GradientState(const RowGradient<Scalar>& g)
+      : dense(g.is_dense()), touched(g.touched_rows()), values(g.to_dense()) {}
+  bool operator==(const GradientState& o) const {
+    return dense == o.dense && touched == o.touched && same_values(values, o.values);
+  }
   bool dense;
   std::vector<Index> touched;
   RowMatrix<Scalar> values;
@@ -118,7 +121,8 @@ TEMPLATE_TEST_CASE("all_reduce_gradient: sparse, dense and automatic give the su
     const std::vector<Index> my_ids = rank_ids(me, V, counts[static_cast<std::size_t>(me)], seed);
     const RowMatrix<S> my_rows = rank_rows<S>(me, static_cast<Index>(my_ids.size()), d, seed);
     Index gathered = 0;
-    for (int r = 0; r < R; ++r) gathered += static_cast<Index>(rank_ids(r, V, counts[static_cast<std::size_t>(r)], seed).size());
+    for (int r = 0; r < R; ++r)
+      gathered += static_cast<Index>(rank_ids(r, V, counts[static_cast<std::size_t>(r)], seed).size());
     const Index k = static_cast<Index>(my_ids.size());
 
     for (GradientExchange mode : {GradientExchange::sparse, GradientExchange::dense, GradientExchange::automatic}) {
@@ -127,8 +131,8 @@ TEMPLATE_TEST_CASE("all_reduce_gradient: sparse, dense and automatic give the su
       add_rows(p.grad(), my_ids, my_rows);
       GradientExchangeOptions options;
       options.mode = mode;
-      const GradientExchangeResult result =
-          all_reduce_gradient(p, comm, options, mode == GradientExchange::sparse ? &work : nullptr);
+      const GradientExchangeResult result = all_reduce_gradient(p, comm, options,
+                                                                mode == GradientExchange::sparse ? &work : nullptr);
       const RowMatrix<S> got = p.grad().to_dense();
       // automatic: the byte model with the default threshold.
       const double ratio = static_cast<double>(gathered) * static_cast<double>(d * sizeof(S) + 8) /
@@ -155,8 +159,10 @@ TEMPLATE_TEST_CASE("all_reduce_gradient: sparse, dense and automatic give the su
         CHECK(result.union_rows == V);
         CHECK(result.bytes_sent == static_cast<std::int64_t>(V * d * sizeof(S)));
         // One addition per entry with 1 or 2 ranks (it commutes): exactly the rank-order sum.
-        if (R <= 2) CHECK(first_difference(got, expected) == "");
-        else CHECK(close(got, expected, tolerance<S>()));
+        if (R <= 2)
+          CHECK(first_difference(got, expected) == "");
+        else
+          CHECK(close(got, expected, tolerance<S>()));
       } else {
         CHECK(result.rows_sent == k);
         CHECK(result.rows_gathered == gathered);
@@ -186,7 +192,8 @@ TEMPLATE_TEST_CASE("all_reduce_gradient: a bf16 / fp16 table's float gradient is
   for (GradientExchange mode : {GradientExchange::sparse, GradientExchange::dense}) {
     INFO("mode " << detail::exchange_mode_name(mode) << ", rank " << me << " of " << R);
     // The table itself (Storage) is replicated and never sent; only its float gradient is.
-    auto table = std::make_shared<Parameter<Storage, float>>(RowMatrix<Storage>::Constant(V, d, Storage(0.5f)), "table");
+    auto table = std::make_shared<Parameter<Storage, float>>(RowMatrix<Storage>::Constant(V, d, Storage(0.5f)),
+                                                             "table");
     auto bias = std::make_shared<Parameter<float>>(V, 1, "bias");
     add_rows(table->grad(), my_ids, my_rows);
     GradientExchangeOptions options;
@@ -266,8 +273,10 @@ TEMPLATE_TEST_CASE("all_reduce_gradient: automatic switches to dense above the t
     // One rank has nothing to exchange and never densifies.
     CHECK(result.dense == (c.dense && R > 1));
     CHECK(p.grad().is_dense() == (c.dense && R > 1));
-    if (R <= 2 || !c.dense) CHECK(first_difference(p.grad().to_dense(), expected) == "");
-    else CHECK(close(p.grad().to_dense(), expected, tolerance<S>()));
+    if (R <= 2 || !c.dense)
+      CHECK(first_difference(p.grad().to_dense(), expected) == "");
+    else
+      CHECK(close(p.grad().to_dense(), expected, tolerance<S>()));
   }
   // The default threshold keeps a small sparse gradient sparse.
   Parameter<S> p(V, d);
@@ -294,8 +303,10 @@ TEMPLATE_TEST_CASE("all_reduce_gradient: a gradient already dense on one rank fo
     const GradientExchangeResult result = all_reduce_gradient(p, comm, options);
     CHECK(result.dense);
     CHECK(p.grad().is_dense());
-    if (R <= 2) CHECK(first_difference(p.grad().to_dense(), expected) == "");
-    else CHECK(close(p.grad().to_dense(), expected, tolerance<S>()));
+    if (R <= 2)
+      CHECK(first_difference(p.grad().to_dense(), expected) == "");
+    else
+      CHECK(close(p.grad().to_dense(), expected, tolerance<S>()));
     CHECK(same_on_every_rank(comm, p.grad().to_dense()));
   }
 }
@@ -320,7 +331,8 @@ TEMPLATE_TEST_CASE("all_reduce_gradients: a data-parallel step equals the single
     // B/R rows times gradient_scale 1/R is the mean over the whole batch.
     auto step = [&](const IdMatrix<std::int32_t>& x, const IdMatrix<std::int32_t>& y, bool parallel) {
       auto embedding = std::make_unique<TokenEmbedding<S>>(V, d);
-      auto head = tied ? std::make_unique<OutputProjection<S>>(*embedding) : std::make_unique<OutputProjection<S>>(V, d);
+      auto head = tied ? std::make_unique<OutputProjection<S>>(*embedding)
+                       : std::make_unique<OutputProjection<S>>(V, d);
       const RowMatrix<S> h = embedding->forward(x);
       const RowMatrix<S> logits = head->forward(h);
       RowMatrix<S> dlogits(logits.rows(), logits.cols());
@@ -383,7 +395,8 @@ TEST_CASE("all_reduce_gradient: frozen parameters are left alone on every rank")
   Parameter<float> p(50, 3);
   p.set_frozen(true);
   const std::vector<Index> ids = {1, 7};
-  add_rows(p.grad(), ids, test_support::random_matrix<float>(2, 3, 5 + static_cast<std::uint64_t>(me)));  // written directly
+  add_rows(p.grad(), ids,
+           test_support::random_matrix<float>(2, 3, 5 + static_cast<std::uint64_t>(me)));  // written directly
   const GradientState<float> before(p.grad());
   const GradientExchangeResult result = all_reduce_gradient(p, comm);
   CHECK(GradientState<float>(p.grad()) == before);
@@ -470,9 +483,10 @@ TEST_CASE("all_reduce_gradient(s): errors agreed on every rank, nothing changed"
     std::string expected;
   };
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  for (const BadOption& c : {BadOption{-1.0, 0, "all_reduce_gradient: options.dense_threshold = -1 outside [0, inf)"},
-                             BadOption{nan, 0, "all_reduce_gradient: options.dense_threshold = nan outside [0, inf)"},
-                             BadOption{0.5, 7, "all_reduce_gradient: options.mode = 7 outside {automatic, sparse, dense} = [0, 2]"}}) {
+  for (const BadOption& c :
+       {BadOption{-1.0, 0, "all_reduce_gradient: options.dense_threshold = -1 outside [0, inf)"},
+        BadOption{nan, 0, "all_reduce_gradient: options.dense_threshold = nan outside [0, inf)"},
+        BadOption{0.5, 7, "all_reduce_gradient: options.mode = 7 outside {automatic, sparse, dense} = [0, 2]"}}) {
     Parameter<double> p(V, d);
     add_rows(p.grad(), ids, rows);
     const GradientState<double> before(p.grad());

@@ -13,8 +13,8 @@
 #include <embedhead/output_projection.hpp>
 #include <embedhead/parallel/vocab_parallel_fused_head_loss.hpp>
 
-#include "world.hpp"
 #include "../reference/test_support.hpp"
+#include "world.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -72,8 +72,14 @@ Setup<Scalar> make_setup(Index V, Index d, Index B, Index T, std::uint64_t seed,
   options.bias = bias;
   options.init_std = 0.5;
   options.seed = seed;
-  Setup<Scalar> s{V, d, B * T, embedhead::vocab_shard(V, comm.rank(), comm.size()), OutputProjection<Scalar>(V, d, options),
-                  nullptr, nullptr, random_matrix<Scalar>(B * T, d, seed + 1, 1.0),
+  Setup<Scalar> s{V,
+                  d,
+                  B * T,
+                  embedhead::vocab_shard(V, comm.rank(), comm.size()),
+                  OutputProjection<Scalar>(V, d, options),
+                  nullptr,
+                  nullptr,
+                  random_matrix<Scalar>(B * T, d, seed + 1, 1.0),
                   random_ids<std::int64_t>(B, T, classes < 0 ? V : classes, seed + 2)};
   if (bias) s.full.bias()->value() = random_matrix<Scalar>(V, 1, seed + 3, 0.5);
   s.W_shard = std::make_shared<Parameter<Scalar>>(s.shard.rows(), d, "W shard");
@@ -92,8 +98,10 @@ struct Outputs {
 };
 
 template <typename Scalar>
-FusedHeadLossExtras<Scalar> extras_of(const RowMatrix<Scalar>& weights, RowMatrix<Scalar>& lse, RowMatrix<Scalar>& losses) {
-  return FusedHeadLossExtras<Scalar>{Eigen::Map<const RowMatrix<Scalar>>(weights.data(), weights.rows(), weights.cols()),
+FusedHeadLossExtras<Scalar> extras_of(const RowMatrix<Scalar>& weights, RowMatrix<Scalar>& lse,
+                                      RowMatrix<Scalar>& losses) {
+  return FusedHeadLossExtras<Scalar>{Eigen::Map<const RowMatrix<Scalar>>(weights.data(), weights.rows(),
+                                                                         weights.cols()),
                                      Eigen::Map<RowMatrix<Scalar>>(lse.data(), lse.rows(), lse.cols()),
                                      Eigen::Map<RowMatrix<Scalar>>(losses.data(), losses.rows(), losses.cols())};
 }
@@ -178,7 +186,8 @@ void check_matches(const Outputs<Scalar>& actual, const Outputs<Scalar>& expecte
   } else {
     CHECK_THAT(actual.result.loss, WithinRel(expected.result.loss, tol) || WithinAbs(expected.result.loss, tol));
     CHECK_THAT(actual.result.sum, WithinRel(expected.result.sum, tol) || WithinAbs(expected.result.sum, tol));
-    CHECK_THAT(actual.result.z_loss, WithinRel(expected.result.z_loss, 1e-4) || WithinAbs(expected.result.z_loss, 1e-12));
+    CHECK_THAT(actual.result.z_loss,
+               WithinRel(expected.result.z_loss, 1e-4) || WithinAbs(expected.result.z_loss, 1e-12));
     CHECK(close(actual.dh, expected.dh, tol));
     CHECK(close(actual.dW, expected.dW, tol));
     CHECK(close(actual.db, expected.db, tol));
@@ -281,8 +290,8 @@ TEMPLATE_TEST_CASE("vocabulary-parallel fused loss equals FusedHeadLoss on the w
           // The loss alone: the same numbers, bit for bit.
           RowMatrix<Scalar> lse(s.N, 1), losses(s.N, 1);
           VocabParallelFusedHeadLoss<Scalar> loss_only(options);
-          const CrossEntropyResult r = loss_only.forward_shard(world(), s.V, *s.W_shard, s.b_shard.get(), s.h, s.targets,
-                                                               extras_of(weights, lse, losses));
+          const CrossEntropyResult r = loss_only.forward_shard(world(), s.V, *s.W_shard, s.b_shard.get(), s.h,
+                                                               s.targets, extras_of(weights, lse, losses));
           CHECK(r.loss == actual.result.loss);
           CHECK(r.z_loss == actual.result.z_loss);
           CHECK(same_values(lse, actual.lse));
@@ -345,7 +354,8 @@ TEMPLATE_TEST_CASE("vocabulary-parallel fused loss: accumulation, frozen shards,
     s.W_shard->set_frozen(true);
     s.b_shard->set_frozen(true);
     RowMatrix<Scalar> dh(s.N, s.d);
-    const CrossEntropyResult r = loss.forward_backward_shard(comm, s.V, *s.W_shard, s.b_shard.get(), s.h, s.targets, dh);
+    const CrossEntropyResult r = loss.forward_backward_shard(comm, s.V, *s.W_shard, s.b_shard.get(), s.h, s.targets,
+                                                             dh);
     CHECK(r.loss == once.result.loss);
     CHECK(same_values(dh, once.dh));
     CHECK(s.W_shard->grad().num_touched() == 0);
@@ -379,7 +389,8 @@ TEMPLATE_TEST_CASE("vocabulary-parallel fused loss: accumulation, frozen shards,
     s.targets.setConstant(-100);
     s.W_shard->zero_grad();
     RowMatrix<Scalar> dh = RowMatrix<Scalar>::Constant(s.N, s.d, Scalar(5));
-    const CrossEntropyResult r = loss.forward_backward_shard(comm, s.V, *s.W_shard, s.b_shard.get(), s.h, s.targets, dh);
+    const CrossEntropyResult r = loss.forward_backward_shard(comm, s.V, *s.W_shard, s.b_shard.get(), s.h, s.targets,
+                                                             dh);
     CHECK(r.count == 0);
     CHECK(r.loss == 0);
     CHECK(dh.isZero(0));
@@ -387,8 +398,8 @@ TEMPLATE_TEST_CASE("vocabulary-parallel fused loss: accumulation, frozen shards,
   }
 }
 
-TEMPLATE_TEST_CASE("vocabulary-parallel fused loss on a head object (the template entry points)", "[vocab_parallel_fused]",
-                   float, double) {
+TEMPLATE_TEST_CASE("vocabulary-parallel fused loss on a head object (the template entry points)",
+                   "[vocab_parallel_fused]", float, double) {
   using Scalar = TestType;
   Setup<Scalar> s = make_setup<Scalar>(53, 8, 2, 4, 41, true);
   FusedHeadLossOptions options;
@@ -404,14 +415,15 @@ TEMPLATE_TEST_CASE("vocabulary-parallel fused loss on a head object (the templat
     head.b->zero_grad();
     RowMatrix<Scalar> dh(s.N, s.d);
     const IdMatrix<std::int32_t> targets32 = s.targets.template cast<std::int32_t>();
-    const CrossEntropyResult r =
-        int32 ? loss.forward_backward(head, s.h, targets32, dh) : loss.forward_backward(head, s.h, s.targets, dh);
+    const CrossEntropyResult r = int32 ? loss.forward_backward(head, s.h, targets32, dh)
+                                       : loss.forward_backward(head, s.h, s.targets, dh);
     CHECK(r.loss == expected.result.loss);
     CHECK(same_values(dh, expected.dh));
     CHECK(same_values(head.w->grad().to_dense(), expected.dW));
     CHECK(same_values(head.b->grad().to_dense(), expected.db));
     const ShardHead<Scalar>& const_head = head;
-    const CrossEntropyResult f = int32 ? loss.forward(const_head, s.h, targets32) : loss.forward(const_head, s.h, s.targets);
+    const CrossEntropyResult f = int32 ? loss.forward(const_head, s.h, targets32)
+                                       : loss.forward(const_head, s.h, s.targets);
     CHECK(f.loss == expected.result.loss);
   }
 }
@@ -445,7 +457,8 @@ std::string on_last_rank() {
 
 }  // namespace
 
-TEST_CASE("vocabulary-parallel fused loss: errors agreed on every rank, nothing changed", "[vocab_parallel_fused][errors]") {
+TEST_CASE("vocabulary-parallel fused loss: errors agreed on every rank, nothing changed",
+          "[vocab_parallel_fused][errors]") {
   using Scalar = float;
   Communicator& comm = world();
   const int R = comm.size();
@@ -458,23 +471,24 @@ TEST_CASE("vocabulary-parallel fused loss: errors agreed on every rank, nothing 
   s.W_shard->grad().slot_row(slot).setConstant(Scalar(1.5));
   const RowMatrix<Scalar> W_before = s.W_shard->value(), b_before = s.b_shard->value();
   RowMatrix<Scalar> dh = RowMatrix<Scalar>::Constant(s.N, s.d, Scalar(7));
-  RowMatrix<Scalar> lse = RowMatrix<Scalar>::Constant(s.N, 1, Scalar(8)), losses = RowMatrix<Scalar>::Constant(s.N, 1, Scalar(9));
+  RowMatrix<Scalar> lse = RowMatrix<Scalar>::Constant(s.N, 1, Scalar(8)),
+                    losses = RowMatrix<Scalar>::Constant(s.N, 1, Scalar(9));
   RowMatrix<Scalar> no_weights(0, 1);
   VocabParallelFusedHeadLoss<Scalar> loss;
   const std::string fb = "VocabParallelFusedHeadLoss::forward_backward_shard";
 
   auto call = [&](const IdMatrix<std::int64_t>& targets, const RowMatrix<Scalar>& weights, Parameter<Scalar>& W,
                   Parameter<Scalar>* b, Index V) {
-    return [&, V, b] {
-      loss.forward_backward_shard(comm, V, W, b, s.h, targets, dh, extras_of(weights, lse, losses));
-    };
+    return [&, V, b] { loss.forward_backward_shard(comm, V, W, b, s.h, targets, dh, extras_of(weights, lse, losses)); };
   };
 
   SECTION("a target out of range on the last rank") {
     IdMatrix<std::int64_t> targets = s.targets;
     if (last) targets(1, 2) = 53;
-    const std::string message = agreed_error<embedhead::index_error>(call(targets, no_weights, *s.W_shard, s.b_shard.get(), 53));
-    CHECK_THAT(message, Contains(fb) && Contains("target 53 at n=6") && Contains("outside [0, 53)") && EndsWith(on_last_rank()));
+    const std::string message = agreed_error<embedhead::index_error>(
+        call(targets, no_weights, *s.W_shard, s.b_shard.get(), 53));
+    CHECK_THAT(message,
+               Contains(fb) && Contains("target 53 at n=6") && Contains("outside [0, 53)") && EndsWith(on_last_rank()));
   }
   SECTION("a target in the padding") {
     VocabParallelFusedHeadLoss<Scalar> padded([] {
@@ -492,7 +506,8 @@ TEST_CASE("vocabulary-parallel fused loss: errors agreed on every rank, nothing 
     IdMatrix<std::int64_t> targets = s.targets;
     if (last && R > 1) targets(0, 1) = (targets(0, 1) + 1) % 53;
     if (R > 1) {
-      const std::string message = agreed_error<embedhead::value_error>(call(targets, no_weights, *s.W_shard, s.b_shard.get(), 53));
+      const std::string message = agreed_error<embedhead::value_error>(
+          call(targets, no_weights, *s.W_shard, s.b_shard.get(), 53));
       CHECK_THAT(message, Contains(fb) && Contains("disagree on the call (forward or forward_backward), targets"));
     }
   }
@@ -500,7 +515,8 @@ TEST_CASE("vocabulary-parallel fused loss: errors agreed on every rank, nothing 
     RowMatrix<Scalar> weights = RowMatrix<Scalar>::Ones(s.N, 1);
     if (last && R > 1) weights(1, 0) = Scalar(2);  // valid on every rank, but not the same
     if (R > 1) {
-      const std::string message = agreed_error<embedhead::value_error>(call(s.targets, weights, *s.W_shard, s.b_shard.get(), 53));
+      const std::string message = agreed_error<embedhead::value_error>(
+          call(s.targets, weights, *s.W_shard, s.b_shard.get(), 53));
       CHECK_THAT(message, Contains(fb) && Contains("per-token weights"));
     }
   }
@@ -512,7 +528,8 @@ TEST_CASE("vocabulary-parallel fused loss: errors agreed on every rank, nothing 
         if (last)
           loss.forward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, extras_of(no_weights, lse, losses));
         else
-          loss.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, dh, extras_of(no_weights, lse, losses));
+          loss.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, dh,
+                                      extras_of(no_weights, lse, losses));
       } catch (const embedhead::value_error& e) {
         message = e.what();
       }
@@ -523,22 +540,26 @@ TEST_CASE("vocabulary-parallel fused loss: errors agreed on every rank, nothing 
   SECTION("a weight shard of the wrong shape on the last rank") {
     Parameter<Scalar> wrong(s.shard.rows() + (last ? 1 : 0), s.d);
     wrong.value().setZero();
-    const std::string message = agreed_error<embedhead::shape_error>(call(s.targets, no_weights, wrong, s.b_shard.get(), 53));
+    const std::string message = agreed_error<embedhead::shape_error>(
+        call(s.targets, no_weights, wrong, s.b_shard.get(), 53));
     CHECK_THAT(message, Contains(fb) && Contains("weight_shard is [") && EndsWith(on_last_rank()));
   }
   SECTION("a bias shard of the wrong shape") {
     Parameter<Scalar> wrong(s.shard.rows(), 2);
-    const std::string message = agreed_error<embedhead::shape_error>(call(s.targets, no_weights, *s.W_shard, &wrong, 53));
+    const std::string message = agreed_error<embedhead::shape_error>(
+        call(s.targets, no_weights, *s.W_shard, &wrong, 53));
     CHECK_THAT(message, Contains("bias_shard is ["));
   }
   SECTION("V smaller than the number of ranks") {
-    const std::string message = agreed_error<embedhead::value_error>(call(s.targets, no_weights, *s.W_shard, s.b_shard.get(), R - 1));
+    const std::string message = agreed_error<embedhead::value_error>(
+        call(s.targets, no_weights, *s.W_shard, s.b_shard.get(), R - 1));
     CHECK_THAT(message, Contains(fb) && Contains("V = " + std::to_string(R - 1)));
   }
   SECTION("a negative weight on the last rank") {
     RowMatrix<Scalar> weights = RowMatrix<Scalar>::Ones(s.N, 1);
     if (last) weights(5, 0) = -1;
-    const std::string message = agreed_error<embedhead::value_error>(call(s.targets, weights, *s.W_shard, s.b_shard.get(), 53));
+    const std::string message = agreed_error<embedhead::value_error>(
+        call(s.targets, weights, *s.W_shard, s.b_shard.get(), 53));
     CHECK_THAT(message, Contains("weight -1 at n=5") && EndsWith(on_last_rank()));
   }
   SECTION("options out of range") {
@@ -550,13 +571,16 @@ TEST_CASE("vocabulary-parallel fused loss: errors agreed on every rank, nothing 
       VocabParallelFusedHeadLoss<Scalar> bad(o);
       const std::string message = agreed_error<embedhead::value_error>(
           [&] { bad.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, dh); });
-      CHECK_THAT(message, Contains(which == 0 ? "label_smoothing = 1.5" : which == 1 ? "vocab_block = -1" : "valid_vocab = 54"));
+      CHECK_THAT(message, Contains(which == 0   ? "label_smoothing = 1.5"
+                                   : which == 1 ? "vocab_block = -1"
+                                                : "valid_vocab = 54"));
     }
   }
   SECTION("wrong shapes of dh, h, the extras and the targets") {
     RowMatrix<Scalar> small_dh(s.N, s.d - 1), wide_h(s.N, s.d + 1), short_lse(s.N - 1, 1);
-    CHECK_THAT(agreed_error<embedhead::shape_error>(
-                   [&] { loss.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, small_dh); }),
+    CHECK_THAT(agreed_error<embedhead::shape_error>([&] {
+                 loss.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, small_dh);
+               }),
                Contains("dh"));
     CHECK_THAT(agreed_error<embedhead::shape_error>(
                    [&] { loss.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), wide_h, s.targets, dh); }),
@@ -574,8 +598,9 @@ TEST_CASE("vocabulary-parallel fused loss: errors agreed on every rank, nothing 
   SECTION("forward_shard checks the same way") {
     IdMatrix<std::int64_t> targets = s.targets;
     if (last) targets(0, 0) = -5;
-    const std::string message = agreed_error<embedhead::index_error>(
-        [&] { loss.forward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, targets, extras_of(no_weights, lse, losses)); });
+    const std::string message = agreed_error<embedhead::index_error>([&] {
+      loss.forward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, targets, extras_of(no_weights, lse, losses));
+    });
     CHECK_THAT(message, Contains("VocabParallelFusedHeadLoss::forward_shard") && Contains("target -5") &&
                             EndsWith(on_last_rank()));
   }

@@ -6,8 +6,8 @@
 // case and the same collectives in the same order: CHECK, not REQUIRE, wherever a collective follows.
 #include <embedhead/embedhead.hpp>
 
-#include "world.hpp"
 #include "../reference/test_support.hpp"
+#include "world.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -347,14 +347,17 @@ TEMPLATE_TEST_CASE("vocab_parallel_cross_entropy: the loss and dlogits columns o
   const RowMatrix<S> local = logits.middleCols(shard.begin, shard.rows());
   for (const LossCase& c : loss_cases()) {
     INFO(c.name);
-    IdMatrix<std::int32_t> targets = random_ids<std::int32_t>(2, 5, c.options.valid_vocab == -1 ? kV : c.options.valid_vocab, 81);
+    IdMatrix<std::int32_t> targets = random_ids<std::int32_t>(2, 5,
+                                                              c.options.valid_vocab == -1 ? kV : c.options.valid_vocab,
+                                                              81);
     targets(0, 1) = -1, targets(1, 3) = -1;  // ignored rows
     targets(1, 0) = 0;
     targets(1, 4) = static_cast<std::int32_t>((c.options.valid_vocab == -1 ? kV : c.options.valid_vocab) - 1);
     RowMatrix<S> dlogits(N, kV);
     const CrossEntropyResult expected = cross_entropy_forward_backward<S>(logits, targets, dlogits, c.options);
     RowMatrix<S> dlocal = RowMatrix<S>::Constant(N, shard.rows(), S(9));
-    const CrossEntropyResult got = vocab_parallel_cross_entropy_forward_backward<S>(comm, kV, local, targets, dlocal, c.options);
+    const CrossEntropyResult got = vocab_parallel_cross_entropy_forward_backward<S>(comm, kV, local, targets, dlocal,
+                                                                                    c.options);
     CHECK(got.count == expected.count);
     CHECK(got.count == 8);
     CHECK(got.weight_sum == expected.weight_sum);
@@ -372,7 +375,8 @@ TEMPLATE_TEST_CASE("vocab_parallel_cross_entropy: the loss and dlogits columns o
     CHECK(alone.loss == got.loss);
     CHECK(alone.sum == got.sum);
     RowMatrix<S> inplace = local;
-    const CrossEntropyResult in = vocab_parallel_cross_entropy_forward_backward<S>(comm, kV, inplace, targets64, inplace, c.options);
+    const CrossEntropyResult in = vocab_parallel_cross_entropy_forward_backward<S>(comm, kV, inplace, targets64,
+                                                                                   inplace, c.options);
     CHECK(in.loss == got.loss);
     CHECK(first_difference(inplace, dlocal) == "");
     if (R == 1) {  // one rank: softmax_loss_row's arithmetic, operation for operation
@@ -384,7 +388,8 @@ TEMPLATE_TEST_CASE("vocab_parallel_cross_entropy: the loss and dlogits columns o
   CrossEntropyOptions options;
   const IdMatrix<std::int32_t> ignored = IdMatrix<std::int32_t>::Constant(2, 5, -100);
   RowMatrix<S> dlocal = RowMatrix<S>::Constant(N, shard.rows(), S(1));
-  const CrossEntropyResult none = vocab_parallel_cross_entropy_forward_backward<S>(comm, kV, local, ignored, dlocal, options);
+  const CrossEntropyResult none = vocab_parallel_cross_entropy_forward_backward<S>(comm, kV, local, ignored, dlocal,
+                                                                                   options);
   CHECK(none.loss == 0);
   CHECK(none.count == 0);
   CHECK(dlocal.isZero(0));
@@ -413,10 +418,12 @@ TEST_CASE("vocab_parallel_cross_entropy: central differences in double on every 
         const double saved = logits(n, j);
         logits(n, j) = saved + h;
         const double up = vocab_parallel_cross_entropy<double>(comm, V, logits.middleCols(shard.begin, shard.rows()),
-                                                               targets, options).loss;
+                                                               targets, options)
+                              .loss;
         logits(n, j) = saved - h;
         const double down = vocab_parallel_cross_entropy<double>(comm, V, logits.middleCols(shard.begin, shard.rows()),
-                                                                 targets, options).loss;
+                                                                 targets, options)
+                                .loss;
         logits(n, j) = saved;
         if (!shard.owns(j)) continue;
         const double numeric = options.gradient_scale * (up - down) / (2 * h);
@@ -432,8 +439,9 @@ TEST_CASE("vocab_parallel_cross_entropy: central differences in double on every 
 // The whole chain
 // ---------------------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("vocabulary-parallel chain (unfused and fused loss) equals the single-process chain, tied and untied", "[vocab_parallel]",
-                   float, double) {
+TEMPLATE_TEST_CASE(
+    "vocabulary-parallel chain (unfused and fused loss) equals the single-process chain, tied and untied",
+    "[vocab_parallel]", float, double) {
   using S = TestType;
   Communicator& comm = world();
   const VocabShard shard = vocab_shard(kV, comm.rank(), comm.size());
@@ -485,7 +493,8 @@ TEMPLATE_TEST_CASE("vocabulary-parallel chain (unfused and fused loss) equals th
     CHECK(first_difference(vx, x) == "");  // the lookup is exact, the rest identical code
     const RowMatrix<S> vh = vdrop.forward(vx);
     RowMatrix<S> local = vhead.forward(vh);
-    const CrossEntropyResult vloss = vocab_parallel_cross_entropy_forward_backward<S>(comm, kV, local, targets, local, lopt);
+    const CrossEntropyResult vloss = vocab_parallel_cross_entropy_forward_backward<S>(comm, kV, local, targets, local,
+                                                                                      lopt);
     const RowMatrix<S> vdh = vhead.backward(vh, local);
     const RowMatrix<S> vdx = vdrop.backward(vdh);
     vP.backward(vdx, B, T);
@@ -501,7 +510,8 @@ TEMPLATE_TEST_CASE("vocabulary-parallel chain (unfused and fused loss) equals th
     if (!tied) {
       const RowMatrix<S> dW = head.weight().grad().to_dense();
       CHECK(close(vhead.weight().grad().to_dense(), dW.middleRows(shard.begin, shard.rows()), tol));
-      CHECK(close(vhead.bias()->grad().to_dense(), head.bias()->grad().to_dense().middleRows(shard.begin, shard.rows()), tol));
+      CHECK(close(vhead.bias()->grad().to_dense(), head.bias()->grad().to_dense().middleRows(shard.begin, shard.rows()),
+                  tol));
     }
 
     // The same chain with the fused head and loss (VocabParallelFusedHeadLoss on the real head,
@@ -531,7 +541,8 @@ TEMPLATE_TEST_CASE("vocabulary-parallel chain (unfused and fused loss) equals th
     if (!tied) {
       const RowMatrix<S> dW = head.weight().grad().to_dense();
       CHECK(close(fhead.weight().grad().to_dense(), dW.middleRows(shard.begin, shard.rows()), tol));
-      CHECK(close(fhead.bias()->grad().to_dense(), head.bias()->grad().to_dense().middleRows(shard.begin, shard.rows()), tol));
+      CHECK(close(fhead.bias()->grad().to_dense(), head.bias()->grad().to_dense().middleRows(shard.begin, shard.rows()),
+                  tol));
     }
   }
 }
@@ -540,7 +551,8 @@ TEMPLATE_TEST_CASE("vocabulary-parallel chain (unfused and fused loss) equals th
 // Errors
 // ---------------------------------------------------------------------------------------------
 
-TEST_CASE("VocabParallelEmbedding errors: every rank throws the last rank's error, nothing changed", "[vocab_parallel]") {
+TEST_CASE("VocabParallelEmbedding errors: every rank throws the last rank's error, nothing changed",
+          "[vocab_parallel]") {
   Communicator& comm = world();
   const int R = comm.size(), me = comm.rank(), last = R - 1;
   VocabParallelEmbedding<float> vp(kV, 4, comm);
@@ -590,7 +602,8 @@ TEST_CASE("VocabParallelEmbedding errors: every rank throws the last rank's erro
   CHECK_THROWS_AS(VocabParallelEmbedding<float>(kV, 4, comm, o), value_error);
   o = {};
   o.padding_idx = kV;
-  CHECK_THROWS_WITH(VocabParallelEmbedding<float>(kV, 4, comm, o), "VocabParallelEmbedding: padding_idx 53 outside [0, 53)");
+  CHECK_THROWS_WITH(VocabParallelEmbedding<float>(kV, 4, comm, o),
+                    "VocabParallelEmbedding: padding_idx 53 outside [0, 53)");
   if (R > 1)
     CHECK_THROWS_WITH(VocabParallelEmbedding<float>(R - 1, 4, comm),
                       Catch::Contains("V = " + std::to_string(R - 1) + " rows over " + std::to_string(R) + " ranks"));
@@ -599,8 +612,9 @@ TEST_CASE("VocabParallelEmbedding errors: every rank throws the last rank's erro
   CHECK_THROWS_AS(VocabParallelEmbedding<float>(kV, std::shared_ptr<Parameter<float>>(), comm), value_error);
   const VocabShard shard = vocab_shard(kV, me, R);
   CHECK_THROWS_WITH(VocabParallelEmbedding<float>(kV, std::make_shared<Parameter<float>>(shard.rows() + 1, 4), comm),
-                    Catch::Contains("VocabParallelEmbedding: shard_weight has shape [" + std::to_string(shard.rows() + 1) +
-                                    ", 4], expected [" + std::to_string(shard.rows()) + ", 4]"));
+                    Catch::Contains("VocabParallelEmbedding: shard_weight has shape [" +
+                                    std::to_string(shard.rows() + 1) + ", 4], expected [" +
+                                    std::to_string(shard.rows()) + ", 4]"));
 }
 
 TEST_CASE("VocabParallelOutputProjection errors: agreed across ranks, nothing changed", "[vocab_parallel]") {
@@ -665,9 +679,10 @@ TEST_CASE("vocab_parallel_cross_entropy errors: agreed across ranks, nothing wri
   if (me == last) bad(0, 2) = kV + 5;
   std::string message = thrown_message<index_error>(
       [&] { vocab_parallel_cross_entropy_forward_backward<float>(comm, kV, local, bad, dlocal); });
-  std::string expected = on_rank("vocab_parallel_cross_entropy_forward_backward: target 58 at n=2 (b=0, t=2) outside [0, 53) "
-                                 "and not ignore_index (-100)",
-                                 last, R);
+  std::string expected = on_rank(
+      "vocab_parallel_cross_entropy_forward_backward: target 58 at n=2 (b=0, t=2) outside [0, 53) "
+      "and not ignore_index (-100)",
+      last, R);
   CHECK(message == expected);
   for (const std::string& m : gather_strings(comm, message)) CHECK(m == expected);
   CHECK(dlocal.isConstant(2.0f));
@@ -704,7 +719,8 @@ TEST_CASE("vocab_parallel_cross_entropy errors: agreed across ranks, nothing wri
 
   // Wrong dlocal shape, wrong target count, bad option, V < R.
   RowMatrix<float> dlocal_bad(4, shard.rows() + 1);
-  CHECK_THROWS_AS(vocab_parallel_cross_entropy_forward_backward<float>(comm, kV, local, targets, dlocal_bad), shape_error);
+  CHECK_THROWS_AS(vocab_parallel_cross_entropy_forward_backward<float>(comm, kV, local, targets, dlocal_bad),
+                  shape_error);
   CHECK_THROWS_WITH(vocab_parallel_cross_entropy<float>(comm, kV, local,
                                                         IdMatrix<std::int32_t>(IdMatrix<std::int32_t>::Zero(1, 3))),
                     Catch::Contains("targets has 3 entries, expected N = 4"));

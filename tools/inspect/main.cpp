@@ -12,8 +12,8 @@
 #include "report.hpp"
 #include "text.hpp"
 
-#include <embedhead/io/checkpoint.hpp>
 #include <embedhead/analysis/geometry.hpp>
+#include <embedhead/io/checkpoint.hpp>
 #include <embedhead/io/safetensors.hpp>
 
 #include <unistd.h>
@@ -108,8 +108,10 @@ Options parse_options(int argc, char** argv) {
     if (a == "-h" || a == "--help") {
       std::fputs(kUsage, stdout);
       std::exit(0);
-    } else if (a == "--table") o.table = value(i);
-    else if (a == "--head") o.head = value(i);
+    } else if (a == "--table")
+      o.table = value(i);
+    else if (a == "--head")
+      o.head = value(i);
     else if (a == "--family") {
       o.family = value(i);
       if (*o.family != "gpt2" && *o.family != "llama" && *o.family != "gemma")
@@ -118,7 +120,8 @@ Options parse_options(int argc, char** argv) {
       const std::string v = value(i);
       if (v != "table" && v != "head") throw usage_error("--use: '" + v + "' is not 'table' or 'head'");
       o.use_head = v == "head";
-    } else if (a == "--top") o.top = parse_count(a, value(i), 0);
+    } else if (a == "--top")
+      o.top = parse_count(a, value(i), 0);
     else if (a == "--unused") {
       const auto ids = inspect::parse_ids(value(i), a);
       o.unused.insert(o.unused.end(), ids.begin(), ids.end());
@@ -131,18 +134,30 @@ Options parse_options(int argc, char** argv) {
     } else if (a == "--neighbours" || a == "--neighbors") {
       const auto ids = inspect::parse_ids(value(i), a);
       o.neighbours.insert(o.neighbours.end(), ids.begin(), ids.end());
-    } else if (a == "--k") o.k = parse_count(a, value(i), 1);
-    else if (a == "--components") o.components = parse_count(a, value(i), 2);
-    else if (a == "--vocab") o.vocab = value(i);
-    else if (a == "--html") o.html = value(i);
-    else if (a == "--svg") o.svg = value(i);
-    else if (a == "--title") o.title = value(i);
-    else if (a == "--max-points") o.max_points = parse_count(a, value(i), 1);
-    else if (a == "--progress") o.progress = 1;
-    else if (a == "--no-progress") o.progress = 0;
-    else if (a.size() > 1 && a[0] == '-') throw usage_error("unknown option '" + a + "'");
-    else if (o.file.empty()) o.file = a;
-    else throw usage_error("more than one input file ('" + o.file + "' and '" + a + "')");
+    } else if (a == "--k")
+      o.k = parse_count(a, value(i), 1);
+    else if (a == "--components")
+      o.components = parse_count(a, value(i), 2);
+    else if (a == "--vocab")
+      o.vocab = value(i);
+    else if (a == "--html")
+      o.html = value(i);
+    else if (a == "--svg")
+      o.svg = value(i);
+    else if (a == "--title")
+      o.title = value(i);
+    else if (a == "--max-points")
+      o.max_points = parse_count(a, value(i), 1);
+    else if (a == "--progress")
+      o.progress = 1;
+    else if (a == "--no-progress")
+      o.progress = 0;
+    else if (a.size() > 1 && a[0] == '-')
+      throw usage_error("unknown option '" + a + "'");
+    else if (o.file.empty())
+      o.file = a;
+    else
+      throw usage_error("more than one input file ('" + o.file + "' and '" + a + "')");
   }
   if (o.file.empty()) throw usage_error("no input file");
   if (o.unused.empty() && !o.unused_source.empty()) throw usage_error(o.unused_source + ": no ids given");
@@ -168,7 +183,9 @@ std::string list_tables(const SafetensorsFile& file) {
 
 const TensorInfo& find_matrix(const SafetensorsFile& file, const std::string& name, const std::string& what) {
   const TensorInfo* t = file.find(name);
-  if (!t) throw format_error(what + " '" + name + "' is not in '" + file.path() + "'; its 2-D tensors are:" + list_tables(file));
+  if (!t)
+    throw format_error(what + " '" + name + "' is not in '" + file.path() +
+                       "'; its 2-D tensors are:" + list_tables(file));
   if (t->shape.size() != 2 || t->shape[0] < 1 || t->shape[1] < 1)
     throw shape_error(what + " '" + name + "' in '" + file.path() + "' is " + t->shape_string() +
                       "; a table is [V, d] with V, d >= 1");
@@ -230,9 +247,11 @@ int run(int argc, char** argv) {
       try {
         family = guess_model_family(file);
       } catch (const format_error&) {
-        throw format_error("'" + file.path() + "' has neither GPT-2 ('wte.weight') nor Llama/Gemma "
-                           "('model.embed_tokens.weight') names; choose the table with --table NAME. Its 2-D tensors are:" +
-                           list_tables(file));
+        throw format_error(
+            "'" + file.path() +
+            "' has neither GPT-2 ('wte.weight') nor Llama/Gemma "
+            "('model.embed_tokens.weight') names; choose the table with --table NAME. Its 2-D tensors are:" +
+            list_tables(file));
       }
       layout = std::string(model_family_name(family)) + " (guessed from the tensor names)";
     }
@@ -240,13 +259,17 @@ int run(int argc, char** argv) {
     table_name = names.token_embedding;
     if (!o.head) head_name = names.head_weight;
   }
-  if (o.head) head_name = *o.head;
-  else if (head_name.empty()) head_name = "lm_head.weight";  // --table without --head: the usual name
+  if (o.head)
+    head_name = *o.head;
+  else if (head_name.empty())
+    head_name = "lm_head.weight";  // --table without --head: the usual name
 
   const TensorInfo& table = find_matrix(file, table_name, "token table");
   const TensorInfo* head = nullptr;
-  if (o.head) head = &find_matrix(file, head_name, "head");  // named explicitly: must exist
-  else if (file.contains(head_name)) head = &find_matrix(file, head_name, "head");
+  if (o.head)
+    head = &find_matrix(file, head_name, "head");  // named explicitly: must exist
+  else if (file.contains(head_name))
+    head = &find_matrix(file, head_name, "head");
   const bool tied = head == nullptr;
   if (head && head->shape != table.shape)
     std::fprintf(stderr, "embedhead-inspect: note: head '%s' is %s, the table %s\n", head->name.c_str(),
@@ -259,9 +282,11 @@ int run(int argc, char** argv) {
   if (tied)
     std::printf("head          tied: no '%s' tensor, the head is the token table\n", head_name.c_str());
   else
-    std::printf("head          untied: %s %s %s\n", head->name.c_str(), head->shape_string().c_str(), dtype_name(head->dtype));
+    std::printf("head          untied: %s %s %s\n", head->name.c_str(), head->shape_string().c_str(),
+                dtype_name(head->dtype));
   std::printf("analysing     %s%s\n", chosen.name.c_str(),
-              o.use_head ? (tied ? " (the head; tied, so the table)" : " (the head / unembedding)") : " (the token table)");
+              o.use_head ? (tied ? " (the head; tied, so the table)" : " (the head / unembedding)")
+                         : " (the token table)");
 
   // ---- load and check the ids against V ----
   RowMatrix<float> M;
@@ -321,10 +346,10 @@ int run(int argc, char** argv) {
   }
   std::printf("  (top %lld together: %.2f%%)\n", static_cast<long long>(pcs.explained.size()), 100 * cumulative);
 
-  const std::string rule =
-      magikarp ? "ranked by the Magikarp score (higher = more likely under-trained) against " +
-                     std::to_string(unused.size()) + " known-unused ids, which are not listed"
-               : "ranked by ascending distance to the centroid (pass --unused for the Magikarp score)";
+  const std::string rule = magikarp
+                               ? "ranked by the Magikarp score (higher = more likely under-trained) against " +
+                                     std::to_string(unused.size()) + " known-unused ids, which are not listed"
+                               : "ranked by ascending distance to the centroid (pass --unused for the Magikarp score)";
   const char* score_name = magikarp ? "magikarp" : "";
   std::printf("\ntop %zu under-trained candidates, %s:\n", candidates.size(), rule.c_str());
   std::printf("  %5s %8s %10s %14s%s  %s\n", "rank", "id", "norm", "centroid dist", magikarp ? "       magikarp" : "",
@@ -353,7 +378,8 @@ int run(int argc, char** argv) {
         const Index n = nb.ids(static_cast<Index>(q), j);
         if (n < 0) break;
         std::printf("  %3lld. %8lld  %8.4f%s\n", static_cast<long long>(j + 1), static_cast<long long>(n),
-                    nb.scores(static_cast<Index>(q), j), vocab.empty() ? "" : ("  '" + token_of(vocab, n) + "'").c_str());
+                    nb.scores(static_cast<Index>(q), j),
+                    vocab.empty() ? "" : ("  '" + token_of(vocab, n) + "'").c_str());
       }
     }
   }

@@ -25,8 +25,7 @@ using Clock = std::chrono::steady_clock;
 // geometry function, and let it go out of scope (or call finish()) right after.
 class ProgressPass {
  public:
-  ProgressPass(bool enabled, std::string label, std::FILE* out = stderr)
-      : state_(std::make_shared<State>()) {
+  ProgressPass(bool enabled, std::string label, std::FILE* out = stderr) : state_(std::make_shared<State>()) {
     state_->enabled = enabled;
     state_->label = std::move(label);
     state_->out = out;
@@ -75,7 +74,8 @@ class ProgressPass {
 
     void draw(Index done, Index total) {
       constexpr int kWidth = 30;
-      const double fraction = total > 0 ? std::clamp(static_cast<double>(done) / static_cast<double>(total), 0.0, 1.0) : 0.0;
+      const double fraction = total > 0 ? std::clamp(static_cast<double>(done) / static_cast<double>(total), 0.0, 1.0)
+                                        : 0.0;
       const int filled = static_cast<int>(fraction * kWidth + 0.5);
       std::string bar(static_cast<std::size_t>(filled), '#');
       bar.append(static_cast<std::size_t>(kWidth - filled), '-');

@@ -39,18 +39,18 @@ inline constexpr const char* kFont = "system-ui, -apple-system, 'Segoe UI', 'Dej
 
 // Everything the report shows, filled in by main.cpp.
 struct ReportData {
-  std::string title;                 // page and figure title prefix
-  std::string subtitle;              // e.g. "model.safetensors - wte.weight [50257, 768] F32, tied"
+  std::string title;     // page and figure title prefix
+  std::string subtitle;  // e.g. "model.safetensors - wte.weight [50257, 768] F32, tied"
   std::vector<std::pair<std::string, std::string>> facts;  // the summary table: label, value
-  Eigen::VectorXd norms, distances;  // [V]
-  std::vector<Index> candidates;     // top-N under-trained candidates, best first
-  std::string candidate_rule;        // how they were ranked
-  std::vector<std::string> candidate_tokens;  // escaped token strings ("" without --vocab)
+  Eigen::VectorXd norms, distances;                        // [V]
+  std::vector<Index> candidates;                           // top-N under-trained candidates, best first
+  std::string candidate_rule;                              // how they were ranked
+  std::vector<std::string> candidate_tokens;               // escaped token strings ("" without --vocab)
   std::vector<double> candidate_scores;
-  std::string score_name;            // "magikarp", or empty when ranked by centroid distance
-  RowMatrix<double> points;          // [n, 2] PCA coordinates of the shown tokens
-  std::vector<Index> point_ids;      // [n] their ids
-  double explained[2] = {0, 0};      // PC1, PC2 explained variance fractions
+  std::string score_name;        // "magikarp", or empty when ranked by centroid distance
+  RowMatrix<double> points;      // [n, 2] PCA coordinates of the shown tokens
+  std::vector<Index> point_ids;  // [n] their ids
+  double explained[2] = {0, 0};  // PC1, PC2 explained variance fractions
   Index V = 0;
   bool subsampled = false;
 };
@@ -106,9 +106,10 @@ struct Frame {
 };
 
 inline std::string svg_open(const std::string& id, const Frame& f, const std::string& label) {
-  return format("<svg xmlns=\"http://www.w3.org/2000/svg\" id=\"%s\" class=\"figure\" viewBox=\"0 0 %.0f %.0f\" "
-                "width=\"%.0f\" height=\"%.0f\" role=\"img\" aria-label=\"%s\" font-family=\"%s\">\n",
-                id.c_str(), f.width, f.height, f.width, f.height, escape_xml(label).c_str(), kFont) +
+  return format(
+             "<svg xmlns=\"http://www.w3.org/2000/svg\" id=\"%s\" class=\"figure\" viewBox=\"0 0 %.0f %.0f\" "
+             "width=\"%.0f\" height=\"%.0f\" role=\"img\" aria-label=\"%s\" font-family=\"%s\">\n",
+             id.c_str(), f.width, f.height, f.width, f.height, escape_xml(label).c_str(), kFont) +
          format("<rect x=\"0\" y=\"0\" width=\"%.0f\" height=\"%.0f\" fill=\"#FFFFFF\"/>\n", f.width, f.height);
 }
 
@@ -167,14 +168,15 @@ inline std::string svg_legend(double x, double y, const std::vector<std::pair<st
   width += 34;
   const double height = 18.0 * static_cast<double>(entries.size()) + 8;
   std::string s = "<g class=\"legend\">\n";
-  s += format("<rect x=\"%s\" y=\"%s\" width=\"%s\" height=\"%s\" rx=\"4\" fill=\"#FFFFFF\" fill-opacity=\"0.92\" "
-              "stroke=\"#CBD2D9\"/>\n",
-              number(x - width).c_str(), number(y).c_str(), number(width).c_str(), number(height).c_str());
+  s += format(
+      "<rect x=\"%s\" y=\"%s\" width=\"%s\" height=\"%s\" rx=\"4\" fill=\"#FFFFFF\" fill-opacity=\"0.92\" "
+      "stroke=\"#CBD2D9\"/>\n",
+      number(x - width).c_str(), number(y).c_str(), number(width).c_str(), number(height).c_str());
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const double cy = y + 13 + 18.0 * static_cast<double>(i);
     if (circles)
-      s += format("<circle class=\"legend-mark\" cx=\"%s\" cy=\"%s\" r=\"5\" fill=\"%s\"/>\n", number(x - width + 14).c_str(),
-                  number(cy).c_str(), entries[i].first.c_str());
+      s += format("<circle class=\"legend-mark\" cx=\"%s\" cy=\"%s\" r=\"5\" fill=\"%s\"/>\n",
+                  number(x - width + 14).c_str(), number(cy).c_str(), entries[i].first.c_str());
     else
       s += format("<rect class=\"legend-mark\" x=\"%s\" y=\"%s\" width=\"12\" height=\"10\" fill=\"%s\"/>\n",
                   number(x - width + 8).c_str(), number(cy - 5).c_str(), entries[i].first.c_str());
@@ -194,7 +196,8 @@ inline std::string histogram_svg(const std::string& id, const std::string& title
                                  const std::string& highlight_label) {
   const Frame f{540, 380, 66, 18, 62, 48};
   const Index V = values.size();
-  const int bins = static_cast<int>(std::clamp<Index>(static_cast<Index>(std::sqrt(static_cast<double>(V)) * 1.5), 10, 48));
+  const int bins = static_cast<int>(
+      std::clamp<Index>(static_cast<Index>(std::sqrt(static_cast<double>(V)) * 1.5), 10, 48));
   const auto [lo, hi] = data_range(values.data(), values.data() + V);
   const double width = (hi - lo) / bins;
   const auto bin_of = [&, lo = lo](double v) { return std::clamp(static_cast<int>((v - lo) / width), 0, bins - 1); };
@@ -224,30 +227,34 @@ inline std::string histogram_svg(const std::string& id, const std::string& title
   std::string subtitle = thousands(V) + " tokens in " + std::to_string(bins) + " bins";
   subtitle += log_scale ? "; y axis: log scale" : "; y axis: linear";
   s += svg_titles(f, title, subtitle);
-  s += svg_axes(f, nice_ticks(lo, hi, 8), xmap, yticks, ymap, xlabel, log_scale ? "tokens (log scale)" : "tokens", false);
+  s += svg_axes(f, nice_ticks(lo, hi, 8), xmap, yticks, ymap, xlabel, log_scale ? "tokens (log scale)" : "tokens",
+                false);
   s += "<g class=\"bars\">\n";
   for (int b = 0; b < bins; ++b) {
     const auto c = count[static_cast<std::size_t>(b)];
     if (c == 0) continue;
-    const double x = xmap(lo + b * width) + 0.5, w = std::max(1.0, xmap(lo + (b + 1) * width) - xmap(lo + b * width) - 1);
-    s += format("<rect class=\"bar\" x=\"%s\" y=\"%s\" width=\"%s\" height=\"%s\" fill=\"%s\"><title>%s tokens in "
-                "[%.4g, %.4g)</title></rect>\n",
-                number(x).c_str(), number(ymap(static_cast<double>(c))).c_str(), number(w).c_str(),
-                number(f.y0() - ymap(static_cast<double>(c))).c_str(), kBlue, thousands(c).c_str(), lo + b * width,
-                lo + (b + 1) * width);
+    const double x = xmap(lo + b * width) + 0.5,
+                 w = std::max(1.0, xmap(lo + (b + 1) * width) - xmap(lo + b * width) - 1);
+    s += format(
+        "<rect class=\"bar\" x=\"%s\" y=\"%s\" width=\"%s\" height=\"%s\" fill=\"%s\"><title>%s tokens in "
+        "[%.4g, %.4g)</title></rect>\n",
+        number(x).c_str(), number(ymap(static_cast<double>(c))).c_str(), number(w).c_str(),
+        number(f.y0() - ymap(static_cast<double>(c))).c_str(), kBlue, thousands(c).c_str(), lo + b * width,
+        lo + (b + 1) * width);
   }
   for (int b = 0; b < bins; ++b) {
     const auto c = marked[static_cast<std::size_t>(b)];
     if (c == 0) continue;
-    const double x = xmap(lo + b * width) + 0.5, w = std::max(1.0, xmap(lo + (b + 1) * width) - xmap(lo + b * width) - 1);
-    s += format("<rect class=\"bar-cand\" x=\"%s\" y=\"%s\" width=\"%s\" height=\"%s\" fill=\"%s\"><title>%lld "
-                "candidates in this bin</title></rect>\n",
-                number(x).c_str(), number(ymap(static_cast<double>(c))).c_str(), number(w).c_str(),
-                number(f.y0() - ymap(static_cast<double>(c))).c_str(), kOrange, c);
+    const double x = xmap(lo + b * width) + 0.5,
+                 w = std::max(1.0, xmap(lo + (b + 1) * width) - xmap(lo + b * width) - 1);
+    s += format(
+        "<rect class=\"bar-cand\" x=\"%s\" y=\"%s\" width=\"%s\" height=\"%s\" fill=\"%s\"><title>%lld "
+        "candidates in this bin</title></rect>\n",
+        number(x).c_str(), number(ymap(static_cast<double>(c))).c_str(), number(w).c_str(),
+        number(f.y0() - ymap(static_cast<double>(c))).c_str(), kOrange, c);
   }
   s += "</g>\n";
-  if (!highlight.empty())
-    s += svg_legend(f.x1(), 6, {{kBlue, "all tokens"}, {kOrange, highlight_label}}, false);
+  if (!highlight.empty()) s += svg_legend(f.x1(), 6, {{kBlue, "all tokens"}, {kOrange, highlight_label}}, false);
   return s + "</svg>\n";
 }
 
@@ -260,7 +267,8 @@ inline std::string scatter_svg(const ReportData& r, const std::string& title) {
     std::vector<Index> sorted = r.candidates;
     std::sort(sorted.begin(), sorted.end());
     for (Index i = 0; i < n; ++i)
-      is_candidate[static_cast<std::size_t>(i)] = std::binary_search(sorted.begin(), sorted.end(), r.point_ids[static_cast<std::size_t>(i)]);
+      is_candidate[static_cast<std::size_t>(i)] = std::binary_search(sorted.begin(), sorted.end(),
+                                                                     r.point_ids[static_cast<std::size_t>(i)]);
   }
   std::vector<double> xs(static_cast<std::size_t>(n)), ys(static_cast<std::size_t>(n));
   for (Index i = 0; i < n; ++i) {
@@ -273,7 +281,10 @@ inline std::string scatter_svg(const ReportData& r, const std::string& title) {
   std::tie(xlo, xhi) = data_range(xs.data(), xs.data() + n);
   std::tie(ylo, yhi) = data_range(ys.data(), ys.data() + n);
   const double xpad = (xhi - xlo) * 0.04, ypad = (yhi - ylo) * 0.06;
-  xlo -= xpad; xhi += xpad; ylo -= ypad; yhi += ypad;
+  xlo -= xpad;
+  xhi += xpad;
+  ylo -= ypad;
+  yhi += ypad;
   const auto xmap = [&](double x) { return f.x0() + (x - xlo) / (xhi - xlo) * (f.x1() - f.x0()); };
   const auto ymap = [&](double y) { return f.y0() - (y - ylo) / (yhi - ylo) * (f.y0() - f.y1()); };
   const auto yt = nice_ticks(ylo, yhi, 6);
@@ -295,7 +306,8 @@ inline std::string scatter_svg(const ReportData& r, const std::string& title) {
   s += format("<g class=\"points\" fill=\"%s\" fill-opacity=\"%.2f\">\n", kBlue, opacity);
   for (Index i = 0; i < n; ++i)
     if (!is_candidate[static_cast<std::size_t>(i)])
-      s += format("<circle class=\"pt\" cx=\"%s\" cy=\"%s\" r=\"%.1f\"/>\n", number(xmap(xs[static_cast<std::size_t>(i)])).c_str(),
+      s += format("<circle class=\"pt\" cx=\"%s\" cy=\"%s\" r=\"%.1f\"/>\n",
+                  number(xmap(xs[static_cast<std::size_t>(i)])).c_str(),
                   number(ymap(ys[static_cast<std::size_t>(i)])).c_str(), radius);
   s += "</g>\n";
   s += format("<g class=\"candidates\" fill=\"%s\" stroke=\"#7A2E05\" stroke-width=\"0.8\">\n", kOrange);
@@ -305,17 +317,21 @@ inline std::string scatter_svg(const ReportData& r, const std::string& title) {
       std::string tip = "id " + std::to_string(id);
       const auto it = std::find(r.candidates.begin(), r.candidates.end(), id);
       const auto rank = static_cast<std::size_t>(it - r.candidates.begin());
-      if (rank < r.candidate_tokens.size() && !r.candidate_tokens[rank].empty()) tip += " '" + r.candidate_tokens[rank] + "'";
+      if (rank < r.candidate_tokens.size() && !r.candidate_tokens[rank].empty())
+        tip += " '" + r.candidate_tokens[rank] + "'";
       tip += ", candidate #" + std::to_string(rank + 1);
-      s += format("<circle class=\"pt pt-cand\" cx=\"%s\" cy=\"%s\" r=\"%.1f\"><title>", number(xmap(xs[static_cast<std::size_t>(i)])).c_str(),
+      s += format("<circle class=\"pt pt-cand\" cx=\"%s\" cy=\"%s\" r=\"%.1f\"><title>",
+                  number(xmap(xs[static_cast<std::size_t>(i)])).c_str(),
                   number(ymap(ys[static_cast<std::size_t>(i)])).c_str(), radius + 2.2) +
            escape_xml(tip) + "</title></circle>\n";
     }
   s += "</g>\n";
-  s += svg_legend(f.x1(), 6,
-                  {{kBlue, "tokens (" + thousands(n - static_cast<Index>(std::count(is_candidate.begin(), is_candidate.end(), 1))) + " shown)"},
-                   {kOrange, "top " + std::to_string(r.candidates.size()) + " under-trained candidates"}},
-                  true);
+  s += svg_legend(
+      f.x1(), 6,
+      {{kBlue, "tokens (" + thousands(n - static_cast<Index>(std::count(is_candidate.begin(), is_candidate.end(), 1))) +
+                   " shown)"},
+       {kOrange, "top " + std::to_string(r.candidates.size()) + " under-trained candidates"}},
+      true);
   return s + "</svg>\n";
 }
 
@@ -324,8 +340,8 @@ inline std::string norms_svg(const ReportData& r) {
                        "top " + std::to_string(r.candidates.size()) + " candidates");
 }
 inline std::string centroid_svg(const ReportData& r) {
-  return histogram_svg("fig-centroid", "Distance to the centroid", "||E[v] - mean of rows||", r.distances,
-                       r.candidates, "top " + std::to_string(r.candidates.size()) + " candidates");
+  return histogram_svg("fig-centroid", "Distance to the centroid", "||E[v] - mean of rows||", r.distances, r.candidates,
+                       "top " + std::to_string(r.candidates.size()) + " candidates");
 }
 inline std::string pca_svg(const ReportData& r) { return scatter_svg(r, "Tokens on the top two principal directions"); }
 
@@ -352,7 +368,8 @@ inline std::string report_html(const ReportData& r) {
   h += "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n";
   h += "<title>" + escape_xml(r.title) + "</title>\n";
   h += "<style>\n"
-       "body{margin:0;background:#F5F7FA;color:#1F2933;font-family:system-ui,-apple-system,'Segoe UI','DejaVu Sans',Arial,sans-serif;}\n"
+       "body{margin:0;background:#F5F7FA;color:#1F2933;font-family:system-ui,-apple-system,'Segoe UI','DejaVu "
+       "Sans',Arial,sans-serif;}\n"
        "main{max-width:1160px;margin:0 auto;padding:24px 20px 40px;}\n"
        "h1{font-size:26px;margin:0 0 4px;font-weight:650;}\n"
        "h2{font-size:18px;margin:28px 0 10px;font-weight:600;}\n"
@@ -370,7 +387,8 @@ inline std::string report_html(const ReportData& r) {
        "th,td{padding:5px 12px;border-bottom:1px solid #E4E7EB;text-align:left;}\n"
        "th{background:#EEF1F5;font-weight:600;}\n"
        "td.n{text-align:right;}\n"
-       "code{font-family:ui-monospace,'DejaVu Sans Mono',monospace;background:#EEF1F5;padding:0 4px;border-radius:3px;}\n"
+       "code{font-family:ui-monospace,'DejaVu Sans Mono',monospace;background:#EEF1F5;padding:0 "
+       "4px;border-radius:3px;}\n"
        ".tables{display:flex;gap:24px;flex-wrap:wrap;align-items:flex-start;}\n"
        "</style>\n</head>\n<body>\n<main>\n";
   h += "<h1 id=\"title\">" + escape_xml(r.title) + "</h1>\n";
@@ -384,9 +402,8 @@ inline std::string report_html(const ReportData& r) {
   h += "</div>\n";
 
   const std::string cand = std::to_string(r.candidates.size());
-  h += "<div class=\"row\">\n<figure>\n" + norms_svg(r) +
-       "<figcaption>Euclidean norm of every row. Orange: the top " + cand +
-       " under-trained candidates.</figcaption>\n</figure>\n";
+  h += "<div class=\"row\">\n<figure>\n" + norms_svg(r) + "<figcaption>Euclidean norm of every row. Orange: the top " +
+       cand + " under-trained candidates.</figcaption>\n</figure>\n";
   h += "<figure>\n" + centroid_svg(r) +
        "<figcaption>Distance of every row from the mean row. Rows that training never moved stay near "
        "their initialisation, close to the centroid.</figcaption>\n</figure>\n</div>\n";
@@ -410,8 +427,8 @@ inline std::string report_html(const ReportData& r) {
     const Index id = r.candidates[i];
     const std::string token = i < r.candidate_tokens.size() ? r.candidate_tokens[i] : "";
     h += format("<tr><td class=\"n\">%zu</td><td class=\"n\">%lld</td><td>", i + 1, static_cast<long long>(id)) +
-         (token.empty() ? std::string() : "<code>" + escape_xml(token) + "</code>") +
-         "</td>" + (score_column ? format("<td class=\"n\">%.4g</td>", r.candidate_scores[i]) : std::string()) +
+         (token.empty() ? std::string() : "<code>" + escape_xml(token) + "</code>") + "</td>" +
+         (score_column ? format("<td class=\"n\">%.4g</td>", r.candidate_scores[i]) : std::string()) +
          format("<td class=\"n\">%.4g</td><td class=\"n\">%.4g</td></tr>\n", r.norms(id), r.distances(id));
   }
   h += "</table>\n</div>\n</div>\n";

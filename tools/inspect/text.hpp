@@ -43,7 +43,8 @@ inline std::vector<Index> parse_ids(const std::string& text, const std::string& 
     if (!digits || !ends) {
       std::size_t k = i;
       while (k < text.size() && text[k] != ',' && text[k] != ' ' && text[k] != '\n') ++k;
-      throw usage_error(what + ": '" + text.substr(i, k - i) + "' is not a token id (expected integers such as 3,17,42)");
+      throw usage_error(what + ": '" + text.substr(i, k - i) +
+                        "' is not a token id (expected integers such as 3,17,42)");
     }
     try {
       ids.push_back(static_cast<Index>(std::stoll(token)));
@@ -91,10 +92,20 @@ inline std::size_t utf8_sequence(const std::string& s, std::size_t i) {
   std::size_t n = 0;
   unsigned min = 0;
   unsigned code = 0;
-  if (c >= 0xC2 && c <= 0xDF) { n = 2; code = c & 0x1Fu; min = 0x80; }
-  else if (c >= 0xE0 && c <= 0xEF) { n = 3; code = c & 0x0Fu; min = 0x800; }
-  else if (c >= 0xF0 && c <= 0xF4) { n = 4; code = c & 0x07u; min = 0x10000; }
-  else return 0;
+  if (c >= 0xC2 && c <= 0xDF) {
+    n = 2;
+    code = c & 0x1Fu;
+    min = 0x80;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    n = 3;
+    code = c & 0x0Fu;
+    min = 0x800;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    n = 4;
+    code = c & 0x07u;
+    min = 0x10000;
+  } else
+    return 0;
   if (i + n > s.size()) return 0;
   for (std::size_t k = 1; k < n; ++k) {
     if ((byte(i + k) & 0xC0u) != 0x80u) return 0;
@@ -111,14 +122,33 @@ inline std::string escape_token(const std::string& s) {
   char hex[8];
   for (std::size_t i = 0; i < s.size();) {
     const auto c = static_cast<unsigned char>(s[i]);
-    if (c == '\\') { out += "\\\\"; ++i; }
-    else if (c == '\n') { out += "\\n"; ++i; }
-    else if (c == '\t') { out += "\\t"; ++i; }
-    else if (c == '\r') { out += "\\r"; ++i; }
-    else if (c < 0x20 || c == 0x7F) { std::snprintf(hex, sizeof hex, "\\x%02X", c); out += hex; ++i; }
-    else if (c < 0x80) { out += static_cast<char>(c); ++i; }
-    else if (const std::size_t n = utf8_sequence(s, i)) { out.append(s, i, n); i += n; }
-    else { std::snprintf(hex, sizeof hex, "\\x%02X", c); out += hex; ++i; }
+    if (c == '\\') {
+      out += "\\\\";
+      ++i;
+    } else if (c == '\n') {
+      out += "\\n";
+      ++i;
+    } else if (c == '\t') {
+      out += "\\t";
+      ++i;
+    } else if (c == '\r') {
+      out += "\\r";
+      ++i;
+    } else if (c < 0x20 || c == 0x7F) {
+      std::snprintf(hex, sizeof hex, "\\x%02X", c);
+      out += hex;
+      ++i;
+    } else if (c < 0x80) {
+      out += static_cast<char>(c);
+      ++i;
+    } else if (const std::size_t n = utf8_sequence(s, i)) {
+      out.append(s, i, n);
+      i += n;
+    } else {
+      std::snprintf(hex, sizeof hex, "\\x%02X", c);
+      out += hex;
+      ++i;
+    }
   }
   return out;
 }

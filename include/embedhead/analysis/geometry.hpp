@@ -91,8 +91,8 @@ struct TableSummary {
   std::array<double, 5> norm_quantiles{};  // min, 25 %, median, 75 %, max
   std::array<double, 5> centroid_distance_quantiles{};
   double centroid_norm = 0;
-  double mean_pairwise_cosine = 0;        // NaN when E has fewer than 2 non-zero rows
-  PrincipalComponents pcs;                // top `components` directions
+  double mean_pairwise_cosine = 0;            // NaN when E has fewer than 2 non-zero rows
+  PrincipalComponents pcs;                    // top `components` directions
   Eigen::VectorXd norms, centroid_distances;  // [V] each, kept for histograms
 };
 struct SummaryOptions {
@@ -349,8 +349,8 @@ Neighbours neighbours_impl(const ConstMatrixRef<Scalar>& E, const ConstMatrixRef
         // scores [B, C] = queries[b0:b1] E[v0:v1]^T: E's rows v0 .. v1 - 1 seen as a [d, C]
         // column-major matrix, no copy.
         gemm::multiply<gemm::Kernel::gemm>(gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::col_major>{
-            B, C, d, queries.data() + b0 * queries.outerStride(), queries.outerStride(), E.data() + v0 * E.outerStride(),
-            E.outerStride(), buffer.data(), C, gemm::Init::zero});
+            B, C, d, queries.data() + b0 * queries.outerStride(), queries.outerStride(),
+            E.data() + v0 * E.outerStride(), E.outerStride(), buffer.data(), C, gemm::Init::zero});
         for (Index q = b0; q < b1; ++q) {
           Candidate* heap = heaps[slot].data() + (q - g0) * kk;
           Index& size = sizes[slot][static_cast<std::size_t>(q - g0)];
@@ -709,8 +709,8 @@ PrincipalComponents principal_components(const ConstMatrixRef<Scalar>& E, Index 
   const Eigen::VectorXd mean = detail::table_moments<Scalar>(E, reporter, 0).sum / static_cast<double>(E.rows());
   double square_sum = 0;
   detail::distances_to<Scalar>(E, mean, &square_sum, reporter, G);
-  PrincipalComponents pc = detail::pca_impl<Scalar>(E, mean, square_sum / static_cast<double>(E.rows()), k,
-                                                    iterations, seed, reporter, 2 * G);
+  PrincipalComponents pc = detail::pca_impl<Scalar>(E, mean, square_sum / static_cast<double>(E.rows()), k, iterations,
+                                                    seed, reporter, 2 * G);
   reporter.finish();
   return pc;
 }

@@ -28,8 +28,8 @@
 
 #include <array>
 #include <map>
-#include <unordered_map>
 #include <sstream>
+#include <unordered_map>
 
 namespace embedhead {
 
@@ -79,7 +79,8 @@ class OneDnnHead {
   }
 
   // The same with h already in bf16: h [N, d] bf16 -> logits [N, V] fp32 = h W^T + b.
-  void forward(const ConstBf16Ref& h, const ConstBf16Ref& W, const ConstMatrixRef<float>& bias, MatrixRef<float> logits) {
+  void forward(const ConstBf16Ref& h, const ConstBf16Ref& W, const ConstMatrixRef<float>& bias,
+               MatrixRef<float> logits) {
     check("OneDnnHead::forward", h.rows(), h.cols(), W, bias, logits);
     run(h, W, bias, logits);
   }

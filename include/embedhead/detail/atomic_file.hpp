@@ -40,7 +40,8 @@ void write_file_atomically(const std::string& path, const char* where, WriteCont
   if (std::rename(temporary.c_str(), path.c_str()) != 0) {
     const int error = errno;
     std::remove(temporary.c_str());
-    throw io_error(std::string(where) + ": cannot rename '" + temporary + "' to '" + path + "': " + std::strerror(error));
+    throw io_error(std::string(where) + ": cannot rename '" + temporary + "' to '" + path +
+                   "': " + std::strerror(error));
   }
 }
 

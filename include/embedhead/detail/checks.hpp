@@ -13,11 +13,11 @@
 namespace embedhead {
 namespace detail {
 
-[[noreturn]] inline void throw_shape(const char* where, const char* what, Index rows, Index cols,
-                                     Index expected_rows, Index expected_cols) {
+[[noreturn]] inline void throw_shape(const char* where, const char* what, Index rows, Index cols, Index expected_rows,
+                                     Index expected_cols) {
   std::ostringstream message;
-  message << where << ": " << what << " has shape [" << rows << ", " << cols << "], expected ["
-          << expected_rows << ", " << expected_cols << "]";
+  message << where << ": " << what << " has shape [" << rows << ", " << cols << "], expected [" << expected_rows << ", "
+          << expected_cols << "]";
   throw shape_error(message.str());
 }
 
@@ -73,8 +73,8 @@ void check_ids(const char* where, const TypedTokenIds<Id>& ids, Index V, const c
       const Id id = ids(b, t);
       if (id < 0 || static_cast<Index>(id) >= V) {
         std::ostringstream message;
-        message << where << ": " << what << " " << static_cast<long long>(id) << " at (b=" << b
-                << ", t=" << t << ") outside [0, " << V << ")";
+        message << where << ": " << what << " " << static_cast<long long>(id) << " at (b=" << b << ", t=" << t
+                << ") outside [0, " << V << ")";
         throw index_error(message.str());
       }
     }

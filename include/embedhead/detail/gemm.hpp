@@ -296,7 +296,8 @@ struct EigenBackend {
     if (op.M == 0 || op.N == 0 || op.K == 0) return;
     using Product = Eigen::internal::general_matrix_matrix_product<Index, Scalar, eigen_order(LA), false, Scalar,
                                                                    eigen_order(LB), false, Eigen::RowMajor, 1>;
-    Eigen::internal::gemm_blocking_space<Eigen::RowMajor, Scalar, Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::Dynamic>
+    Eigen::internal::gemm_blocking_space<Eigen::RowMajor, Scalar, Scalar, Eigen::Dynamic, Eigen::Dynamic,
+                                         Eigen::Dynamic>
         blocking(op.M, op.N, op.K, 1, true);
     Product::run(op.M, op.N, op.K, op.a, op.lda, op.b, op.ldb, op.c, 1, op.ldc, Scalar(1), blocking, nullptr);
   }
@@ -317,8 +318,10 @@ struct EigenBackend {
     }
     // The operands as the row-major views (transposed for col_major) the callers' expressions had.
     using RowMap = Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
-    const RowMap a(op.a, LA == Layout::row_major ? M : K, LA == Layout::row_major ? K : M, Eigen::OuterStride<>(op.lda));
-    const RowMap b(op.b, LB == Layout::row_major ? K : N, LB == Layout::row_major ? N : K, Eigen::OuterStride<>(op.ldb));
+    const RowMap a(op.a, LA == Layout::row_major ? M : K, LA == Layout::row_major ? K : M,
+                   Eigen::OuterStride<>(op.lda));
+    const RowMap b(op.b, LB == Layout::row_major ? K : N, LB == Layout::row_major ? N : K,
+                   Eigen::OuterStride<>(op.ldb));
     Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> c(op.c, M, N, Eigen::OuterStride<>(op.ldc));
     auto product = [&](auto&& lhs, auto&& rhs) {
       if (op.init == Init::zero) {
@@ -358,8 +361,8 @@ using DefaultBackend = EigenBackend;
 template <Kernel kKernel, typename Backend, Layout LA, Layout LB, typename BStorage>
 void multiply_widened(const Op<float, LA, LB, BStorage>& op, float* tile) {
   auto as_float = [&](const Op<float, LA, LB, BStorage>& part, const float* b, Index ldb) {
-    Op<float, LA, LB> widened{part.M, part.N, part.K, part.a, part.lda, b, ldb, part.c, part.ldc, part.init,
-                              part.bias, part.bias_stride};
+    Op<float, LA, LB> widened{part.M, part.N, part.K,   part.a,    part.lda,  b,
+                              ldb,    part.c, part.ldc, part.init, part.bias, part.bias_stride};
     Backend::template multiply<kKernel>(widened);
   };
   if constexpr (LB == Layout::col_major) {
@@ -407,8 +410,8 @@ void run(const Op<Scalar, LA, LB, BStorage>& op, const Plan& plan, const Epilogu
     // One tile per thread: kWidenTileRows stored rows of B (fewer if B has fewer), each K (col_major)
     // or the chunk's columns (row_major) long.
     const Index stored_rows = LB == Layout::col_major ? op.N : op.K;
-    const Index row_length =
-        LB == Layout::col_major ? op.K : (plan.split == Split::cols ? std::min(plan.chunk, op.N) : op.N);
+    const Index row_length = LB == Layout::col_major ? op.K
+                                                     : (plan.split == Split::cols ? std::min(plan.chunk, op.N) : op.N);
     tile_floats = std::min(kWidenTileRows, stored_rows) * row_length;
     const std::size_t needed = static_cast<std::size_t>(chunk_threads(extent, plan.chunk, plan.threaded) * tile_floats);
     if (op.c) {

@@ -20,7 +20,6 @@
 
 namespace embedhead {
 
-
 namespace detail {
 
 // How many tokens ahead the lookup asks for a table row, and how much of it (in bytes):

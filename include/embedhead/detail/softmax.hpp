@@ -50,10 +50,10 @@ namespace detail {
 
 // The options the row arithmetic reads, and the number of classes C.
 struct SoftmaxTerms {
-  double label_smoothing = 0;  // eps
-  double z_loss = 0;           // coefficient of lse^2
-  double softcap = 0;          // c > 0: s = c tanh(z / c); 0: off
-  Index classes = 0;           // C: the columns that are classes
+  double label_smoothing = 0;                              // eps
+  double z_loss = 0;                                       // coefficient of lse^2
+  double softcap = 0;                                      // c > 0: s = c tanh(z / c); 0: off
+  Index classes = 0;                                       // C: the columns that are classes
   bool logit_sums() const { return label_smoothing > 0; }  // sum_j s_j is needed
 };
 

@@ -123,7 +123,8 @@ const TensorInfo& check_loadable(const SafetensorsFile& file, const std::string&
     std::ostringstream message;
     message << "load: tensor '" << name << "' in '" << file.path() << "' has " << problem << " at ";
     if (t.shape.size() == 2)
-      message << "(" << static_cast<std::uint64_t>(bad) / t.shape[1] << ", " << static_cast<std::uint64_t>(bad) % t.shape[1] << ")";
+      message << "(" << static_cast<std::uint64_t>(bad) / t.shape[1] << ", "
+              << static_cast<std::uint64_t>(bad) % t.shape[1] << ")";
     else
       message << "index " << bad;
     throw value_error(message.str());
@@ -182,14 +183,16 @@ void load_checkpoint(const SafetensorsFile& file, const CheckpointNames& names, 
     throw value_error(where + ": the layout " + (names.scale_by_sqrt_d ? "scales" : "does not scale") +
                       " embeddings by sqrt(d) but the TokenEmbedding " +
                       (embedding.options().scale_by_sqrt_d ? "does" : "does not"));
-  const TensorInfo& table = detail::check_loadable(file, names.token_embedding, embedding.weight(), "the token embedding");
+  const TensorInfo& table = detail::check_loadable(file, names.token_embedding, embedding.weight(),
+                                                   "the token embedding");
   pending.push_back({&table, &embedding.weight()});
 
   if (positions) {
     if (names.position_embedding.empty())
       throw value_error(where + ": a position table was given but this layout has no learned positions");
-    pending.push_back({&detail::check_loadable(file, names.position_embedding, positions->weight(), "the position embedding"),
-                       &positions->weight()});
+    pending.push_back(
+        {&detail::check_loadable(file, names.position_embedding, positions->weight(), "the position embedding"),
+         &positions->weight()});
   }
 
   if (head) {
@@ -200,8 +203,8 @@ void load_checkpoint(const SafetensorsFile& file, const CheckpointNames& names, 
       std::pair<Index, Index> differ{0, 0};
       if (!detail::same_values<Scalar>(file, table, *head_tensor, embedding.vocab_size(), embedding.dim(), differ)) {
         std::ostringstream message;
-        message << where << ": the head is tied to the token embedding, but '" << names.head_weight << "' differs from '"
-                << names.token_embedding << "' at (" << differ.first << ", " << differ.second
+        message << where << ": the head is tied to the token embedding, but '" << names.head_weight
+                << "' differs from '" << names.token_embedding << "' at (" << differ.first << ", " << differ.second
                 << "): this is an untied checkpoint. Build an untied head (OutputProjection(V, d)) to load both";
         throw value_error(message.str());
       }
@@ -210,16 +213,19 @@ void load_checkpoint(const SafetensorsFile& file, const CheckpointNames& names, 
                         "': this is a tied checkpoint (the table '" + names.token_embedding +
                         "' is also the head). Tie the head with tie_to(embedding) instead of loading a copy");
     } else if (!tied) {
-      pending.push_back({&detail::check_loadable(file, names.head_weight, head->weight(), "the head weight"), &head->weight()});
+      pending.push_back(
+          {&detail::check_loadable(file, names.head_weight, head->weight(), "the head weight"), &head->weight()});
     }
     const TensorInfo* bias_tensor = names.head_bias.empty() ? nullptr : file.find(names.head_bias);
     if (head->bias() && !bias_tensor)
-      throw value_error(where + ": the head has a bias [" + std::to_string(head->vocab_size()) + "] but the file has no '" +
+      throw value_error(where + ": the head has a bias [" + std::to_string(head->vocab_size()) +
+                        "] but the file has no '" +
                         (names.head_bias.empty() ? std::string("<bias>") : names.head_bias) + "'");
     if (!head->bias() && bias_tensor)
       throw value_error(where + ": the file has '" + names.head_bias +
                         "' but the head has no bias (build it with OutputProjectionOptions::bias = true)");
-    if (bias_tensor) pending.push_back({&detail::check_loadable(file, names.head_bias, *head->bias(), "the head bias"), head->bias()});
+    if (bias_tensor)
+      pending.push_back({&detail::check_loadable(file, names.head_bias, *head->bias(), "the head bias"), head->bias()});
   }
 
   // Every check passed: write.
@@ -263,13 +269,16 @@ PretrainedLayers<Scalar> from_pretrained(const SafetensorsFile& file, const Chec
   TokenEmbeddingOptions embedding_options;
   embedding_options.scale_by_sqrt_d = names.scale_by_sqrt_d;
   embedding_options.padding_idx = options.padding_idx;
-  TokenEmbedding<Scalar> embedding(std::make_shared<Parameter<Scalar>>(V, d, "token_embedding.weight"), embedding_options);
+  TokenEmbedding<Scalar> embedding(std::make_shared<Parameter<Scalar>>(V, d, "token_embedding.weight"),
+                                   embedding_options);
 
   std::shared_ptr<Parameter<Scalar>> bias;
   if (!tied && !names.head_bias.empty() && file.contains(names.head_bias))
     bias = std::make_shared<Parameter<Scalar>>(V, 1, "lm_head.bias");
   OutputProjection<Scalar> head = tied ? OutputProjection<Scalar>(embedding)
-                                       : OutputProjection<Scalar>(std::make_shared<Parameter<Scalar>>(V, d, "lm_head.weight"), bias);
+                                       : OutputProjection<Scalar>(std::make_shared<Parameter<Scalar>>(V, d,
+                                                                                                      "lm_head.weight"),
+                                                                  bias);
 
   std::optional<LearnedPositionEmbedding<Scalar>> positions;
   if (!names.position_embedding.empty() && file.contains(names.position_embedding)) {
@@ -277,7 +286,8 @@ PretrainedLayers<Scalar> from_pretrained(const SafetensorsFile& file, const Chec
     if (p.shape.size() != 2 || p.shape[0] < 1 || p.shape[1] != static_cast<std::uint64_t>(d))
       throw shape_error("from_pretrained: tensor '" + names.position_embedding + "' in '" + file.path() + "' is " +
                         p.shape_string() + "; positions are [T_max, d] with d = " + std::to_string(d));
-    positions.emplace(std::make_shared<Parameter<Scalar>>(static_cast<Index>(p.shape[0]), d, "position_embedding.weight"));
+    positions.emplace(
+        std::make_shared<Parameter<Scalar>>(static_cast<Index>(p.shape[0]), d, "position_embedding.weight"));
   }
   load_checkpoint<Scalar>(file, names, embedding, &head, positions ? &*positions : nullptr);
   if (options.freeze) {

@@ -102,7 +102,9 @@ class NpyHeaderParser {
   }
   char peek() const { return pos_ < text_.size() ? text_[pos_] : '\0'; }
   void skip_space() {
-    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\n' || text_[pos_] == '\r')) ++pos_;
+    while (pos_ < text_.size() &&
+           (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\n' || text_[pos_] == '\r'))
+      ++pos_;
   }
   void expect(char c) {
     skip_space();
@@ -112,7 +114,8 @@ class NpyHeaderParser {
   std::string string_literal() {
     skip_space();
     const char quote = peek();
-    if (quote != '\'' && quote != '"') fail("expected a quoted string at byte " + std::to_string(pos_) + " of the header");
+    if (quote != '\'' && quote != '"')
+      fail("expected a quoted string at byte " + std::to_string(pos_) + " of the header");
     const std::size_t end = text_.find(quote, pos_ + 1);
     if (end == std::string::npos) fail("unterminated string at byte " + std::to_string(pos_) + " of the header");
     std::string value = text_.substr(pos_ + 1, end - pos_ - 1);
@@ -138,7 +141,8 @@ class NpyHeaderParser {
     while (true) {
       skip_space();
       if (peek() == ')') break;
-      if (peek() < '0' || peek() > '9') fail("a shape entry at byte " + std::to_string(pos_) + " is not a non-negative integer");
+      if (peek() < '0' || peek() > '9')
+        fail("a shape entry at byte " + std::to_string(pos_) + " is not a non-negative integer");
       std::uint64_t value = 0;
       while (peek() >= '0' && peek() <= '9') {
         const auto digit = static_cast<std::uint64_t>(peek() - '0');
@@ -195,7 +199,8 @@ inline NpyHeader read_npy_header(std::ifstream& in, const std::string& path, Ind
     header_bytes = prefix[8] | (static_cast<std::uint64_t>(prefix[9]) << 8);
   } else if ((major == 2 || major == 3) && minor == 0) {
     preamble = 12;
-    if (file_bytes < 12) fail("has " + std::to_string(file_bytes) + " bytes, fewer than the 12 of a version 2/3 preamble");
+    if (file_bytes < 12)
+      fail("has " + std::to_string(file_bytes) + " bytes, fewer than the 12 of a version 2/3 preamble");
     in.read(reinterpret_cast<char*>(prefix + 10), 2);
     for (int i = 11; i >= 8; --i) header_bytes = (header_bytes << 8) | prefix[i];
   } else {
@@ -272,7 +277,15 @@ void save_npy(const std::string& path, const ConstMatrixRef<Scalar>& values) {
   header.push_back('\n');
 
   write_file_atomically(path, "save_npy", [&](std::ofstream& out) {
-    const unsigned char preamble[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, static_cast<unsigned char>(header.size() & 0xff),
+    const unsigned char preamble[10] = {0x93,
+                                        'N',
+                                        'U',
+                                        'M',
+                                        'P',
+                                        'Y',
+                                        1,
+                                        0,
+                                        static_cast<unsigned char>(header.size() & 0xff),
                                         static_cast<unsigned char>(header.size() >> 8)};
     out.write(reinterpret_cast<const char*>(preamble), 10);
     out.write(header.data(), static_cast<std::streamsize>(header.size()));
@@ -287,8 +300,12 @@ void save_npy(const std::string& path, const ConstMatrixRef<Scalar>& values) {
 // order, shape (rows, cols)), byte for byte what numpy.save writes. Written to `path`.tmp, then
 // renamed over `path`, so a failure never leaves a half-written file under the final name.
 // \throws io_error naming the path (nothing at `path` changes then). Cost: one pass over values.
-inline void save_npy(const std::string& path, const ConstMatrixRef<float>& values) { detail::save_npy<float>(path, values); }
-inline void save_npy(const std::string& path, const ConstMatrixRef<double>& values) { detail::save_npy<double>(path, values); }
+inline void save_npy(const std::string& path, const ConstMatrixRef<float>& values) {
+  detail::save_npy<float>(path, values);
+}
+inline void save_npy(const std::string& path, const ConstMatrixRef<double>& values) {
+  detail::save_npy<double>(path, values);
+}
 
 // An .npy file -> a new [rows, cols] matrix (1-D arrays of n values as [n, 1]); '<f8' read as
 // float rounds to nearest-even, '<f4' as double is exact.
@@ -319,7 +336,8 @@ void load_npy_into(const std::string& path, MatrixRef<Scalar> out) {
   if (rows != out.rows() || cols != out.cols()) {
     std::ostringstream message;
     message << "load_npy: '" << path << "' holds [" << rows << ", " << cols << "] (shape "
-            << detail::npy_shape_string(header.shape) << ") but the destination is [" << out.rows() << ", " << out.cols() << "]";
+            << detail::npy_shape_string(header.shape) << ") but the destination is [" << out.rows() << ", "
+            << out.cols() << "]";
     throw shape_error(message.str());
   }
   detail::read_npy_data<Scalar>(in, path, item_bytes, rows, cols, out);

@@ -44,7 +44,8 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
     throw format_error("read_optimizer_state: '" + file.path() + "': " + what);
   };
   for (const char* key : {"optimizer", "optimizer.step", "optimizer.parameters"})
-    if (metadata.find(key) == metadata.end()) fail(std::string("no metadata '") + key + "' (no optimizer state saved here)");
+    if (metadata.find(key) == metadata.end())
+      fail(std::string("no metadata '") + key + "' (no optimizer state saved here)");
   OptimizerState<Scalar> state;
   state.optimizer = metadata.at("optimizer");
   try {

@@ -71,10 +71,10 @@ struct DTypeInfo {
   std::uint64_t bytes;
 };
 inline constexpr DTypeInfo kDTypes[] = {
-    {DType::BOOL, "BOOL", 1}, {DType::U8, "U8", 1},   {DType::I8, "I8", 1},     {DType::F8_E5M2, "F8_E5M2", 1},
+    {DType::BOOL, "BOOL", 1},       {DType::U8, "U8", 1},   {DType::I8, "I8", 1},   {DType::F8_E5M2, "F8_E5M2", 1},
     {DType::F8_E4M3, "F8_E4M3", 1}, {DType::I16, "I16", 2}, {DType::U16, "U16", 2}, {DType::F16, "F16", 2},
-    {DType::BF16, "BF16", 2}, {DType::I32, "I32", 4}, {DType::U32, "U32", 4},   {DType::F32, "F32", 4},
-    {DType::I64, "I64", 8},   {DType::U64, "U64", 8}, {DType::F64, "F64", 8},
+    {DType::BF16, "BF16", 2},       {DType::I32, "I32", 4}, {DType::U32, "U32", 4}, {DType::F32, "F32", 4},
+    {DType::I64, "I64", 8},         {DType::U64, "U64", 8}, {DType::F64, "F64", 8},
 };
 
 // The reference implementation's limit on the header size.
@@ -145,7 +145,9 @@ class SafetensorsFile {
       ::close(fd);
       if (mapped == MAP_FAILED) throw io_error("safetensors: cannot map '" + path + "': " + std::strerror(error));
       bytes = std::shared_ptr<const unsigned char>(static_cast<const unsigned char*>(mapped),
-                                                   [size](const unsigned char* p) { ::munmap(const_cast<unsigned char*>(p), size); });
+                                                   [size](const unsigned char* p) {
+                                                     ::munmap(const_cast<unsigned char*>(p), size);
+                                                   });
     } else {
       ::close(fd);
     }
@@ -175,7 +177,8 @@ class SafetensorsFile {
     if (const TensorInfo* t = find(name)) return *t;
     std::ostringstream message;
     message << "safetensors: '" << path_ << "' has no tensor '" << name << "' (it has " << tensors_.size() << ": ";
-    for (std::size_t i = 0; i < tensors_.size() && i < 8; ++i) message << (i ? ", " : "") << "'" << tensors_[i].name << "'";
+    for (std::size_t i = 0; i < tensors_.size() && i < 8; ++i)
+      message << (i ? ", " : "") << "'" << tensors_[i].name << "'";
     if (tensors_.size() > 8) message << ", ...";
     message << ")";
     throw format_error(message.str());
@@ -237,14 +240,17 @@ class SafetensorsFile {
       case DType::F32:
         if constexpr (std::is_same_v<Scalar, float>) {
           const auto row_bytes = static_cast<std::size_t>(out.cols()) * sizeof(float);
-          for (Index r = 0; r < out.rows(); ++r) std::memcpy(out.row(r).data(), p + static_cast<std::size_t>(r) * row_bytes, row_bytes);
+          for (Index r = 0; r < out.rows(); ++r)
+            std::memcpy(out.row(r).data(), p + static_cast<std::size_t>(r) * row_bytes, row_bytes);
         } else {
           convert_rows<float>(p, out, [](float x) { return x; });
         }
         break;
       case DType::F64: convert_rows<double>(p, out, [](double x) { return x; }); break;
       case DType::F16:
-        convert_rows<std::uint16_t>(p, out, [](std::uint16_t x) { return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(x)); });
+        convert_rows<std::uint16_t>(p, out, [](std::uint16_t x) {
+          return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(x));
+        });
         break;
       case DType::BF16:
         // bfloat16 is the top half of a float: a shift, which vectorises.
@@ -264,8 +270,9 @@ class SafetensorsFile {
     // is valid); one beyond Index would become a negative matrix size.
     for (const std::uint64_t s : t.shape)
       if (s > static_cast<std::uint64_t>(std::numeric_limits<Index>::max()))
-        throw shape_error("safetensors: tensor '" + name + "' in '" + path_ + "' is " + t.shape_string() + "; the dimension " +
-                          std::to_string(s) + " is outside [0, " + std::to_string(std::numeric_limits<Index>::max()) + "]");
+        throw shape_error("safetensors: tensor '" + name + "' in '" + path_ + "' is " + t.shape_string() +
+                          "; the dimension " + std::to_string(s) + " is outside [0, " +
+                          std::to_string(std::numeric_limits<Index>::max()) + "]");
     Index rows = 1, cols = 1;
     if (t.shape.size() == 1) {
       rows = static_cast<Index>(t.shape[0]);
@@ -314,7 +321,8 @@ class SafetensorsFile {
     for (Index r = 0; r < out.rows(); ++r) {
       Scalar* dst = out.row(r).data();
       const unsigned char* src = p + static_cast<std::size_t>(r) * static_cast<std::size_t>(cols) * sizeof(Source);
-      for (Index c = 0; c < cols; ++c) dst[c] = static_cast<Scalar>(widen(load<Source>(src, static_cast<std::uint64_t>(c))));
+      for (Index c = 0; c < cols; ++c)
+        dst[c] = static_cast<Scalar>(widen(load<Source>(src, static_cast<std::uint64_t>(c))));
     }
   }
 
@@ -357,7 +365,8 @@ class SafetensorsFile {
     const nlohmann::json::parser_callback_t callback = [&](int depth, nlohmann::json::parse_event_t event,
                                                            nlohmann::json& parsed) {
       if (depth > 3) fail("the header nests deeper than the format allows");
-      if (event == nlohmann::json::parse_event_t::key && depth == 1 && !top_keys.insert(parsed.get<std::string>()).second)
+      if (event == nlohmann::json::parse_event_t::key && depth == 1 &&
+          !top_keys.insert(parsed.get<std::string>()).second)
         fail("tensor '" + parsed.get<std::string>() + "' appears twice in the header");
       return true;
     };
@@ -391,16 +400,16 @@ class SafetensorsFile {
     for (const auto& t : tensors_) {
       if (t.begin != cursor) {
         std::ostringstream message;
-        message << "tensor '" << t.name << "' has data_offsets [" << t.begin << ", " << t.end << "] but the previous tensor ends at "
-                << cursor << (t.begin < cursor ? " (overlap)" : " (gap)");
+        message << "tensor '" << t.name << "' has data_offsets [" << t.begin << ", " << t.end
+                << "] but the previous tensor ends at " << cursor << (t.begin < cursor ? " (overlap)" : " (gap)");
         fail(message.str());
       }
       cursor = t.end;
     }
     if (cursor != data_bytes) {
       std::ostringstream message;
-      message << "the tensors cover " << cursor << " bytes of data but the file has " << data_bytes << " after the header"
-              << (cursor > data_bytes ? " (truncated)" : " (trailing bytes)");
+      message << "the tensors cover " << cursor << " bytes of data but the file has " << data_bytes
+              << " after the header" << (cursor > data_bytes ? " (truncated)" : " (trailing bytes)");
       fail(message.str());
     }
     for (std::size_t i = 0; i < tensors_.size(); ++i) by_name_[tensors_[i].name] = i;
@@ -450,7 +459,8 @@ class SafetensorsFile {
     t.begin = (*offsets)[0].get<std::uint64_t>();
     t.end = (*offsets)[1].get<std::uint64_t>();
     if (t.end < t.begin)
-      fail(where + " has data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) + "] with end < begin");
+      fail(where + " has data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+           "] with end < begin");
     if (t.end - t.begin != numel * element_bytes) {
       std::ostringstream message;
       message << where << " is " << dtype_string << " " << shape->dump() << " = " << numel * element_bytes
@@ -521,7 +531,8 @@ class SafetensorsWriter {
     if (!metadata_.empty()) header["__metadata__"] = metadata_;
     std::uint64_t offset = 0;
     for (const auto& e : entries_) {
-      const std::uint64_t bytes = static_cast<std::uint64_t>(e.rows) * static_cast<std::uint64_t>(e.cols) * dtype_bytes(e.dtype);
+      const std::uint64_t bytes = static_cast<std::uint64_t>(e.rows) * static_cast<std::uint64_t>(e.cols) *
+                                  dtype_bytes(e.dtype);
       header[e.name] = {{"dtype", dtype_name(e.dtype)}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
       offset += bytes;
     }
@@ -538,12 +549,15 @@ class SafetensorsWriter {
       std::vector<unsigned char> buffer;
       for (const auto& e : entries_) {
         const auto row_bytes = static_cast<std::size_t>(e.cols) * static_cast<std::size_t>(dtype_bytes(e.dtype));
-        const Index rows_per_write = std::max<Index>(1, static_cast<Index>((std::size_t{4} << 20) / std::max<std::size_t>(row_bytes, 1)));
+        const Index rows_per_write = std::max<Index>(1, static_cast<Index>((std::size_t{4} << 20) /
+                                                                           std::max<std::size_t>(row_bytes, 1)));
         buffer.resize(row_bytes * static_cast<std::size_t>(std::min(rows_per_write, std::max<Index>(e.rows, 1))));
         for (Index r0 = 0; r0 < e.rows; r0 += rows_per_write) {
           const Index r1 = std::min(e.rows, r0 + rows_per_write);
-          for (Index r = r0; r < r1; ++r) encode_row(e, r, buffer.data() + static_cast<std::size_t>(r - r0) * row_bytes);
-          out.write(reinterpret_cast<const char*>(buffer.data()), static_cast<std::streamsize>(static_cast<std::size_t>(r1 - r0) * row_bytes));
+          for (Index r = r0; r < r1; ++r)
+            encode_row(e, r, buffer.data() + static_cast<std::size_t>(r - r0) * row_bytes);
+          out.write(reinterpret_cast<const char*>(buffer.data()),
+                    static_cast<std::streamsize>(static_cast<std::size_t>(r1 - r0) * row_bytes));
         }
       }
     });
@@ -602,10 +616,12 @@ class SafetensorsWriter {
         for (Index c = 0; c < cols; ++c) store(dst, c, static_cast<double>(src[c]));
         break;
       case DType::F16:
-        for (Index c = 0; c < cols; ++c) store(dst, c, Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(to_float(src[c]))));
+        for (Index c = 0; c < cols; ++c)
+          store(dst, c, Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(to_float(src[c]))));
         break;
       case DType::BF16:
-        for (Index c = 0; c < cols; ++c) store(dst, c, Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(to_float(src[c]))));
+        for (Index c = 0; c < cols; ++c)
+          store(dst, c, Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(to_float(src[c]))));
         break;
       default: break;  // excluded by add()
     }

@@ -28,7 +28,8 @@ class Adagrad : public Optimizer<Scalar> {
       : Optimizer<Scalar>("Adagrad", options.lr, 0.0, {"sum"}), options_(options) {
     detail::check_non_negative("Adagrad", "lr_decay", options.lr_decay);
     detail::check_non_negative("Adagrad", "initial_accumulator_value", options.initial_accumulator_value);
-    if (!(options.eps > 0) || !std::isfinite(options.eps)) detail::throw_hyperparameter("Adagrad", "eps", options.eps, "(0, inf)");
+    if (!(options.eps > 0) || !std::isfinite(options.eps))
+      detail::throw_hyperparameter("Adagrad", "eps", options.eps, "(0, inf)");
     if (!parameters.empty()) this->add_group(parameters);
   }
 
@@ -36,7 +37,8 @@ class Adagrad : public Optimizer<Scalar> {
   void check_weight_decay(double weight_decay) const override {
     if (weight_decay != 0) {
       std::ostringstream message;
-      message << "Adagrad: weight_decay = " << weight_decay << " is not supported (only 0), as in PyTorch with sparse gradients";
+      message << "Adagrad: weight_decay = " << weight_decay
+              << " is not supported (only 0), as in PyTorch with sparse gradients";
       throw value_error(message.str());
     }
   }

@@ -55,7 +55,8 @@ template <typename Scalar>
 class AdamW : public Optimizer<Scalar> {
  public:
   explicit AdamW(const AdamOptions& options = {}, const typename Optimizer<Scalar>::ParameterList& parameters = {})
-      : Optimizer<Scalar>(options.decoupled ? "AdamW" : "Adam", options.lr, options.weight_decay, {"exp_avg", "exp_avg_sq"}),
+      : Optimizer<Scalar>(options.decoupled ? "AdamW" : "Adam", options.lr, options.weight_decay,
+                          {"exp_avg", "exp_avg_sq"}),
         options_(options) {
     check_adam_options(this->name_, options);
     if (!parameters.empty()) this->add_group(parameters);
@@ -64,11 +65,13 @@ class AdamW : public Optimizer<Scalar> {
   static void check_adam_options(const char* where, const AdamOptions& options) {
     detail::check_beta(where, "beta1", options.beta1);
     detail::check_beta(where, "beta2", options.beta2);
-    if (!(options.eps > 0) || !std::isfinite(options.eps)) detail::throw_hyperparameter(where, "eps", options.eps, "(0, inf)");
+    if (!(options.eps > 0) || !std::isfinite(options.eps))
+      detail::throw_hyperparameter(where, "eps", options.eps, "(0, inf)");
   }
 
  protected:
-  void update(Parameter<Scalar>& p, double lr, double weight_decay, std::map<std::string, RowMatrix<Scalar>>& state) override {
+  void update(Parameter<Scalar>& p, double lr, double weight_decay,
+              std::map<std::string, RowMatrix<Scalar>>& state) override {
     const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
     auto value = p.value();
     RowMatrix<Scalar>& m = this->buffer(state, "exp_avg", p);

@@ -20,7 +20,8 @@ namespace embedhead {
 template <typename Scalar>
 class LazyAdam : public Optimizer<Scalar> {
  public:
-  explicit LazyAdam(AdamOptions options = lazy_defaults(), const typename Optimizer<Scalar>::ParameterList& parameters = {})
+  explicit LazyAdam(AdamOptions options = lazy_defaults(),
+                    const typename Optimizer<Scalar>::ParameterList& parameters = {})
       : Optimizer<Scalar>("LazyAdam", options.lr, options.weight_decay, {"exp_avg", "exp_avg_sq"}), options_(options) {
     AdamW<Scalar>::check_adam_options("LazyAdam", options);
     check_weight_decay(options.weight_decay);

@@ -125,12 +125,12 @@ void for_every_row(const RowGradient<Scalar>& g, const Scalar* zero, F&& f) {
   }
 }
 
-
 // Calls f(row, gradient row) for the touched rows only. O(touched rows * cols).
 template <typename Scalar, typename F>
 void for_touched_rows(const RowGradient<Scalar>& g, F&& f) {
   using ConstRow = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
-  for (Index i = 0; i < g.num_touched(); ++i) f(g.touched_rows()[static_cast<std::size_t>(i)], ConstRow(g.touched_row(i).data(), g.cols()));
+  for (Index i = 0; i < g.num_touched(); ++i)
+    f(g.touched_rows()[static_cast<std::size_t>(i)], ConstRow(g.touched_row(i).data(), g.cols()));
 }
 
 template <typename Scalar>
@@ -169,8 +169,8 @@ class Optimizer {
         message << where << ": parameter " << i << " of the group is a null pointer";
         throw value_error(message.str());
       }
-      const bool earlier_in_group = std::find(parameters.begin(), parameters.begin() + static_cast<std::ptrdiff_t>(i), p) !=
-                                    parameters.begin() + static_cast<std::ptrdiff_t>(i);
+      const bool earlier_in_group = std::find(parameters.begin(), parameters.begin() + static_cast<std::ptrdiff_t>(i),
+                                              p) != parameters.begin() + static_cast<std::ptrdiff_t>(i);
       if (earlier_in_group || slot_of(p.get()) >= 0) {
         std::ostringstream message;
         message << where << ": parameter '" << p->name() << "' [" << p->rows() << ", " << p->cols()
@@ -263,15 +263,16 @@ class Optimizer {
       const Parameter<Scalar>& p = *slots_[i];
       if (entry.name != p.name() || entry.rows != p.rows() || entry.cols != p.cols()) {
         std::ostringstream message;
-        message << where << "::load_state: parameter " << i << " is '" << entry.name << "' [" << entry.rows << ", " << entry.cols
-                << "] in the state but '" << p.name() << "' [" << p.rows() << ", " << p.cols() << "] here";
+        message << where << "::load_state: parameter " << i << " is '" << entry.name << "' [" << entry.rows << ", "
+                << entry.cols << "] in the state but '" << p.name() << "' [" << p.rows() << ", " << p.cols()
+                << "] here";
         throw shape_error(message.str());
       }
       for (const auto& [key, buffer] : entry.buffers) {
         if (std::find(buffer_names_.begin(), buffer_names_.end(), key) == buffer_names_.end()) {
           std::ostringstream message;
-          message << where << "::load_state: parameter '" << entry.name << "' has a buffer '" << key << "' that " << name_
-                  << " does not use";
+          message << where << "::load_state: parameter '" << entry.name << "' has a buffer '" << key << "' that "
+                  << name_ << " does not use";
           throw value_error(message.str());
         }
         detail::check_shape(where, (entry.name + "." + key).c_str(), buffer, p.rows(), p.cols());
@@ -292,7 +293,8 @@ class Optimizer {
   }
 
   // Updates p with learning rate lr and weight decay; `state` holds its buffers by name.
-  virtual void update(Parameter<Scalar>& p, double lr, double weight_decay, std::map<std::string, RowMatrix<Scalar>>& state) = 0;
+  virtual void update(Parameter<Scalar>& p, double lr, double weight_decay,
+                      std::map<std::string, RowMatrix<Scalar>>& state) = 0;
   // Throws if this optimizer cannot apply weight_decay (the lazy ones).
   virtual void check_weight_decay(double) const {}
   // The value the buffer `key` starts from (and a resized buffer's new rows).

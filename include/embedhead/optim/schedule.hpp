@@ -34,14 +34,16 @@ class LrSchedule {
               << ", inf) (must exceed warmup_steps)";
       throw value_error(message.str());
     }
-    if (!(min_ratio >= 0 && min_ratio <= 1)) detail::throw_hyperparameter("LrSchedule::warmup_cosine", "min_ratio", min_ratio, "[0, 1]");
+    if (!(min_ratio >= 0 && min_ratio <= 1))
+      detail::throw_hyperparameter("LrSchedule::warmup_cosine", "min_ratio", min_ratio, "[0, 1]");
     return LrSchedule(warmup_steps, total_steps, min_ratio, true);
   }
 
   double operator()(std::int64_t t) const {
     if (t < warmup_) return static_cast<double>(t + 1) / static_cast<double>(warmup_);
     if (!cosine_) return 1.0;
-    const double progress = std::clamp(static_cast<double>(t - warmup_) / static_cast<double>(total_ - warmup_), 0.0, 1.0);
+    const double progress = std::clamp(static_cast<double>(t - warmup_) / static_cast<double>(total_ - warmup_), 0.0,
+                                       1.0);
     return min_ratio_ + (1.0 - min_ratio_) * 0.5 * (1.0 + std::cos(3.14159265358979323846 * progress));
   }
 

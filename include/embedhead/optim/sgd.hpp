@@ -12,9 +12,9 @@ namespace embedhead {
 
 struct SGDOptions {
   double lr = 1e-2;
-  double momentum = 0;       // mu in [0, 1)
-  bool nesterov = false;     // needs momentum > 0
-  double weight_decay = 0;   // decoupled: p *= 1 - lr * weight_decay before the step
+  double momentum = 0;      // mu in [0, 1)
+  bool nesterov = false;    // needs momentum > 0
+  double weight_decay = 0;  // decoupled: p *= 1 - lr * weight_decay before the step
 };
 
 // For each row r, with g_r = 0 where untouched:
@@ -27,12 +27,14 @@ class SGD : public Optimizer<Scalar> {
   explicit SGD(const SGDOptions& options = {}, const typename Optimizer<Scalar>::ParameterList& parameters = {})
       : Optimizer<Scalar>("SGD", options.lr, options.weight_decay, {"momentum_buffer"}), options_(options) {
     detail::check_beta("SGD", "momentum", options.momentum);
-    if (options.nesterov && !(options.momentum > 0)) throw value_error("SGD: nesterov = true needs momentum > 0 (momentum = 0)");
+    if (options.nesterov && !(options.momentum > 0))
+      throw value_error("SGD: nesterov = true needs momentum > 0 (momentum = 0)");
     if (!parameters.empty()) this->add_group(parameters);
   }
 
  protected:
-  void update(Parameter<Scalar>& p, double lr, double weight_decay, std::map<std::string, RowMatrix<Scalar>>& state) override {
+  void update(Parameter<Scalar>& p, double lr, double weight_decay,
+              std::map<std::string, RowMatrix<Scalar>>& state) override {
     const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
     auto value = p.value();
     const Scalar step = static_cast<Scalar>(lr);
@@ -51,10 +53,14 @@ class SGD : public Optimizer<Scalar> {
         return;
       }
       auto buf = momentum->row(r).array();
-      if (first) buf = grad;
-      else buf = mu * buf + grad;
-      if (options_.nesterov) v -= step * (grad + mu * buf);
-      else v -= step * buf;
+      if (first)
+        buf = grad;
+      else
+        buf = mu * buf + grad;
+      if (options_.nesterov)
+        v -= step * (grad + mu * buf);
+      else
+        v -= step * buf;
     });
   }
 

@@ -47,9 +47,12 @@ template <typename T>
 constexpr ElementType element_type_of() {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, std::int64_t>,
                 "collectives take float, double or std::int64_t");
-  if constexpr (std::is_same_v<T, float>) return ElementType::float32;
-  else if constexpr (std::is_same_v<T, double>) return ElementType::float64;
-  else return ElementType::int64;
+  if constexpr (std::is_same_v<T, float>)
+    return ElementType::float32;
+  else if constexpr (std::is_same_v<T, double>)
+    return ElementType::float64;
+  else
+    return ElementType::int64;
 }
 
 class Communicator {
@@ -71,9 +74,13 @@ class Communicator {
   // ---- typed helpers on top of the two collectives ----
 
   template <typename T>
-  void all_reduce_sum(T* data, Index count) { all_reduce(data, count, element_type_of<T>(), ReduceOp::sum); }
+  void all_reduce_sum(T* data, Index count) {
+    all_reduce(data, count, element_type_of<T>(), ReduceOp::sum);
+  }
   template <typename T>
-  void all_reduce_max(T* data, Index count) { all_reduce(data, count, element_type_of<T>(), ReduceOp::max); }
+  void all_reduce_max(T* data, Index count) {
+    all_reduce(data, count, element_type_of<T>(), ReduceOp::max);
+  }
 
   // send [counts[rank()]] -> recv [sum of counts], counts in elements of T (any trivially copyable T).
   template <typename T>
@@ -153,7 +160,8 @@ inline int vocab_owner(Index V, Index v, int size) {
 namespace detail {
 
 // FNV-1a over bytes, for the fingerprints that check_on_every_rank compares.
-inline std::uint64_t fingerprint_bytes(const void* data, std::size_t bytes, std::uint64_t hash = 0xcbf29ce484222325ULL) {
+inline std::uint64_t fingerprint_bytes(const void* data, std::size_t bytes,
+                                       std::uint64_t hash = 0xcbf29ce484222325ULL) {
   const auto* p = static_cast<const unsigned char*>(data);
   for (std::size_t i = 0; i < bytes; ++i) hash = (hash ^ p[i]) * 0x100000001b3ULL;
   return hash;
@@ -254,7 +262,8 @@ inline void check_on_every_rank(Communicator& comm, const char* where, const std
     std::string all(static_cast<std::size_t>(total), '\0');
     comm.all_gather_bytes(message.data(), all.data(), lengths.data());
     std::ostringstream text;
-    text << all.substr(static_cast<std::size_t>(offset), static_cast<std::size_t>(lengths[static_cast<std::size_t>(failed)]))
+    text << all.substr(static_cast<std::size_t>(offset),
+                       static_cast<std::size_t>(lengths[static_cast<std::size_t>(failed)]))
          << " [on rank " << failed << " of " << R << "]";
     detail::throw_error(static_cast<detail::ErrorKind>(headers[static_cast<std::size_t>(3 * failed)]), text.str());
   }

@@ -30,8 +30,8 @@
 // Both paths give every rank the same values: the sparse one adds the ranks' rows in rank order
 // on every rank (bit-identical across ranks by construction); the dense one relies on the
 // communicator's all-reduce returning the same result on every rank (the MPI standard recommends
-// it; Open MPI's did in the tests with 1 to 3 ranks). The two paths agree to float rounding: bit for bit with 1 and 2 ranks (one addition per
-// entry, which commutes), to the reassociation of R terms with 3 or more.
+// it; Open MPI's did in the tests with 1 to 3 ranks). The two paths agree to float rounding: bit for bit with 1 and 2
+// ranks (one addition per entry, which commutes), to the reassociation of R terms with 3 or more.
 #ifndef EMBEDHEAD_PARALLEL_DATA_PARALLEL_HPP
 #define EMBEDHEAD_PARALLEL_DATA_PARALLEL_HPP
 
@@ -122,7 +122,8 @@ std::uint64_t exchange_fingerprint(const ParameterBase<Scalar>& parameter, const
 // The exchange proper, after the checks agreed on every rank. Collective.
 template <typename Scalar>
 GradientExchangeResult exchange_gradient(ParameterBase<Scalar>& parameter, Communicator& comm,
-                                         const GradientExchangeOptions& options, GradientExchangeWorkspace<Scalar>& work) {
+                                         const GradientExchangeOptions& options,
+                                         GradientExchangeWorkspace<Scalar>& work) {
   GradientExchangeResult result;
   if (parameter.frozen()) return result;  // agreed by the fingerprint: every rank returns here
   RowGradient<Scalar>& grad = parameter.grad();
@@ -151,7 +152,8 @@ GradientExchangeResult exchange_gradient(ParameterBase<Scalar>& parameter, Commu
   const double sparse_bytes = static_cast<double>(gathered) * static_cast<double>(row_bytes + 8);
   const double dense_bytes = static_cast<double>(V) * static_cast<double>(row_bytes);
   const bool dense = any_dense || options.mode == GradientExchange::dense ||
-                     (options.mode == GradientExchange::automatic && sparse_bytes > options.dense_threshold * dense_bytes);
+                     (options.mode == GradientExchange::automatic &&
+                      sparse_bytes > options.dense_threshold * dense_bytes);
 
   if (dense) {
     // Densify (no-op if dense already), then sum the whole [V, d] buffer in place.
@@ -265,7 +267,8 @@ GradientExchangeResult all_reduce_gradient(ParameterBase<Scalar>& parameter, Com
 namespace detail {
 template <typename P, typename Scalar = typename P::grad_type>
 std::vector<GradientExchangeResult> all_reduce_gradients_impl(const std::vector<std::shared_ptr<P>>& parameters,
-                                                              Communicator& comm, const GradientExchangeOptions& options,
+                                                              Communicator& comm,
+                                                              const GradientExchangeOptions& options,
                                                               GradientExchangeWorkspace<Scalar>* workspace) {
   constexpr const char* where = "all_reduce_gradients";
   // first[i]: the index of parameters[i]'s first occurrence (i itself if new).
@@ -308,13 +311,14 @@ std::vector<GradientExchangeResult> all_reduce_gradients_impl(const std::vector<
 }  // namespace detail
 
 template <typename Scalar, typename Value = Scalar>
-std::vector<GradientExchangeResult> all_reduce_gradients(const std::vector<std::shared_ptr<Parameter<Value, Scalar>>>& parameters,
-                                                         Communicator& comm, const GradientExchangeOptions& options = {},
-                                                         GradientExchangeWorkspace<Scalar>* workspace = nullptr) {
+std::vector<GradientExchangeResult> all_reduce_gradients(
+    const std::vector<std::shared_ptr<Parameter<Value, Scalar>>>& parameters, Communicator& comm,
+    const GradientExchangeOptions& options = {}, GradientExchangeWorkspace<Scalar>* workspace = nullptr) {
   return detail::all_reduce_gradients_impl(parameters, comm, options, workspace);
 }
 template <typename P, typename Scalar = typename P::grad_type>
-std::vector<GradientExchangeResult> all_reduce_gradients(const std::vector<std::shared_ptr<P>>& parameters, Communicator& comm,
+std::vector<GradientExchangeResult> all_reduce_gradients(const std::vector<std::shared_ptr<P>>& parameters,
+                                                         Communicator& comm,
                                                          const GradientExchangeOptions& options = {},
                                                          GradientExchangeWorkspace<Scalar>* workspace = nullptr) {
   return detail::all_reduce_gradients_impl(parameters, comm, options, workspace);

@@ -92,7 +92,8 @@ class MpiCommunicator final : public Communicator {
     auto* bytes = static_cast<char*>(data);
     for (Index first = 0; first < count; first += kPiece) {
       const int n = static_cast<int>(std::min(kPiece, count - first));
-      detail::check_mpi(MPI_Allreduce(MPI_IN_PLACE, bytes + static_cast<std::size_t>(first) * element, n, datatype, mpi_op, comm_),
+      detail::check_mpi(MPI_Allreduce(MPI_IN_PLACE, bytes + static_cast<std::size_t>(first) * element, n, datatype,
+                                      mpi_op, comm_),
                         "MPI_Allreduce");
     }
   }

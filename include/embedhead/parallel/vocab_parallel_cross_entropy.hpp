@@ -44,8 +44,8 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   const Index N = local_logits.rows(), T = targets.cols();
   VocabShard shard;
-  std::uint64_t fingerprint = fingerprint_values({V, N, options.ignore_index, static_cast<std::int64_t>(options.reduction),
-                                                  options.valid_vocab});
+  std::uint64_t fingerprint = fingerprint_values(
+      {V, N, options.ignore_index, static_cast<std::int64_t>(options.reduction), options.valid_vocab});
   for (const double x : {options.label_smoothing, options.z_loss, options.softcap, options.gradient_scale})
     fingerprint = fingerprint_double(x, fingerprint);
   check_on_every_rank(

@@ -196,10 +196,10 @@ class VocabParallelEmbedding {
     ScatterWorkspace& ws = workspace_;
     detail::sort_tokens_by_id(ids, options_.padding_idx.value_or(-1), ws);
     const auto& unique = ws.unique_ids;
-    const std::size_t first =
-        static_cast<std::size_t>(std::lower_bound(unique.begin(), unique.end(), shard_.begin) - unique.begin());
-    const std::size_t last =
-        static_cast<std::size_t>(std::lower_bound(unique.begin(), unique.end(), shard_.end) - unique.begin());
+    const std::size_t first = static_cast<std::size_t>(std::lower_bound(unique.begin(), unique.end(), shard_.begin) -
+                                                       unique.begin());
+    const std::size_t last = static_cast<std::size_t>(std::lower_bound(unique.begin(), unique.end(), shard_.end) -
+                                                      unique.begin());
     const Index k = static_cast<Index>(last - first);
     local_ids_.resize(last - first);
     for (std::size_t u = first; u < last; ++u) local_ids_[u - first] = unique[u] - shard_.begin;

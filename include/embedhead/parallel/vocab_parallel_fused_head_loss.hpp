@@ -12,9 +12,9 @@
 // rank's V / R classes as FusedHeadLoss chooses it from V: about 2 % of the [N, V / R] logits the
 // unfused path would hold on this rank.
 //
-// The shard's pass is detail::fused_head_loss_pass with a VocabSlice (below, over the Communicator), the same code as the
-// single-process loss: with one rank the result is FusedHeadLoss's bit for bit; with more, the
-// sums over the vocabulary are split differently, so it agrees to rounding.
+// The shard's pass is detail::fused_head_loss_pass with a VocabSlice (below, over the Communicator), the same code as
+// the single-process loss: with one rank the result is FusedHeadLoss's bit for bit; with more, the sums over the
+// vocabulary are split differently, so it agrees to rounding.
 //
 // Errors: every check runs on every rank through check_on_every_rank before the first collective,
 // together with a fingerprint of what must be replicated (the targets, the per-token weights, N, d,
@@ -48,7 +48,8 @@ namespace detail {
 template <typename Scalar>
 struct CommunicatorSlice final : VocabSlice<Scalar> {
   Communicator* comm;
-  CommunicatorSlice(Index begin, Index V, Communicator& communicator) : VocabSlice<Scalar>(begin, V), comm(&communicator) {}
+  CommunicatorSlice(Index begin, Index V, Communicator& communicator)
+      : VocabSlice<Scalar>(begin, V), comm(&communicator) {}
   void combine_row_stats(FusedHeadLossWorkspace<Scalar>& ws, Index count, const SoftmaxTerms& terms) const override {
     all_reduce_row_max(*comm, ws.row_stats.data(), count, ws.reduced);
     all_reduce_row_sums(*comm, ws.row_stats.data(), count, terms, ws.reduced);
@@ -170,8 +171,9 @@ class VocabParallelFusedHeadLoss {
       if (bias_shard) shape_of("bias_shard", *bias_shard, 1);
       OutputMap lse = extras.lse, losses = extras.losses;
       MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
-      detail::check_fused_head_loss<Scalar, Id>(where, h, shard.rows(), weight_shard.cols(), bias_of(bias_shard), targets,
-                                                extras.weights, dh, nullptr, nullptr, &lse_ref, &losses_ref, options_, V);
+      detail::check_fused_head_loss<Scalar, Id>(where, h, shard.rows(), weight_shard.cols(), bias_of(bias_shard),
+                                                targets, extras.weights, dh, nullptr, nullptr, &lse_ref, &losses_ref,
+                                                options_, V);
     };
     // Whether dh is asked for is part of it: forward_shard on one rank and forward_backward_shard on
     // another would make different numbers of collectives.
@@ -187,8 +189,11 @@ class VocabParallelFusedHeadLoss {
   template <typename Id>
   std::uint64_t fingerprint(Index V, const ConstMatrixRef<Scalar>& h, bool has_bias, bool gradient,
                             const TypedTokenIds<Id>& targets, const FusedHeadLossExtras<Scalar>& extras) const {
-    const std::int64_t sizes[7] = {static_cast<std::int64_t>(h.rows()), static_cast<std::int64_t>(h.cols()),
-                                   static_cast<std::int64_t>(V), has_bias ? 1 : 0, gradient ? 1 : 0,
+    const std::int64_t sizes[7] = {static_cast<std::int64_t>(h.rows()),
+                                   static_cast<std::int64_t>(h.cols()),
+                                   static_cast<std::int64_t>(V),
+                                   has_bias ? 1 : 0,
+                                   gradient ? 1 : 0,
                                    static_cast<std::int64_t>(options_.ignore_index),
                                    static_cast<std::int64_t>(options_.valid_vocab)};
     const double values[5] = {static_cast<double>(static_cast<int>(options_.reduction)), options_.label_smoothing,
@@ -210,7 +215,8 @@ class VocabParallelFusedHeadLoss {
                                            Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
                                            const TypedTokenIds<Id>& targets, MatrixRef<Scalar> dh,
                                            const FusedHeadLossExtras<Scalar>& extras, const char* where) {
-    const detail::CommunicatorSlice<Scalar> slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, &dh, extras, where);
+    const detail::CommunicatorSlice<Scalar> slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, &dh,
+                                                              extras, where);
     // Only now, with every rank's checks passed: dense_accumulator() switches the gradient to
     // dense mode, which must not happen for a call that throws.
     OutputMap no_output(nullptr, 0, 1);
@@ -218,9 +224,9 @@ class VocabParallelFusedHeadLoss {
     OutputMap db = bias_shard && !bias_shard->frozen() ? bias_shard->grad().dense_accumulator() : no_output;
     OutputMap lse = extras.lse, losses = extras.losses;
     MatrixRef<Scalar> dW_ref(dW), db_ref(db), lse_ref(lse), losses_ref(losses);
-    return detail::fused_head_loss_pass<Scalar, Id>(h, weight_shard.value(), bias_of(bias_shard), targets, extras.weights,
-                                                    &dh, &dW_ref, &db_ref, &lse_ref, &losses_ref, options_, workspace_,
-                                                    where, &slice);
+    return detail::fused_head_loss_pass<Scalar, Id>(h, weight_shard.value(), bias_of(bias_shard), targets,
+                                                    extras.weights, &dh, &dW_ref, &db_ref, &lse_ref, &losses_ref,
+                                                    options_, workspace_, where, &slice);
   }
 
   template <typename Id>
@@ -228,12 +234,13 @@ class VocabParallelFusedHeadLoss {
                                   const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
                                   const TypedTokenIds<Id>& targets, const FusedHeadLossExtras<Scalar>& extras,
                                   const char* where) {
-    const detail::CommunicatorSlice<Scalar> slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, nullptr, extras, where);
+    const detail::CommunicatorSlice<Scalar> slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, nullptr,
+                                                              extras, where);
     OutputMap lse = extras.lse, losses = extras.losses;
     MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
-    return detail::fused_head_loss_pass<Scalar, Id>(h, weight_shard.value(), bias_of(bias_shard), targets, extras.weights,
-                                                    nullptr, nullptr, nullptr, &lse_ref, &losses_ref, options_, workspace_,
-                                                    where, &slice);
+    return detail::fused_head_loss_pass<Scalar, Id>(h, weight_shard.value(), bias_of(bias_shard), targets,
+                                                    extras.weights, nullptr, nullptr, nullptr, &lse_ref, &losses_ref,
+                                                    options_, workspace_, where, &slice);
   }
 
   FusedHeadLossOptions options_;

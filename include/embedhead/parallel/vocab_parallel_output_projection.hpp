@@ -44,7 +44,9 @@ class VocabParallelOutputProjection {
   // options.bias. No communication.
   // \throws value_error if d < 1, V < R or init_std <= 0.
   VocabParallelOutputProjection(Index V, Index d, Communicator& comm, const OutputProjectionOptions& options = {})
-      : comm_(&comm), V_(V), shard_(validate_new(V, d, comm, options)),
+      : comm_(&comm),
+        V_(V),
+        shard_(validate_new(V, d, comm, options)),
         weight_(std::make_shared<Parameter<Scalar>>(shard_.rows(), d, "lm_head.weight")) {
     Rng rng(options.seed);
     rng.set_counter(2 * static_cast<std::uint64_t>(shard_.begin) * static_cast<std::uint64_t>(d));
@@ -57,14 +59,19 @@ class VocabParallelOutputProjection {
   // \throws value_error if weight_shard is null or V < R; shape_error for a wrong shape.
   VocabParallelOutputProjection(Index V, std::shared_ptr<Parameter<Scalar>> weight_shard,
                                 std::shared_ptr<Parameter<Scalar>> bias_shard, Communicator& comm)
-      : comm_(&comm), V_(V), shard_(check_wrapped(V, weight_shard, bias_shard, comm)),
-        weight_(std::move(weight_shard)), bias_(std::move(bias_shard)) {}
+      : comm_(&comm),
+        V_(V),
+        shard_(check_wrapped(V, weight_shard, bias_shard, comm)),
+        weight_(std::move(weight_shard)),
+        bias_(std::move(bias_shard)) {}
 
   // Tied to `embedding`: W is the embedding's shard Parameter (shared storage, one gradient: the
   // embedding's sparse rows plus this head's dense dW), no bias; same communicator and V.
   // \throws value_error if the embedding was moved from.
   explicit VocabParallelOutputProjection(const VocabParallelEmbedding<Scalar>& embedding)
-      : comm_(&embedding.communicator()), V_(embedding.vocab_size()), shard_(embedding.shard()),
+      : comm_(&embedding.communicator()),
+        V_(embedding.vocab_size()),
+        shard_(embedding.shard()),
         weight_((check_not_moved_from(embedding), embedding.weight_ptr())) {}
 
   Index vocab_size() const { return V_; }  // V, the global vocabulary

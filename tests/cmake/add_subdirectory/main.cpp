@@ -4,7 +4,6 @@
 #include <cstdio>
 
 int main() {
-  std::printf("embedhead %d.%d.%d\n", EMBEDHEAD_VERSION_MAJOR, EMBEDHEAD_VERSION_MINOR,
-              EMBEDHEAD_VERSION_PATCH);
+  std::printf("embedhead %d.%d.%d\n", EMBEDHEAD_VERSION_MAJOR, EMBEDHEAD_VERSION_MINOR, EMBEDHEAD_VERSION_PATCH);
   return 0;
 }

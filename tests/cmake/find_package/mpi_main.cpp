@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   double value = world.rank() + 1.0;
   world.all_reduce_sum(&value, 1);
   const double expected = world.size() * (world.size() + 1) / 2.0;
-  if (world.rank() == 0) std::printf("mpi all-reduce over %d ranks: %s\n", world.size(), value == expected ? "ok" : "MISMATCH");
+  if (world.rank() == 0)
+    std::printf("mpi all-reduce over %d ranks: %s\n", world.size(), value == expected ? "ok" : "MISMATCH");
   return value == expected ? 0 : 1;
 }

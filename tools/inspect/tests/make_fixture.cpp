@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
       centres.rowwise() -= centres.colwise().mean();  // the clusters average to the offset...
       const Eigen::RowVectorXf o = offset.row(0) / offset.norm();
       for (Index c = 0; c < clusters; ++c) {
-        centres.row(c) -= centres.row(c).dot(o) * o;  // ...are orthogonal to it...
+        centres.row(c) -= centres.row(c).dot(o) * o;     // ...are orthogonal to it...
         centres.row(c) *= 1.1f / centres.row(c).norm();  // ...and 1.1 away from it
       }
       // The direction the under-trained rows share (as softmax gradients push rows of tokens that
@@ -69,7 +69,10 @@ int main(int argc, char** argv) {
           case 0: vocab << "tab\there"; break;
           case 1: vocab << "back\\slash"; break;
           case 2: vocab << "bell\x07"; break;
-          case 3: vocab << "bad\xff" "byte"; break;
+          case 3:
+            vocab << "bad\xff"
+                     "byte";
+            break;
           case 4: vocab << "fish \xf0\x9f\x90\x9f"; break;
           default: vocab << "tok" << v;
         }
