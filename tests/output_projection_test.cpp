@@ -10,6 +10,7 @@
 #include <embedhead/output_projection.hpp>
 #include <limits>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -125,17 +126,28 @@ Reference zero_reference(Index rows, Index cols) {
   return {RowMatrix<double>::Zero(rows, cols), RowMatrix<double>::Zero(rows, cols)};
 }
 
-// Every entry of `actual` within the reference's per-entry bound (or a few ulps relative).
+// Every entry of `actual` within the reference's per-entry bound (or a few ulps relative). One
+// assertion per matrix, naming the first entry out of bounds and how many are: an assertion per
+// entry made this file 2.4 million assertions, most of its run time under the sanitizers.
 template <typename Scalar, typename Actual>
 void check_close(const Actual& actual, const Reference& expected) {
   REQUIRE(actual.rows() == expected.value.rows());
   REQUIRE(actual.cols() == expected.value.cols());
+  Index outside = 0;
+  std::ostringstream first;
+  first.precision(17);
   for (Index i = 0; i < actual.rows(); ++i)
     for (Index j = 0; j < actual.cols(); ++j) {
-      INFO("entry (" << i << ", " << j << ")");
-      CHECK_THAT(static_cast<double>(actual(i, j)), WithinRel(expected.value(i, j), 8 * unit_roundoff<Scalar>()) ||
-                                                        WithinAbs(expected.value(i, j), expected.tolerance(i, j)));
+      const double value = static_cast<double>(actual(i, j));
+      if (WithinRel(expected.value(i, j), 8 * unit_roundoff<Scalar>()).match(value) ||
+          WithinAbs(expected.value(i, j), expected.tolerance(i, j)).match(value))
+        continue;
+      if (outside++ == 0)
+        first << "entry (" << i << ", " << j << "): " << value << ", reference " << expected.value(i, j) << " +- "
+              << expected.tolerance(i, j);
     }
+  INFO(first.str());
+  CHECK(outside == 0);
 }
 
 struct Size {

@@ -102,7 +102,9 @@ TEMPLATE_TEST_CASE("embedding_head_budget agrees with the sizes of real layers",
     INFO("V = " << c.V << ", d = " << c.d << ", T_max = " << c.T_max);
     const embedhead::TokenEmbedding<S> emb(c.V, c.d);
     // A T_max = 0 case means "no learned table": only the embedding and the head are listed.
-    std::vector<std::shared_ptr<embedhead::Parameter<S>>> base{emb.weight_ptr()};
+    std::vector<std::shared_ptr<embedhead::Parameter<S>>> base;
+    base.reserve(2);
+    base.push_back(emb.weight_ptr());
     if (c.T_max > 0) {
       const embedhead::LearnedPositionEmbedding<S> pos(c.T_max, c.d);
       base.push_back(pos.weight_ptr());  // the shared_ptr keeps the table alive after pos goes
