@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "../reference/files.hpp"
+
 using embedhead::AdamW;
 using embedhead::CheckpointNames;
 using embedhead::DType;
@@ -34,19 +36,12 @@ using embedhead::TokenEmbedding;
 using embedhead::TokenEmbeddingOptions;
 using embedhead::value_error;
 
+using test_support::read_bytes;
+using test_support::write_bytes;
+
 namespace {
 
-std::string temp_path(const std::string& name) {
-  return "/tmp/embedhead_checkpoint_test_" + std::to_string(::getpid()) + "_" + name;
-}
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc)
-      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
+std::string temp_path(const std::string& name) { return test_support::temp_path("checkpoint_test", name); }
 
 // Every value of the layers, to compare before and after a failed load.
 struct Snapshot {

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "../reference/files.hpp"
+
 using Catch::Matchers::Contains;
 using embedhead::format_error;
 using embedhead::Index;
@@ -27,19 +29,12 @@ using embedhead::RowMatrix;
 using embedhead::save_npy;
 using embedhead::shape_error;
 
+using test_support::read_bytes;
+using test_support::write_bytes;
+
 namespace {
 
-std::string temp_path(const std::string& name) {
-  return "/tmp/embedhead_npy_test_" + std::to_string(::getpid()) + "_" + name;
-}
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc)
-      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
+std::string temp_path(const std::string& name) { return test_support::temp_path("npy_test", name); }
 
 // "\x93NUMPY" 1.0, the header padded with spaces to a multiple of 64 with '\n', then data.
 std::string npy_bytes(const std::string& dict, const std::string& data, int major = 1, bool pad = true) {

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "../reference/files.hpp"
+
 using embedhead::DType;
 using embedhead::format_error;
 using embedhead::Index;
@@ -28,6 +30,9 @@ using embedhead::SafetensorsFile;
 using embedhead::SafetensorsWriter;
 using embedhead::shape_error;
 using embedhead::value_error;
+
+using test_support::read_bytes;
+using test_support::write_bytes;
 
 namespace {
 
@@ -100,19 +105,7 @@ double nearest(const std::vector<std::pair<double, std::uint16_t>>& values, doub
   return (lo->second & 1) == 0 ? lo->first : hi->first;
 }
 
-std::string temp_path(const std::string& name) {
-  return "/tmp/embedhead_safetensors_test_" + std::to_string(::getpid()) + "_" + name;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-void write_file(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
+std::string temp_path(const std::string& name) { return test_support::temp_path("safetensors_test", name); }
 
 std::string error_of(const std::string& bytes) {
   try {
@@ -187,7 +180,7 @@ TEST_CASE("safetensors: writer output follows the specification byte by byte", "
       .add<float>("bias", bias, DType::BF16, true)
       .set_metadata("format", "pt");
   writer.write(path);
-  const std::string bytes = read_file(path);
+  const std::string bytes = read_bytes(path);
   std::remove(path.c_str());
 
   REQUIRE(bytes.size() >= 8);
@@ -448,10 +441,10 @@ TEST_CASE("safetensors: open reports missing files, directories and maps real fi
   CHECK_THROWS_WITH(SafetensorsFile::open("/nonexistent/x.safetensors"), Catch::Contains("/nonexistent/x.safetensors"));
   CHECK_THROWS_AS(SafetensorsFile::open("/tmp"), io_error);
   const std::string path = temp_path("truncated.safetensors");
-  write_file(path, file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", std::string(4, '\0')));
+  write_bytes(path, file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", std::string(4, '\0')));
   CHECK_THROWS_AS(SafetensorsFile::open(path), format_error);
   CHECK_THROWS_WITH(SafetensorsFile::open(path), Catch::Contains(path) && Catch::Contains("truncated"));
-  write_file(path, "");
+  write_bytes(path, "");
   CHECK_THROWS_AS(SafetensorsFile::open(path), format_error);
   std::remove(path.c_str());
 }
@@ -472,7 +465,7 @@ TEST_CASE("safetensors: writer errors and the atomic write", "[safetensors]") {
 
   // Overwriting an existing file replaces it whole; the temporary is gone afterwards.
   const std::string path = temp_path("atomic.safetensors");
-  write_file(path, "old contents");
+  write_bytes(path, "old contents");
   writer.write(path);
   CHECK(SafetensorsFile::open(path).read<float>("a") == a);
   CHECK(std::ifstream(path + ".tmp").good() == false);
