@@ -157,6 +157,10 @@ if [ "$skip_fuzz" != "1" ]; then
   # inputs, one worker for 60 s 474,000 to 507,000 (the runs of the previous CI).
   fuzz_seconds="${EMBEDHEAD_FUZZ_SECONDS:-30}"
   fuzz_workers="${EMBEDHEAD_FUZZ_WORKERS:-$jobs}"
+  if ! [[ "$fuzz_workers" =~ ^[1-9][0-9]*$ ]]; then
+    echo "test.sh: error: EMBEDHEAD_FUZZ_WORKERS must be a whole number >= 1, got '$fuzz_workers'" >&2
+    exit 1
+  fi
   phase "Fuzz: safetensors_fuzz, $fuzz_workers workers for ${fuzz_seconds} s (logs: $fuzz_work/fuzz-*.log)"
   rm -rf "$fuzz_work"
   mkdir -p "$fuzz_work/corpus" "$fuzz_work/artifacts"
@@ -176,7 +180,7 @@ else
   wait "$fuzz_pid" || fuzz_status=$?
   fuzz_pid=""
   if [ "$fuzz_status" -ne 0 ]; then
-    tail -n 60 "$fuzz_work"/fuzz*.log
+    tail -n 60 "$fuzz_work"/fuzz-*.log
     echo "test.sh: error: safetensors_fuzz failed (status $fuzz_status); failing inputs: $(ls "$fuzz_work/artifacts")" >&2
     echo "test.sh: reproduce with build/asan/fuzz/safetensors_fuzz $fuzz_work/artifacts/<file>; see fuzz/README.md" >&2
     exit 1

@@ -1,10 +1,12 @@
-// The communicator the parallel tests run on (see tests/CMakeLists.txt, embedhead_add_parallel_test):
-//   <name>_mpi      EMBEDHEAD_TEST_MPI defined, when MPI is found: MPI_COMM_WORLD, run by ctest
+// The communicator the parallel tests run on (see tests/CMakeLists.txt, embedhead_add_parallel_tests):
+//   parallel_tests_mpi (ungrouped: <name>_mpi)
+//                   EMBEDHEAD_TEST_MPI defined, when MPI is found: MPI_COMM_WORLD, run by ctest
 //                   under `mpirun -np 1`, `-np 2` and `-np 3` (3 gives uneven vocabulary shards);
 //                   the same program started with --single-process (ctest test <name>, also run
 //                   under ASan+UBSan) never initialises MPI and runs on a SingleProcessCommunicator
 //                   (rank 0 of 1), so each source is compiled once per build;
-//   <name>          EMBEDHEAD_TEST_MPI undefined, when MPI is not found: a SingleProcessCommunicator.
+//   parallel_tests (ungrouped: <name>)
+//                   EMBEDHEAD_TEST_MPI undefined, when MPI is not found: a SingleProcessCommunicator.
 // Every rank runs every test case and calls the same collectives in the same order, so tests use
 // CHECK (which never leaves a test case early) wherever a collective follows.
 #ifndef EMBEDHEAD_TESTS_PARALLEL_WORLD_HPP
