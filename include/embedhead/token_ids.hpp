@@ -84,30 +84,17 @@ class TokenIds {
     if constexpr (is_token_ids_storage_v<Derived>) {
       const Derived& m = ids.derived();
       data_ = m.data();
-      type_ = std::is_same_v<typename Derived::Scalar, std::int32_t> ? TokenIdType::int32 : TokenIdType::int64;
+      type_ = type_of<typename Derived::Scalar>();
       rows_ = m.rows();
       cols_ = m.cols();
       row_stride_ = m.rowStride();
       col_stride_ = m.colStride();
     }
   }
-  // A raw buffer: id (b, t) = data[b * row_stride + t * col_stride].
-  TokenIds(const std::int32_t* data, Eigen::Index rows, Eigen::Index cols, Eigen::Index row_stride,
-           Eigen::Index col_stride)
-      : data_(data),
-        type_(TokenIdType::int32),
-        rows_(rows),
-        cols_(cols),
-        row_stride_(row_stride),
-        col_stride_(col_stride) {}
-  TokenIds(const std::int64_t* data, Eigen::Index rows, Eigen::Index cols, Eigen::Index row_stride,
-           Eigen::Index col_stride)
-      : data_(data),
-        type_(TokenIdType::int64),
-        rows_(rows),
-        cols_(cols),
-        row_stride_(row_stride),
-        col_stride_(col_stride) {}
+  // A raw buffer of int32 or int64 ids: id (b, t) = data[b * row_stride + t * col_stride].
+  template <typename Id, typename = std::enable_if_t<is_token_id_type_v<Id>>>
+  TokenIds(const Id* data, Eigen::Index rows, Eigen::Index cols, Eigen::Index row_stride, Eigen::Index col_stride)
+      : data_(data), type_(type_of<Id>()), rows_(rows), cols_(cols), row_stride_(row_stride), col_stride_(col_stride) {}
 
   TokenIdType type() const { return type_; }
   Eigen::Index rows() const { return rows_; }
@@ -137,6 +124,11 @@ class TokenIds {
   }
 
  private:
+  template <typename Id>
+  static constexpr TokenIdType type_of() {
+    return std::is_same_v<Id, std::int32_t> ? TokenIdType::int32 : TokenIdType::int64;
+  }
+
   const void* data_ = nullptr;
   TokenIdType type_ = TokenIdType::int64;
   Eigen::Index rows_ = 0, cols_ = 0, row_stride_ = 0, col_stride_ = 0;
