@@ -63,6 +63,25 @@ inline IdMatrix<std::int32_t> random_ids(Index N, Index V, unsigned seed) {
   return ids;
 }
 
+// The FMA peak of one core, the limit the GEMM-bound benchmarks are measured against: `rounds`
+// rounds of kFmaChains independent fused multiply-adds on Eigen's widest float packet (16 floats
+// with AVX-512), enough chains in flight to cover the FMA latency on two ports. Returns the flops
+// done (2 per lane per FMA); sink keeps the result alive.
+constexpr int kFmaChains = 16;
+inline double fma_peak_kernel(long rounds, float* sink) {
+  using Packet = Eigen::internal::packet_traits<float>::type;
+  constexpr int kLanes = Eigen::internal::packet_traits<float>::size;
+  Packet acc[kFmaChains];
+  for (int i = 0; i < kFmaChains; ++i) acc[i] = Eigen::internal::pset1<Packet>(0.001f * static_cast<float>(i));
+  const Packet a = Eigen::internal::pset1<Packet>(0.999999f), b = Eigen::internal::pset1<Packet>(1e-7f);
+  for (long r = 0; r < rounds; ++r)
+    for (int i = 0; i < kFmaChains; ++i) acc[i] = Eigen::internal::pmadd(acc[i], a, b);
+  Packet total = acc[0];
+  for (int i = 1; i < kFmaChains; ++i) total = Eigen::internal::padd(total, acc[i]);
+  *sink = Eigen::internal::predux(total);
+  return 2.0 * kLanes * kFmaChains * static_cast<double>(rounds);
+}
+
 }  // namespace bench_support
 
 #endif  // EMBEDHEAD_BENCH_BENCH_SUPPORT_HPP

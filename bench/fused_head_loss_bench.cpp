@@ -3,15 +3,21 @@
 //
 //   UnfusedStep/threads:T          OutputProjection::forward into [N, V] logits, then
 //                                  cross_entropy_forward_backward in place, then backward
-//   FusedStep/block:B/threads:T    FusedHeadLoss::forward_backward with vocab_block B (0: auto)
+//   FusedStep/plan:P/size:S/threads:T
+//                                  FusedHeadLoss::forward_backward: P = 0 vocab_blocks with
+//                                  vocab_block S (0: auto), P = 1 token_chunks of S tokens,
+//                                  P = 2 automatic (the default options)
 //   FusedEval/threads:T            FusedHeadLoss::forward (the loss only, no gradient)
+//   FusedSweep/N/V/d/threads:T     the default fused step from 1k to 16k tokens and 32k to 262k
+//                                  rows, and Gemma's V = 256,000, d = 2048 (BM_FusedSweep); select
+//                                  with --benchmark_filter=FusedSweep, skip with -FusedSweep
 //
-// Counters: GFLOP/s over the GEMM flops each form does (unfused 6 N V d, fused 8 N V d as it
-// recomputes the logits, FusedEval 2 N V d), and extra_MB,
-// the memory each form needs beyond inputs and gradients: the [N, V] logits for the unfused
-// step, the [N, vocab_block] block of logits for the fused one (no token is ignored here, so h
-// and dh are used in place), with extra_pct its share of the logits' size. Before timing, the fused loss and gradients
-// are checked against the unfused ones.
+// Counters: GFLOP/s over the GEMM flops each form does (unfused and token chunks 6 N V d,
+// vocab_blocks 8 N V d as it recomputes the logits, FusedEval 2 N V d), and extra_MB, the memory
+// each form needs beyond inputs and gradients: the [N, V] logits for the unfused step, the
+// [N, vocab_block] block or the [tokens, V] chunk of logits for the fused one (no token is ignored
+// here, so h and dh are used in place), with extra_pct its share of the logits' size. Before timing, the fused loss and
+// gradients are checked against the unfused ones.
 #include "bench_support.hpp"  // first: its pragma must precede every other include
 
 #include "gbench_main.hpp"
@@ -98,19 +104,32 @@ void BM_UnfusedStep(benchmark::State& state) {
   add_counters(state, 6.0 * kN * kV * kD, static_cast<double>(kN) * kV * sizeof(float));
 }
 
+// plan 0: vocab_blocks with vocab_block = size (0: automatic); plan 1: token_chunks of size tokens
+// (memory_budget = size rows of logits); plan 2: automatic (the default options).
 void BM_FusedStep(benchmark::State& state) {
   embedhead::FusedHeadLossOptions options;
-  options.vocab_block = state.range(0);
-  set_threads(state, static_cast<int>(state.range(1)));
+  const std::int64_t plan = state.range(0), size = state.range(1);
+  if (plan == 0) {
+    options.plan = embedhead::FusedPlan::vocab_blocks;
+    options.vocab_block = size;
+  } else if (plan == 1) {
+    options.plan = embedhead::FusedPlan::token_chunks;
+    options.memory_budget = size * kV * static_cast<Index>(sizeof(float));
+  }
+  set_threads(state, static_cast<int>(state.range(2)));
   Problem& p = problem();
   embedhead::FusedHeadLoss<float> fused(options);
   for (auto _ : state) {
     p.head.zero_grad();
     benchmark::DoNotOptimize(fused.forward_backward(p.head, p.h, p.targets, p.dh).loss);
   }
+  const Index chunk = embedhead::detail::fused_token_chunk(options, kN, kV, sizeof(float));
   const Index block = embedhead::detail::fused_vocab_block(options.vocab_block, kV);
-  state.counters["block"] = static_cast<double>(block);
-  add_counters(state, 8.0 * kN * kV * kD, static_cast<double>(kN) * block * sizeof(float));
+  state.counters["tokens"] = static_cast<double>(chunk);
+  state.counters["block"] = chunk > 0 ? 0.0 : static_cast<double>(block);
+  // GFLOP/s over what the plan computes: 6 N V d in token chunks, 8 N V d in two passes.
+  add_counters(state, (chunk > 0 ? 6.0 : 8.0) * kN * kV * kD,
+               static_cast<double>(chunk > 0 ? chunk * kV : kN * block) * sizeof(float));
 }
 
 void BM_FusedEval(benchmark::State& state) {
@@ -118,8 +137,36 @@ void BM_FusedEval(benchmark::State& state) {
   Problem& p = problem();
   embedhead::FusedHeadLoss<float> fused;
   for (auto _ : state) benchmark::DoNotOptimize(fused.forward(p.head, p.h, p.targets).loss);
+  const Index chunk = embedhead::detail::fused_token_chunk(fused.options(), kN, kV, sizeof(float));
   const Index block = embedhead::detail::fused_vocab_block(0, kV);
-  add_counters(state, 2.0 * kN * kV * kD, static_cast<double>(kN) * block * sizeof(float));
+  add_counters(state, 2.0 * kN * kV * kD, static_cast<double>(chunk > 0 ? chunk * kV : kN * block) * sizeof(float));
+}
+
+// How the fused step's cost grows: N tokens (1k..16k) and V (32k..262k) at d = 768, and the
+// Gemma-sized head (V = 256,000, d = 2048), with the default options (automatic plan). Counters:
+// ps_per_NVd, the time per N V d (flat when the time is linear in N V d), plan_tokens (the token
+// chunk, 0 for vocabulary blocks) and extra_MiB, the workspace's bytes after the step (the logits
+// chunk or block; flat in N for token chunks, since the chunk is fixed by the budget).
+void BM_FusedSweep(benchmark::State& state) {
+  const Index N = state.range(0), V = state.range(1), d = state.range(2);
+  set_threads(state, static_cast<int>(state.range(3)));
+  RowMatrix<float> h(N, d), W(V, d), dh(N, d), dW = RowMatrix<float>::Zero(V, d), no_bias(0, 1), no_db(0, 1);
+  bench_support::fill_uniform(h, 11, 1.0);
+  bench_support::fill_uniform(W, 12, 0.02);
+  const IdMatrix<std::int32_t> targets = bench_support::random_ids(N, V, 13);
+  embedhead::FusedHeadLossWorkspace<float> ws;
+  for (auto _ : state)
+    benchmark::DoNotOptimize(
+        embedhead::fused_head_loss_forward_backward<float>(h, W, no_bias, targets, dh, dW, no_db, ws).loss);
+  const embedhead::FusedHeadLossOptions options;
+  state.counters["ps_per_NVd"] = benchmark::Counter(static_cast<double>(N) * V * d * 1e-12,
+                                                    benchmark::Counter::kIsIterationInvariantRate |
+                                                        benchmark::Counter::kInvert);
+  state.counters["plan_tokens"] = static_cast<double>(
+      embedhead::detail::fused_token_chunk(options, N, V, sizeof(float)));
+  const double bytes = static_cast<double>(ws.logits.capacity() * sizeof(float) + ws.hidden.capacity() * sizeof(float) +
+                                           ws.dhidden.capacity() * sizeof(float));
+  state.counters["extra_MiB"] = bytes / (1 << 20);
 }
 
 void register_benchmarks() {
@@ -131,18 +178,35 @@ void register_benchmarks() {
         ->ArgName("threads")
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
-    for (const std::int64_t block : {0, 256, 512, 2048, 4096})
+    auto step = [&](std::int64_t plan, std::int64_t size) {
       benchmark::RegisterBenchmark("FusedStep", BM_FusedStep)
-          ->Args({block, t})
-          ->ArgNames({"block", "threads"})
+          ->Args({plan, size, t})
+          ->ArgNames({"plan", "size", "threads"})
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
+    };
+    step(2, 0);  // automatic
+    for (const std::int64_t block : {0, 512, 2048}) step(0, block);
+    for (const std::int64_t tokens : {32, 64, 128, 256, 512}) step(1, tokens);
     benchmark::RegisterBenchmark("FusedEval", BM_FusedEval)
         ->Arg(t)
         ->ArgName("threads")
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }
+  // The sweep on the most threads only: each point is one step of 0.4 to 5 TFLOP.
+  const std::int64_t most = threads.back();
+  auto sweep = [&](std::int64_t N, std::int64_t V, std::int64_t d) {
+    benchmark::RegisterBenchmark("FusedSweep", BM_FusedSweep)
+        ->Args({N, V, d, most})
+        ->ArgNames({"N", "V", "d", "threads"})
+        ->Unit(benchmark::kMillisecond)
+        ->Iterations(1)
+        ->UseRealTime();
+  };
+  for (const std::int64_t N : {1024, 4096, 16384}) sweep(N, kV, kD);
+  for (const std::int64_t V : {32768, 131072, 262144}) sweep(4096, V, kD);
+  sweep(1024, 256000, 2048);  // Gemma's head
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <benchmark/benchmark.h>
 
 #include <Eigen/Core>
+#include <embedhead/gemm_backend.hpp>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -60,6 +61,9 @@ inline int run_benchmarks(int argc, char** argv, void (*register_benchmarks)()) 
                                            "." + std::to_string(EIGEN_MINOR_VERSION) + ", " +
                                            Eigen::SimdInstructionSetsInUse() + ", " +
                                            std::to_string(Eigen::nbThreads()) + " thread(s)");
+  const embedhead::GemmBackendInfo gemm = embedhead::gemm_backend();
+  benchmark::AddCustomContext("gemm", gemm.name + ", kernels: " + gemm.kernels +
+                                          (gemm.warning.empty() ? "" : ", WARNING: " + gemm.warning));
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -5,6 +5,7 @@
 //                  dW += dlogits^T h, db += column sums (accumulated).           4*N*V*d flops
 //                  zero_grad is outside the loop: after the first dense contribution it is one
 //                  V*d memset (154 MB), under 2% of a backward, and would blur the GFLOP/s.
+//   FmaPeak        16 independent chains of packet FMAs: one core's FMA peak, the limit of the above
 //   EigenGemm      plain Eigen products in the same binary, as baselines:
 //                    square 2048^3 (C = A B): the measured single-core GEMM peak;
 //                    head shape (h W^T with plain matrices): what the forward costs without the
@@ -194,7 +195,17 @@ void BM_EigenGemm(benchmark::State& state) {
   set_flops(state, 2.0 * static_cast<double>(M) * static_cast<double>(K) * static_cast<double>(N));
 }
 
+// One core's FMA peak (bench_support::fma_peak_kernel): HeadForward / FmaPeak is the head's share of it.
+void BM_FmaPeak(benchmark::State& state) {
+  float sink = 0;
+  double flops = 0;
+  for (auto _ : state) flops = bench_support::fma_peak_kernel(1 << 24, &sink);
+  benchmark::DoNotOptimize(sink);
+  set_flops(state, flops);
+}
+
 void register_benchmarks() {
+  benchmark::RegisterBenchmark("FmaPeak", BM_FmaPeak)->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("EigenGemm/square", BM_EigenGemm)
       ->Args({2048, 2048, 2048, 0})
       ->ArgNames({"M", "K", "N", "transposed_B"})

@@ -5,7 +5,9 @@
 #      mpirun must be among them);
 #   2. a clang libFuzzer build that replays the corpus and fuzzes the safetensors reader for a
 #      bounded time;
-#   3. a clang ASan+UBSan build of the tests (the clang build of the test suite) and its ctest.
+#   3. a clang ASan+UBSan build of the tests (the clang build of the test suite) and its ctest,
+#      with every matrix product through the CBLAS backend (serial OpenBLAS: embedhead::cblas), so
+#      the suite runs against Eigen in part 1 and against a BLAS here.
 # The fuzzer is built in the clang ASan+UBSan tree, without -DNDEBUG: the tests at -O0 with line
 # tables (-gline-tables-only: file:line stacks), the fuzzer at -O1 -g (fuzz/CMakeLists.txt).
 #
@@ -93,6 +95,8 @@ if [ "$clang_tree" = "1" ]; then
     -DEMBEDHEAD_CHECK_HEADERS=OFF \
     -DEMBEDHEAD_BUILD_BENCHMARKS=OFF \
     -DEMBEDHEAD_BUILD_EXAMPLES=OFF \
+    -DEMBEDHEAD_CBLAS=OpenBLAS \
+    -DEMBEDHEAD_TEST_CBLAS=ON \
     -DEMBEDHEAD_BUILD_FUZZERS="$fuzzers"
 fi
 

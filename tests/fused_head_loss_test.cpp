@@ -147,6 +147,28 @@ std::vector<Variant> variants(Index V) {
   return list;
 }
 
+// The walks over the logits to test: the two-pass vocabulary blocks, and token chunks of `tokens`
+// tokens (memory_budget set to hold exactly that many rows of `classes` logits; 0: automatic, all
+// the tokens of these small problems in one chunk).
+struct PlanCase {
+  const char* name;
+  embedhead::FusedPlan plan;
+  Index tokens;
+};
+const std::vector<PlanCase>& plan_cases() {
+  static const std::vector<PlanCase> list{{"vocab_blocks", embedhead::FusedPlan::vocab_blocks, 0},
+                                          {"token_chunks of 1", embedhead::FusedPlan::token_chunks, 1},
+                                          {"token_chunks of 4", embedhead::FusedPlan::token_chunks, 4},
+                                          {"automatic", embedhead::FusedPlan::automatic, 0}};
+  return list;
+}
+template <typename Scalar>
+FusedHeadLossOptions with_plan(FusedHeadLossOptions options, const PlanCase& plan, Index classes) {
+  options.plan = plan.plan;
+  options.memory_budget = plan.tokens * classes * static_cast<Index>(sizeof(Scalar));
+  return options;
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("fused head loss equals the unfused head + loss + head backward", "[fused_head_loss][unfused]",
@@ -158,26 +180,29 @@ TEMPLATE_TEST_CASE("fused head loss equals the unfused head + loss + head backwa
   p.targets(2, 6) = -100;
   const RowMatrix<Scalar> no_weights(0, 1);
   for (const Variant& variant : variants(V)) {
-    for (Index block : {Index(0), Index(1), Index(8), Index(1000)}) {
-      for (bool with_bias : {true, false}) {
-        CAPTURE(variant.name, block, with_bias);
-        FusedHeadLossOptions options = variant.options;
-        options.vocab_block = block;
-        Problem<Scalar> q = p;  // the same two tokens ignored, whatever ignore_index is
-        q.targets(0, 2) = q.targets(2, 6) = options.ignore_index;
-        const Outputs expected = unfused<Scalar>(q, with_bias, options);
-        const Outputs actual = fused<Scalar>(q, with_bias, options, no_weights);
-        CHECK(actual.result.count == q.N - 2);
-        CHECK(actual.result.count == expected.result.count);
-        CHECK(actual.result.weight_sum == expected.result.weight_sum);
-        CHECK_THAT(actual.result.loss, WithinRel(expected.result.loss, tolerance<Scalar>()));
-        CHECK_THAT(actual.result.sum, WithinRel(expected.result.sum, tolerance<Scalar>()));
-        CHECK_THAT(actual.result.z_loss,
-                   WithinRel(expected.result.z_loss, 1e-4) || WithinAbs(expected.result.z_loss, 1e-12));
-        CHECK(close(actual.dh, expected.dh, tolerance<Scalar>()));
-        CHECK(close(actual.dW, expected.dW, tolerance<Scalar>()));
-        CHECK(close(actual.db, expected.db, tolerance<Scalar>()));
-        CHECK(close(actual.losses, expected.losses, tolerance<Scalar>()));
+    for (const PlanCase& plan : plan_cases()) {
+      for (Index block : {Index(0), Index(1), Index(8), Index(1000)}) {
+        for (bool with_bias : {true, false}) {
+          CAPTURE(variant.name, plan.name, block, with_bias);
+          FusedHeadLossOptions options = with_plan<Scalar>(variant.options, plan,
+                                                           variant.classes > 0 ? variant.classes : V);
+          options.vocab_block = block;
+          Problem<Scalar> q = p;  // the same two tokens ignored, whatever ignore_index is
+          q.targets(0, 2) = q.targets(2, 6) = options.ignore_index;
+          const Outputs expected = unfused<Scalar>(q, with_bias, options);
+          const Outputs actual = fused<Scalar>(q, with_bias, options, no_weights);
+          CHECK(actual.result.count == q.N - 2);
+          CHECK(actual.result.count == expected.result.count);
+          CHECK(actual.result.weight_sum == expected.result.weight_sum);
+          CHECK_THAT(actual.result.loss, WithinRel(expected.result.loss, tolerance<Scalar>()));
+          CHECK_THAT(actual.result.sum, WithinRel(expected.result.sum, tolerance<Scalar>()));
+          CHECK_THAT(actual.result.z_loss,
+                     WithinRel(expected.result.z_loss, 1e-4) || WithinAbs(expected.result.z_loss, 1e-12));
+          CHECK(close(actual.dh, expected.dh, tolerance<Scalar>()));
+          CHECK(close(actual.dW, expected.dW, tolerance<Scalar>()));
+          CHECK(close(actual.db, expected.db, tolerance<Scalar>()));
+          CHECK(close(actual.losses, expected.losses, tolerance<Scalar>()));
+        }
       }
     }
   }
@@ -196,14 +221,17 @@ TEMPLATE_TEST_CASE("fused head loss spans several vocabulary and width blocks", 
   options.label_smoothing = 0.05;
   options.vocab_block = 1500;  // blocks of 1500, 1500 and 1160 rows, each in pieces of 256
   const Outputs expected = unfused<Scalar>(p, true, options);
-  const Outputs actual = fused<Scalar>(p, true, options, RowMatrix<Scalar>(0, 1));
-  CHECK_THAT(actual.result.loss, WithinRel(expected.result.loss, tolerance<Scalar>()));
-  CHECK(close(actual.dh, expected.dh, 4 * tolerance<Scalar>()));
-  CHECK(close(actual.dW, expected.dW, 4 * tolerance<Scalar>()));
-  CHECK(close(actual.db, expected.db, 4 * tolerance<Scalar>()));
-  // Padding rows of W receive nothing.
-  CHECK(actual.dW.bottomRows(40).cwiseAbs().maxCoeff() == 0.0);
-  CHECK(actual.db.bottomRows(40).cwiseAbs().maxCoeff() == 0.0);
+  for (const PlanCase& plan : plan_cases()) {
+    CAPTURE(plan.name);
+    const Outputs actual = fused<Scalar>(p, true, with_plan<Scalar>(options, plan, V - 40), RowMatrix<Scalar>(0, 1));
+    CHECK_THAT(actual.result.loss, WithinRel(expected.result.loss, tolerance<Scalar>()));
+    CHECK(close(actual.dh, expected.dh, 4 * tolerance<Scalar>()));
+    CHECK(close(actual.dW, expected.dW, 4 * tolerance<Scalar>()));
+    CHECK(close(actual.db, expected.db, 4 * tolerance<Scalar>()));
+    // Padding rows of W receive nothing.
+    CHECK(actual.dW.bottomRows(40).cwiseAbs().maxCoeff() == 0.0);
+    CHECK(actual.db.bottomRows(40).cwiseAbs().maxCoeff() == 0.0);
+  }
 }
 
 TEMPLATE_TEST_CASE("fused head loss with per-token weights matches the naive definition",
@@ -214,48 +242,49 @@ TEMPLATE_TEST_CASE("fused head loss with per-token weights matches the naive def
   p.targets(1, 3) = -100;
   RowMatrix<Scalar> weights = random_matrix<Scalar>(p.N, 1, 304, 1.0).cwiseAbs();
   weights(4, 0) = 0;  // a zero weight counts in `count` but adds nothing
-  for (bool mean : {true, false}) {
-    FusedHeadLossOptions options;
-    options.reduction = mean ? Reduction::mean : Reduction::sum;
-    options.label_smoothing = 0.1;
-    options.z_loss = 2e-3;
-    options.softcap = 2.5;
-    options.valid_vocab = classes;
-    options.gradient_scale = 0.5;
-    options.vocab_block = 5;
-    CAPTURE(mean);
-    RowMatrix<Scalar> lse;
-    const Outputs actual = fused<Scalar>(p, true, options, weights, &lse);
+  for (const PlanCase& plan : plan_cases())
+    for (bool mean : {true, false}) {
+      FusedHeadLossOptions options = with_plan<Scalar>({}, plan, classes);
+      options.reduction = mean ? Reduction::mean : Reduction::sum;
+      options.label_smoothing = 0.1;
+      options.z_loss = 2e-3;
+      options.softcap = 2.5;
+      options.valid_vocab = classes;
+      options.gradient_scale = 0.5;
+      options.vocab_block = 5;
+      CAPTURE(plan.name, mean);
+      RowMatrix<Scalar> lse;
+      const Outputs actual = fused<Scalar>(p, true, options, weights, &lse);
 
-    RowMatrix<double> logits = p.h.template cast<double>() * p.W.template cast<double>().transpose();
-    logits.rowwise() += p.bias.template cast<double>().col(0).transpose();
-    naive::LossOptions reference;
-    reference.mean = mean;
-    reference.label_smoothing = 0.1;
-    reference.z_loss = 2e-3;
-    reference.softcap = 2.5;
-    reference.classes = classes;
-    reference.gradient_scale = 0.5;
-    std::vector<double> w(weights.data(), weights.data() + weights.size());
-    const naive::LossResult expected = naive::full_loss(logits, p.targets, w, reference);
+      RowMatrix<double> logits = p.h.template cast<double>() * p.W.template cast<double>().transpose();
+      logits.rowwise() += p.bias.template cast<double>().col(0).transpose();
+      naive::LossOptions reference;
+      reference.mean = mean;
+      reference.label_smoothing = 0.1;
+      reference.z_loss = 2e-3;
+      reference.softcap = 2.5;
+      reference.classes = classes;
+      reference.gradient_scale = 0.5;
+      std::vector<double> w(weights.data(), weights.data() + weights.size());
+      const naive::LossResult expected = naive::full_loss(logits, p.targets, w, reference);
 
-    CHECK(actual.result.count == expected.count);
-    CHECK_THAT(actual.result.weight_sum, WithinRel(expected.weight_sum, 1e-12));
-    CHECK_THAT(actual.result.loss, WithinRel(expected.loss, 10 * tolerance<Scalar>()));
-    const RowMatrix<double> dh = expected.dlogits * p.W.template cast<double>();
-    const RowMatrix<double> dW = expected.dlogits.transpose() * p.h.template cast<double>();
-    const RowMatrix<double> db = expected.dlogits.colwise().sum().transpose();
-    CHECK(close(actual.dh, dh, 10 * tolerance<Scalar>()));
-    CHECK(close(actual.dW, dW, 10 * tolerance<Scalar>()));
-    CHECK(close(actual.db, db, 10 * tolerance<Scalar>()));
-    for (Index n = 0; n < p.N; ++n) {
-      CAPTURE(n);
-      CHECK_THAT(static_cast<double>(lse(n, 0)), WithinAbs(expected.lse[n], 10 * tolerance<Scalar>()));
-      CHECK_THAT(actual.losses(n, 0), WithinAbs(expected.losses[n], 10 * tolerance<Scalar>()));
+      CHECK(actual.result.count == expected.count);
+      CHECK_THAT(actual.result.weight_sum, WithinRel(expected.weight_sum, 1e-12));
+      CHECK_THAT(actual.result.loss, WithinRel(expected.loss, 10 * tolerance<Scalar>()));
+      const RowMatrix<double> dh = expected.dlogits * p.W.template cast<double>();
+      const RowMatrix<double> dW = expected.dlogits.transpose() * p.h.template cast<double>();
+      const RowMatrix<double> db = expected.dlogits.colwise().sum().transpose();
+      CHECK(close(actual.dh, dh, 10 * tolerance<Scalar>()));
+      CHECK(close(actual.dW, dW, 10 * tolerance<Scalar>()));
+      CHECK(close(actual.db, db, 10 * tolerance<Scalar>()));
+      for (Index n = 0; n < p.N; ++n) {
+        CAPTURE(n);
+        CHECK_THAT(static_cast<double>(lse(n, 0)), WithinAbs(expected.lse[n], 10 * tolerance<Scalar>()));
+        CHECK_THAT(actual.losses(n, 0), WithinAbs(expected.losses[n], 10 * tolerance<Scalar>()));
+      }
+      CHECK(lse(1 * 9 + 3, 0) == Scalar(0));  // the ignored token
+      CHECK(actual.dh.row(1 * 9 + 3).cwiseAbs().maxCoeff() == 0.0);
     }
-    CHECK(lse(1 * 9 + 3, 0) == Scalar(0));  // the ignored token
-    CHECK(actual.dh.row(1 * 9 + 3).cwiseAbs().maxCoeff() == 0.0);
-  }
 }
 
 TEST_CASE("fused head loss gradient check in double, every option on", "[fused_head_loss][gradient]") {
@@ -272,18 +301,23 @@ TEST_CASE("fused head loss gradient check in double, every option on", "[fused_h
   options.softcap = 1.5;
   options.valid_vocab = classes;
   options.vocab_block = 4;
-  const Outputs analytic = fused<double>(p, true, options, weights);
-  auto loss = [&] {
-    FusedHeadLossWorkspace<double> ws;
-    RowMatrix<double> lse(0, 1), losses(0, 1);
-    return embedhead::fused_head_loss<double>(p.h, p.W, p.bias, p.targets, ws, options, extras_of(weights, lse, losses))
-        .loss;
-  };
-  CHECK(naive::max_relative_error(analytic.dh, naive::numerical_gradient(p.h, loss), 1e-6) < 1e-6);
-  CHECK(naive::max_relative_error(analytic.dW, naive::numerical_gradient(p.W, loss), 1e-6) < 1e-6);
-  CHECK(naive::max_relative_error(analytic.db, naive::numerical_gradient(p.bias, loss), 1e-6) < 1e-6);
-  // Padding rows of W are not classes: the loss does not depend on them.
-  CHECK(analytic.dW.bottomRows(V - classes).cwiseAbs().maxCoeff() == 0.0);
+  for (const PlanCase& plan : plan_cases()) {
+    CAPTURE(plan.name);
+    const FusedHeadLossOptions planned = with_plan<double>(options, plan, classes);
+    const Outputs analytic = fused<double>(p, true, planned, weights);
+    auto loss = [&] {
+      FusedHeadLossWorkspace<double> ws;
+      RowMatrix<double> lse(0, 1), losses(0, 1);
+      return embedhead::fused_head_loss<double>(p.h, p.W, p.bias, p.targets, ws, planned,
+                                                extras_of(weights, lse, losses))
+          .loss;
+    };
+    CHECK(naive::max_relative_error(analytic.dh, naive::numerical_gradient(p.h, loss), 1e-6) < 1e-6);
+    CHECK(naive::max_relative_error(analytic.dW, naive::numerical_gradient(p.W, loss), 1e-6) < 1e-6);
+    CHECK(naive::max_relative_error(analytic.db, naive::numerical_gradient(p.bias, loss), 1e-6) < 1e-6);
+    // Padding rows of W are not classes: the loss does not depend on them.
+    CHECK(analytic.dW.bottomRows(V - classes).cwiseAbs().maxCoeff() == 0.0);
+  }
 }
 
 TEMPLATE_TEST_CASE("fused_head_loss (no gradient) gives the same loss and writes no gradient",
@@ -295,14 +329,18 @@ TEMPLATE_TEST_CASE("fused_head_loss (no gradient) gives the same loss and writes
   options.z_loss = 1e-3;
   options.vocab_block = 5;
   const RowMatrix<Scalar> no(0, 1);
-  const Outputs with_gradient = fused<Scalar>(p, true, options, no);
-  FusedHeadLossWorkspace<Scalar> ws;
-  RowMatrix<Scalar> lse(0, 1), losses(p.N, 1);
-  const CrossEntropyResult r = embedhead::fused_head_loss<Scalar>(p.h, p.W, p.bias, p.targets, ws, options,
-                                                                  extras_of(no, lse, losses));
-  // The loss is pass 1 of forward_backward: bit-identical.
-  CHECK(r.loss == with_gradient.result.loss);
-  CHECK(same_values(RowMatrix<double>(losses.template cast<double>()), with_gradient.losses));
+  for (const PlanCase& plan : plan_cases()) {
+    CAPTURE(plan.name);
+    const FusedHeadLossOptions planned = with_plan<Scalar>(options, plan, 23);
+    const Outputs with_gradient = fused<Scalar>(p, true, planned, no);
+    FusedHeadLossWorkspace<Scalar> ws;
+    RowMatrix<Scalar> lse(0, 1), losses(p.N, 1);
+    const CrossEntropyResult r = embedhead::fused_head_loss<Scalar>(p.h, p.W, p.bias, p.targets, ws, planned,
+                                                                    extras_of(no, lse, losses));
+    // The loss is forward_backward's walk without the backward: bit-identical.
+    CHECK(r.loss == with_gradient.result.loss);
+    CHECK(same_values(RowMatrix<double>(losses.template cast<double>()), with_gradient.losses));
+  }
 }
 
 TEMPLATE_TEST_CASE("FusedHeadLoss layer: tied and untied, equal to the unfused layers",
@@ -503,6 +541,26 @@ TEMPLATE_TEST_CASE("fused head loss rejects bad input and writes nothing", "[fus
     CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
                            with([](FusedHeadLossOptions& o) { o.vocab_block = -2; })),
                       Contains("vocab_block = -2 outside [0, inf) (0: automatic)"));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                           with([](FusedHeadLossOptions& o) { o.memory_budget = -1; })),
+                      Contains("memory_budget = -1 outside [0, inf) (0: 50331648 bytes)"));
+    // token_chunks must hold one token's logits: V = 7 scalars (5 with valid_vocab = 5).
+    const Index row = 7 * static_cast<Index>(sizeof(Scalar));
+    CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                           with([&](FusedHeadLossOptions& o) {
+                             o.plan = embedhead::FusedPlan::token_chunks;
+                             o.memory_budget = row - 1;
+                           })),
+                      Contains("memory_budget = " + std::to_string(row - 1) + " bytes outside [" + std::to_string(row) +
+                               ", inf) for plan token_chunks: one token's logits are " + std::to_string(row) +
+                               " bytes"));
+    CHECK_THROWS_WITH(
+        call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses, with([&](FusedHeadLossOptions& o) {
+               o.plan = embedhead::FusedPlan::token_chunks;
+               o.valid_vocab = 5;
+               o.memory_budget = 5 * static_cast<Index>(sizeof(Scalar)) - 1;
+             })),
+        Contains("for plan token_chunks: one token's logits are " + std::to_string(5 * sizeof(Scalar)) + " bytes"));
     CHECK_THROWS_AS(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
                          with([](FusedHeadLossOptions& o) { o.z_loss = -1; })),
                     embedhead::value_error);

@@ -462,10 +462,16 @@ TEMPLATE_TEST_CASE("low precision: head backward", "[low_precision][head][backwa
       CHECK(worst_against_bound(head.weight_grad().to_dense(), f_dW.template cast<double>(),
                                 gd.cwiseAbs().transpose() * hd.cwiseAbs(), 2 * N) <= 1.0);
 
-      // A second call accumulates: exactly twice (x + x is exact).
+      // A second call accumulates: exactly twice (x + x is exact) where the GEMM adds its finished
+      // product to dW (Eigen, OpenBLAS); BLIS's small-matrix kernels fold the existing dW into
+      // their sums, so there it is twice within rounding.
       const RowMatrix<float> dW1 = head.weight_grad().to_dense(), db1 = head.bias_grad().to_dense();
       head.backward(h, dlogits);
+#if defined(EMBEDHEAD_CBLAS_BLIS)
+      CHECK(test_support::close(head.weight_grad().to_dense(), RowMatrix<float>(2 * dW1), 1e-6));
+#else
       CHECK(first_difference(head.weight_grad().to_dense(), RowMatrix<float>(2 * dW1)) == "");
+#endif
       CHECK(first_difference(head.bias_grad().to_dense(), RowMatrix<float>(2 * db1)) == "");
       head.zero_grad();
       CHECK(head.weight_grad().to_dense().isZero(0));

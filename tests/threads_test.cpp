@@ -110,6 +110,12 @@ TEMPLATE_TEST_CASE("threads: the fused head loss is bit-identical for 1 and 2 th
   options.label_smoothing = 0.1;
   options.softcap = 10;
   options.valid_vocab = V - 10;
+  // Both plans: two passes over vocabulary blocks, and token chunks of 5 tokens (the last of 2 after
+  // the ignored one), each over the whole vocabulary in pieces of 1024 rows.
+  const bool chunks = GENERATE(false, true);
+  CAPTURE(chunks);
+  options.plan = chunks ? embedhead::FusedPlan::token_chunks : embedhead::FusedPlan::vocab_blocks;
+  options.memory_budget = 5 * (V - 10) * static_cast<Index>(sizeof(S));
   struct Out {
     double loss;
     RowMatrix<S> dh, dW, db, lse;

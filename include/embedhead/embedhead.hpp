@@ -23,6 +23,7 @@
 #include "cross_entropy.hpp"
 #include "dropout.hpp"
 #include "fused_head_loss.hpp"
+#include "gemm_backend.hpp"
 #include "low_precision.hpp"
 #include "output_projection.hpp"
 #include "parameter_count.hpp"

@@ -1,5 +1,5 @@
-// embedhead: the LM head and its cross-entropy fused, a block of the vocabulary at a time, so
-// the [N, V] logits never exist.
+// embedhead: the LM head and its cross-entropy fused, a chunk of tokens or a block of the
+// vocabulary at a time, so the [N, V] logits never exist.
 //
 // For hidden states h [N, d], the head W [V, d] (+ bias b [V]) and targets y [N], one call gives
 //   loss                      = reduce_n w_n (ce_n + z_loss lse_n^2)       (cross_entropy.hpp)
@@ -7,16 +7,25 @@
 //   dW  [V, d]  (accumulated) += dz^T h
 //   db  [V]     (accumulated) += column sums of dz
 // with dz = d loss / d logits: what OutputProjection::forward + cross_entropy_forward_backward +
-// OutputProjection::backward compute (the unfused path), in a buffer of [N, vocab_block] logits
-// instead of [N, V]:
-//   pass 1, for each block of vocab_block rows of W: logits = h W_block^T (+ b), and each row's
-//           running max and sum of exponentials (the online softmax of Milakov & Gimelshein
-//           2018), its target logit and, for label smoothing, its sum of logits -> lse, loss.
-//   pass 2, for each block again: the same logits recomputed, turned into dz in place with the
-//           lse from pass 1, then dW_block += dz^T h, db_block += sums of dz, dh += dz W_block.
-// The price of never holding the logits is the recomputation: 8 N V d flops instead of the
-// unfused 6 N V d (the loss alone, fused_head_loss, costs 2 N V d as unfused). Every GEMM keeps
-// all N tokens, so each runs at full GEMM speed and W and dW are each streamed once per pass.
+// OutputProjection::backward compute (the unfused path), without ever holding the [N, V] logits.
+// Two plans walk them (FusedPlan, chosen per call by FusedHeadLossOptions::plan):
+//   token_chunks  for each chunk of n tokens (n from memory_budget, default 48 MiB of logits):
+//                 logits [n, V] = h_chunk W^T (+ b), each row's max, sum of exponentials, target
+//                 logit and sum of logits (online over vocab_block columns at a time), lse and
+//                 loss, dz in place, then dW += dz^T h_chunk, db += sums of dz, dh_chunk = dz W.
+//                 6 N V d flops, as unfused: nothing is recomputed. dW is streamed once per chunk.
+//   vocab_blocks  pass 1, for each block of vocab_block rows of W: logits [N, block] = h
+//                 W_block^T (+ b) and each row's running statistics (the online softmax of
+//                 Milakov & Gimelshein 2018) -> lse, loss; pass 2, for each block again: the same
+//                 logits recomputed, turned into dz with the lse from pass 1, then dW_block +=
+//                 dz^T h, db_block += sums of dz, dh += dz W_block. 8 N V d flops, a buffer of N
+//                 vocab_block (about 2 % of the logits): for a vocabulary so large that the budget
+//                 holds too few tokens for dW's product to run at GEMM speed.
+// automatic (the default) takes token_chunks when the budget holds kFusedMinTokenChunk (128)
+// tokens or all of them (GPT-2's V = 50,257: 250 tokens), else vocab_blocks; bench/RESULTS.md has
+// the measurements behind it. The two agree within float rounding (the loss of each row is summed
+// over the same blocks of columns; dW's sums over tokens are split differently). The loss alone
+// (fused_head_loss, FusedHeadLoss::forward: 2 N V d flops) walks the same way without the backward.
 // Tokens whose target is ignore_index are dropped before any arithmetic.
 //
 // Every option of the plain loss applies (CrossEntropyOptions: ignore_index, reductions, label
@@ -28,9 +37,10 @@
 // shard of W's rows, with the per-row statistics and dh combined across ranks in three
 // all-reduces (detail::fused_head_loss_pass's VocabSlice, implemented there over the Communicator).
 //
-// Threads (when built with OpenMP): each GEMM is cut into fixed pieces -- 256 rows of the block
-// for the logits and dW, 128 columns of d for dh -- and each row's softmax is one thread's, so
-// the result is bit-identical for any thread count and across runs. The idea of never
+// Threads (when built with OpenMP): each GEMM is cut into fixed pieces -- rows of W for the logits
+// and dW (256 within a two-pass block, 1024 across a token chunk's vocabulary), 128 columns of d
+// for dh -- and each row's softmax is one thread's, so the result is bit-identical for any thread
+// count and across runs (for the default Eigen backend and the serial CBLAS one, detail/gemm.hpp). The idea of never
 // materialising the logits is Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024) and Cut
 // Cross-Entropy's (Wijmans et al. 2024); the code is this library's own.
 #ifndef EMBEDHEAD_FUSED_HEAD_LOSS_HPP
@@ -58,12 +68,31 @@
 
 namespace embedhead {
 
+// How forward_backward walks the [N, V] logits it never holds (the top of this file):
+//   token_chunks  one pass: n tokens at a time, their logits [n, V] computed once, turned into dz
+//                 in place and used at once for dh and dW -- 6 N V d flops;
+//   vocab_blocks  two passes over blocks of vocab_block rows of W, all tokens at once, the logits
+//                 recomputed in the second -- 8 N V d flops, a buffer of N * vocab_block;
+//   automatic     token_chunks when memory_budget holds at least kFusedMinTokenChunk tokens' rows of
+//                 logits (or all of them), else vocab_blocks (bench/RESULTS.md has the measurements).
+// The loss alone (forward, fused_head_loss) walks the logits the same way without the backward
+// (2 N V d flops either way), so it is forward_backward's loss bit for bit under the same options.
+enum class FusedPlan { automatic, token_chunks, vocab_blocks };
+
 struct FusedHeadLossOptions : CrossEntropyOptions {
   // Rows of W per block: the logits buffer is [N, vocab_block]. 0 picks V / 50 rounded up to a
   // multiple of 64, within [256, 4096] (and at most V): about 2 % of the logits' memory, chosen
   // with bench/fused_head_loss_bench.cpp. It fixes the order of the floating-point sums, so the
-  // result depends on it (within rounding) but never on the thread count.
+  // result depends on it (within rounding) but never on the thread count. The token-chunk plan
+  // sums each row's softmax statistics over the same blocks.
   Index vocab_block = 0;
+  FusedPlan plan = FusedPlan::automatic;
+  // Bytes the token-chunk plan may hold as logits: a chunk is n = memory_budget / (C sizeof(Scalar))
+  // tokens (C: the classes, a shard's on a vocabulary-parallel rank), at most all the counted ones.
+  // 0: kFusedDefaultBudget (48 MiB: 250 tokens of GPT-2's V = 50,257 in float, 24 % of the logits
+  // of N = 1024). The chunk fixes dW's order of summation over tokens, so the result depends on it
+  // (within rounding), never on the thread count.
+  Index memory_budget = 0;
 };
 
 // Buffers reused across calls, so the steady state allocates nothing but Eigen's GEMM packing
@@ -110,18 +139,38 @@ inline Index fused_vocab_block(Index option, Index classes) {
   return std::min(classes, std::clamp<Index>(rows, 256, 4096));
 }
 
+inline Index fused_memory_budget(const FusedHeadLossOptions& options) {
+  return options.memory_budget > 0 ? options.memory_budget : kFusedDefaultBudget;
+}
+
+// The token-chunk plan's tokens per chunk for `count` counted tokens whose logits rows are
+// `columns` long (the classes; the widest shard's rows with a slice), or 0 for the two-pass plan:
+// as many as memory_budget holds, at most count; automatic takes it from kFusedMinTokenChunk
+// tokens (or all count of them). \pre check_fused_head_loss passed (token_chunks: at least one row fits).
+inline Index fused_token_chunk(const FusedHeadLossOptions& options, Index count, Index columns, Index scalar_bytes) {
+  if (options.plan == FusedPlan::vocab_blocks || count == 0) return 0;
+  const Index row_bytes = std::max<Index>(columns, 1) * scalar_bytes;
+  const Index fits = std::min(count, fused_memory_budget(options) / row_bytes);
+  if (options.plan == FusedPlan::token_chunks) return std::max<Index>(fits, 1);
+  return fits >= std::min(count, kFusedMinTokenChunk) ? fits : 0;
+}
+
 // A vocabulary shard for fused_head_loss_pass: W holds rows [begin, begin + W.rows()) of the
 // global [V, d] head, and the other rows live on other ranks. Its two collective steps are the
 // caller's (parallel/vocab_parallel_fused_head_loss.hpp does them over a Communicator), so this
 // single-process header knows nothing of ranks.
 template <typename Scalar>
 struct VocabSlice {
-  Index begin = 0;  // global row of W's row 0
-  Index V = 0;      // the global vocabulary
-  VocabSlice(Index begin_row, Index vocabulary) : begin(begin_row), V(vocabulary) {}
+  Index begin = 0;   // global row of W's row 0
+  Index V = 0;       // the global vocabulary
+  Index widest = 0;  // the most rows any rank's shard has (the same on every rank)
+  VocabSlice(Index begin_row, Index vocabulary, Index widest_rows)
+      : begin(begin_row), V(vocabulary), widest(widest_rows) {}
   virtual ~VocabSlice() = default;
-  // After pass 1: ws.row_stats[0, count) over the local columns -> the same over all V columns.
-  virtual void combine_row_stats(FusedHeadLossWorkspace<Scalar>& ws, Index count, const SoftmaxTerms& terms) const = 0;
+  // After pass 1 (or a token chunk's statistics): ws.row_stats[first, first + rows) over the local
+  // columns -> the same over all V columns.
+  virtual void combine_row_stats(FusedHeadLossWorkspace<Scalar>& ws, Index first, Index rows,
+                                 const SoftmaxTerms& terms) const = 0;
   // At the end: dh [size] (contiguous), this rank's partial sum -> the sum over every rank.
   virtual void sum_over_ranks(Scalar* dh, Index size) const = 0;
 };
@@ -149,6 +198,20 @@ void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, I
   if (options.vocab_block < 0) {
     std::ostringstream message;
     message << where << ": vocab_block = " << options.vocab_block << " outside [0, inf) (0: automatic)";
+    throw value_error(message.str());
+  }
+  if (options.memory_budget < 0) {
+    std::ostringstream message;
+    message << where << ": memory_budget = " << options.memory_budget << " outside [0, inf) (0: " << kFusedDefaultBudget
+            << " bytes)";
+    throw value_error(message.str());
+  }
+  // token_chunks must hold one row of logits: the classes (a shard's rows, vocabulary-parallel).
+  const Index row_bytes = (W_rows == V ? classes_of(options, V) : W_rows) * static_cast<Index>(sizeof(Scalar));
+  if (options.plan == FusedPlan::token_chunks && fused_memory_budget(options) < row_bytes) {
+    std::ostringstream message;
+    message << where << ": memory_budget = " << fused_memory_budget(options) << " bytes outside [" << row_bytes
+            << ", inf) for plan token_chunks: one token's logits are " << row_bytes << " bytes";
     throw value_error(message.str());
   }
   check_targets(where, targets, N, classes_of(options, V), options.ignore_index, V);
@@ -244,7 +307,11 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   // about 2 % of the logits this rank would otherwise hold, whatever the number of ranks; one rank
   // uses the single-process block. (A shard that is all padding has no block and no pass.)
   const Index block = fused_vocab_block(options.vocab_block, slice ? local_classes : classes);
-  ws.logits.resize(static_cast<std::size_t>(count * block));
+  // The token chunk, the same on every rank (each makes one collective step per chunk): from the
+  // widest shard's classes with a slice.
+  const Index chunk = fused_token_chunk(options, count, slice ? slice->widest : classes, sizeof(Scalar));
+  const bool one_pass = chunk > 0;
+  ws.logits.resize(static_cast<std::size_t>(one_pass ? chunk * local_classes : count * block));
   // No column yet: max -inf, sums 0 (a shard without the target adds s_y = 0).
   ws.row_stats.assign(static_cast<std::size_t>(count), SoftmaxRowStats{});
   ws.lse.resize(static_cast<std::size_t>(count));
@@ -252,13 +319,27 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   const double softcap = options.softcap;
   const Scalar cap = static_cast<Scalar>(softcap);
 
-  // logits [count, width] = hidden W[v0, v0 + width)^T (+ b), then soft-capped; in fixed pieces.
-  auto block_logits = [&](Index v0, Index width) {
-    Eigen::Map<RowMatrix<Scalar>> logits(ws.logits.data(), count, width);
-    const gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::col_major> product{
-        count,           width,         d,     hidden.data(),   hidden.outerStride(), W.data() + v0 * W.outerStride(),
-        W.outerStride(), logits.data(), width, gemm::Init::zero};
-    const gemm::Plan pieces{gemm::Split::cols, kFusedRowPiece, true};
+  // The GEMM pieces along the vocabulary: within a two-pass block (a few thousand rows at most)
+  // kFusedRowPiece rows, so a block still gives the threads several pieces; across a token chunk's
+  // whole vocabulary the larger kFusedChunkPiece, whose products run faster.
+  const Index vocab_piece = one_pass ? kFusedChunkPiece : kFusedRowPiece;
+  // logits [rows, width] (leading dimension ld, in ws.logits) = hidden[r0, r0 + rows) W[v0, v0 +
+  // width)^T (+ b), then soft-capped; in fixed pieces of vocab_piece columns.
+  auto logits_of = [&](Index r0, Index rows, Index v0, Index width, Index ld) {
+    Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> logits(ws.logits.data(), rows, width,
+                                                                  Eigen::OuterStride<>(ld));
+    const gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::col_major> product{rows,
+                                                                                     width,
+                                                                                     d,
+                                                                                     hidden.data() +
+                                                                                         r0 * hidden.outerStride(),
+                                                                                     hidden.outerStride(),
+                                                                                     W.data() + v0 * W.outerStride(),
+                                                                                     W.outerStride(),
+                                                                                     logits.data(),
+                                                                                     ld,
+                                                                                     gemm::Init::zero};
+    const gemm::Plan pieces{gemm::Split::cols, vocab_piece, true};
     gemm::run<gemm::Kernel::expression>(product, pieces, [&](Index p0, Index p1) {
       const Index p_width = p1 - p0;
       auto out = logits.middleCols(p0, p_width);
@@ -267,68 +348,102 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
     });
     return logits;
   };
-
-  // ---- pass 1: each row's max, sum of exponentials, target logit and sum of logits ----
-  for (Index v0 = 0; v0 < local_classes; v0 += block) {
-    const Index width = std::min(block, local_classes - v0);
-    auto logits = block_logits(v0, width);
-    parallel_rows(count, [&](Index r) {
-      const std::size_t i = static_cast<std::size_t>(r);
-      const Index y = target_of(ws.tokens[i]) - begin;                         // in W's local numbering
-      ws.row_stats[i].accumulate(logits.row(r).data(), width, y - v0, terms);  // the online rescale
-    });
-  }
-  if (slice) slice->combine_row_stats(ws, count, terms);
-  // lse and the loss of each row, summed in token order.
-  for (Index r = 0; r < count; ++r) {
+  // Row r's statistics over columns [v0, v0 + width) of its logits z (z[0] is column v0).
+  auto accumulate_row = [&](Index r, const Scalar* z, Index v0, Index width) {
     const std::size_t i = static_cast<std::size_t>(r);
-    const Index n = ws.tokens[i];
-    const RowLoss row = row_loss(ws.row_stats[i], terms);
-    ws.lse[i] = row.lse;
-    add_row_loss<Scalar>(row, weight_of(n), result, want_losses ? losses : nullptr, n);
-    if (want_lse) (*lse)(n, 0) = static_cast<Scalar>(row.lse);
-  }
-  finish_reduction(result, options.reduction);
-  if (!gradient) return result;
-
-  // ---- pass 2: dz block by block, then dW, db and dh from it ----
-  for (Index v0 = 0; v0 < local_classes; v0 += block) {
-    const Index width = std::min(block, local_classes - v0);
-    auto logits = block_logits(v0, width);
-    parallel_rows(count, [&](Index r) {
-      // dz from exp(s - lse), the logits recomputed (detail/softmax.hpp has the formulas).
+    const Index y = target_of(ws.tokens[i]) - begin;      // in W's local numbering
+    ws.row_stats[i].accumulate(z, width, y - v0, terms);  // the online rescale
+  };
+  // Rows [r0, r1)'s lse and loss, added in token order.
+  auto finish_rows = [&](Index r0, Index r1) {
+    for (Index r = r0; r < r1; ++r) {
       const std::size_t i = static_cast<std::size_t>(r);
-      const double w = weight_of(ws.tokens[i]) * scale;
-      const SoftmaxGradient<Scalar> k = softmax_gradient_at_lse<Scalar>(ws.lse[i], w, terms);
-      const Index y = target_of(ws.tokens[i]) - begin;  // in W's local numbering
-      apply_softmax_gradient(logits.row(r).data(), width, y - v0, k, terms, /*holds_exp=*/false);
-    });
+      const Index n = ws.tokens[i];
+      const RowLoss row = row_loss(ws.row_stats[i], terms);
+      ws.lse[i] = row.lse;
+      add_row_loss<Scalar>(row, weight_of(n), result, want_losses ? losses : nullptr, n);
+      if (want_lse) (*lse)(n, 0) = static_cast<Scalar>(row.lse);
+    }
+  };
+  // Row r's logits over columns [v0, v0 + width) -> dz, in place, from exp(s - lse) (detail/softmax.hpp).
+  auto gradient_row = [&](Index r, Scalar* z, Index v0, Index width) {
+    const std::size_t i = static_cast<std::size_t>(r);
+    const double w = weight_of(ws.tokens[i]) * scale;
+    const SoftmaxGradient<Scalar> k = softmax_gradient_at_lse<Scalar>(ws.lse[i], w, terms);
+    const Index y = target_of(ws.tokens[i]) - begin;  // in W's local numbering
+    apply_softmax_gradient(z, width, y - v0, k, terms, /*holds_exp=*/false);
+  };
+  // dz [rows, width] (leading dimension ld) of hidden rows [r0, r0 + rows) and W rows [v0, v0 +
+  // width): dW_block += dz^T hidden (with db_block += sums of dz), dhidden rows += dz W_block.
+  auto backward_of = [&](const Scalar* dz, Index ld, Index r0, Index rows, Index v0, Index width) {
     const gemm::Op<Scalar, gemm::Layout::col_major, gemm::Layout::row_major> dW_product{
         width,
         d,
-        count,
-        logits.data(),
-        width,
-        hidden.data(),
+        rows,
+        dz,
+        ld,
+        hidden.data() + r0 * hidden.outerStride(),
         hidden.outerStride(),
         want_dW ? dW->data() + v0 * dW->outerStride() : nullptr,
         want_dW ? dW->outerStride() : 0};
-    const gemm::Plan row_pieces{gemm::Split::rows, kFusedRowPiece, true};
+    const gemm::Plan row_pieces{gemm::Split::rows, vocab_piece, true};
     if (want_dW || want_db)
       gemm::run<gemm::Kernel::expression>(dW_product, row_pieces, [&](Index p0, Index p1) {
-        const Index p_width = p1 - p0;
-        if (want_db) db->col(0).segment(v0 + p0, p_width) += logits.middleCols(p0, p_width).colwise().sum().transpose();
+        if (!want_db) return;
+        const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> dz_piece(dz + p0, rows, p1 - p0,
+                                                                                    Eigen::OuterStride<>(ld));
+        db->col(0).segment(v0 + p0, p1 - p0) += dz_piece.colwise().sum().transpose();
       });
-    const gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::row_major> dh_product{count,
+    const gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::row_major> dh_product{rows,
                                                                                         d,
                                                                                         width,
-                                                                                        logits.data(),
-                                                                                        width,
+                                                                                        dz,
+                                                                                        ld,
                                                                                         W.data() + v0 * W.outerStride(),
                                                                                         W.outerStride(),
-                                                                                        dhidden.data(),
+                                                                                        dhidden.data() +
+                                                                                            r0 * dhidden.outerStride(),
                                                                                         dhidden.outerStride()};
     gemm::run<gemm::Kernel::expression>(dh_product, gemm::Plan{gemm::Split::cols, kFusedDimPiece, true});
+  };
+
+  if (one_pass) {
+    // ---- token chunks: each chunk's logits [rows, local_classes] once, dz in place, then dW, db, dh ----
+    for (Index r0 = 0; r0 < count; r0 += chunk) {
+      const Index rows = std::min(chunk, count - r0);
+      auto logits = logits_of(r0, rows, 0, local_classes, local_classes);
+      // The statistics over the same blocks of columns as pass 1 of vocab_blocks.
+      parallel_rows(rows, [&](Index r) {
+        for (Index v0 = 0; v0 < local_classes; v0 += block)
+          accumulate_row(r0 + r, logits.row(r).data() + v0, v0, std::min(block, local_classes - v0));
+      });
+      if (slice) slice->combine_row_stats(ws, r0, rows, terms);
+      finish_rows(r0, r0 + rows);
+      if (!gradient) continue;
+      parallel_rows(rows, [&](Index r) { gradient_row(r0 + r, logits.row(r).data(), 0, local_classes); });
+      backward_of(logits.data(), local_classes, r0, rows, 0, local_classes);
+    }
+    finish_reduction(result, options.reduction);
+    if (!gradient) return result;
+  } else {
+    // ---- pass 1: each row's max, sum of exponentials, target logit and sum of logits ----
+    for (Index v0 = 0; v0 < local_classes; v0 += block) {
+      const Index width = std::min(block, local_classes - v0);
+      auto logits = logits_of(0, count, v0, width, width);
+      parallel_rows(count, [&](Index r) { accumulate_row(r, logits.row(r).data(), v0, width); });
+    }
+    if (slice) slice->combine_row_stats(ws, 0, count, terms);
+    finish_rows(0, count);
+    finish_reduction(result, options.reduction);
+    if (!gradient) return result;
+
+    // ---- pass 2: dz block by block (the logits recomputed), then dW, db and dh from it ----
+    for (Index v0 = 0; v0 < local_classes; v0 += block) {
+      const Index width = std::min(block, local_classes - v0);
+      auto logits = logits_of(0, count, v0, width, width);
+      parallel_rows(count, [&](Index r) { gradient_row(r, logits.row(r).data(), v0, width); });
+      backward_of(logits.data(), width, 0, count, v0, width);
+    }
   }
   // Vocabulary-parallel: each rank's dhidden is the sum over its own columns; dh is the sum
   // over all of them (dhidden is contiguous: the gathered buffer, or dh itself with all N rows).
@@ -367,9 +482,11 @@ struct FusedHeadLossExtras {
 // written on throw. \pre no output aliases W or the other outputs; dh may be h.
 
 // ... -> loss; dh [N, d] = dz W (written), dW [V, d] += dz^T h, db [V, 1] += sums of dz (each
-// skipped when empty: a frozen W, no bias). Cost: 8 N V d flops in GEMMs (two passes; 6 N V d
-// without dW), about 6 passes over each block's logits; memory in `workspace`: N * vocab_block
-// scalars, plus 2 N d when tokens are ignored.
+// skipped when empty: a frozen W, no bias). Cost: 6 N V d flops in GEMMs in token chunks (4 N V d
+// without dW), 8 N V d in vocabulary blocks (6 N V d without dW); memory in `workspace`: n * V
+// scalars (n tokens a chunk, within memory_budget) or N * vocab_block, plus 2 N d when tokens are
+// ignored. \throws value_error also for a negative memory_budget, or with plan token_chunks, one
+// that holds no token's row of logits.
 template <typename Scalar>
 CrossEntropyResult fused_head_loss_forward_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                                     const ConstMatrixRef<Scalar>& bias, TokenIds targets,
@@ -416,7 +533,8 @@ class FusedHeadLoss {
 
   // h [N, d], targets (N ids) -> loss; dh [N, d] written; head.weight().grad() += dz^T h (dense
   // mode), bias grad += sums of dz. A frozen W or bias takes nothing: a frozen W skips the dW
-  // GEMMs (6 N V d flops instead of 8) and its gradient is left as it was; loss and dh are the
+  // GEMMs (a third of the flops in token chunks, a quarter in vocabulary blocks) and its gradient
+  // is left as it was; loss and dh are the
   // same. \throws as fused_head_loss_forward_backward; gradients, dh and extras unchanged on throw.
   CrossEntropyResult forward_backward(OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h, TokenIds targets,
                                       MatrixRef<Scalar> dh, const FusedHeadLossExtras<Scalar>& extras = {}) {
@@ -446,15 +564,10 @@ class FusedHeadLoss {
     Eigen::Map<RowMatrix<Scalar>> no_output(nullptr, 0, 1);
     {
       Eigen::Map<RowMatrix<Scalar>> lse = extras.lse, losses = extras.losses;
-      detail::check_shape(where, "h", h, h.rows(), head.dim());
-      detail::check_shape(where, "dh", dh, h.rows(), head.dim());
-      if (extras.weights.size() != 0) detail::check_shape(where, "weights", extras.weights, h.rows(), 1);
-      if (lse.size() != 0) detail::check_shape(where, "lse", lse, h.rows(), 1);
-      if (losses.size() != 0) detail::check_shape(where, "losses", losses, h.rows(), 1);
-      detail::check_loss_options(where, options_, head.vocab_size());
-      detail::check_targets(where, targets, h.rows(), detail::classes_of(options_, head.vocab_size()),
-                            options_.ignore_index, head.vocab_size());
-      detail::check_token_weights(where, extras.weights);
+      MatrixRef<Scalar> dh_ref(dh), lse_ref(lse), losses_ref(losses);
+      detail::check_fused_head_loss<Scalar, Id>(where, h, head.vocab_size(), head.dim(), bias_of(head), targets,
+                                                extras.weights, &dh_ref, nullptr, nullptr, &lse_ref, &losses_ref,
+                                                options_, head.vocab_size());
     }
     auto dW = weight.frozen() ? no_output : head.weight().grad().dense_accumulator();
     auto db = head.bias() && !head.bias()->frozen() ? head.bias()->grad().dense_accumulator() : no_output;

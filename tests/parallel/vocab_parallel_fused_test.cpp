@@ -265,41 +265,58 @@ TEMPLATE_TEST_CASE("vocabulary-parallel fused loss equals FusedHeadLoss on the w
     Setup<Scalar> s = make_setup<Scalar>(53, 13, 3, 7, 11, bias);
     for (const Variant& variant : variants()) {
       for (Index block : {Index(0), Index(4), Index(7)}) {  // 0: one block; 4, 7: several per shard, the last partial
-        for (bool weighted : {false, true}) {
-          CAPTURE(variant.name, block, bias, weighted, world().rank(), world().size());
-          FusedHeadLossOptions options = variant.options;
-          options.vocab_block = block;
-          s.targets = targets_for(s, options, 17);
-          RowMatrix<Scalar> weights(0, 1);
-          if (weighted) {
-            weights = random_matrix<Scalar>(s.N, 1, 19, 1.0).cwiseAbs();
-            weights(3, 0) = 0;  // counts, adds nothing
-          }
-          const Outputs<Scalar> expected = on_full_head(s, options, weights);
-          const Outputs<Scalar> actual = on_shard(s, options, weights, s.targets);
-          CHECK(actual.result.count == (s.targets.array() != options.ignore_index).count());
-          CHECK(actual.result.count <= s.N - 2);
-          check_matches(actual, expected, one_rank);
-          CHECK(replicated(actual));
-          CHECK(s.W_shard->grad().is_dense());
-          // Padding rows of the shard receive nothing.
-          const Index classes = options.valid_vocab < 0 ? s.V : options.valid_vocab;
-          const Index padding_from = std::clamp<Index>(classes - s.shard.begin, 0, s.shard.rows());
-          CHECK(actual.dW.bottomRows(s.shard.rows() - padding_from).cwiseAbs().sum() == 0);
+        // The plan: two passes, token chunks of 2 tokens (several chunks, the last partial), automatic.
+        for (int plan : {0, 1, 2}) {
+          for (bool weighted : {false, true}) {
+            CAPTURE(variant.name, block, plan, bias, weighted, world().rank(), world().size());
+            FusedHeadLossOptions options = variant.options;
+            options.vocab_block = block;
+            options.plan = plan == 0   ? embedhead::FusedPlan::vocab_blocks
+                           : plan == 1 ? embedhead::FusedPlan::token_chunks
+                                       : embedhead::FusedPlan::automatic;
+            // 2 tokens of the widest shard's rows (the whole head on one rank).
+            if (plan == 1)
+              options.memory_budget = 2 * embedhead::vocab_shard(s.V, 0, world().size()).rows() *
+                                      static_cast<Index>(sizeof(Scalar));
+            s.targets = targets_for(s, options, 17);
+            RowMatrix<Scalar> weights(0, 1);
+            if (weighted) {
+              weights = random_matrix<Scalar>(s.N, 1, 19, 1.0).cwiseAbs();
+              weights(3, 0) = 0;  // counts, adds nothing
+            }
+            // The whole head's reference: the same plan on one rank (then bit for bit); on more, a
+            // budget sized for a shard may not hold a row of the whole head, so the default plan.
+            FusedHeadLossOptions reference = options;
+            if (!one_rank) {
+              reference.plan = embedhead::FusedPlan::automatic;
+              reference.memory_budget = 0;
+            }
+            const Outputs<Scalar> expected = on_full_head(s, reference, weights);
+            const Outputs<Scalar> actual = on_shard(s, options, weights, s.targets);
+            CHECK(actual.result.count == (s.targets.array() != options.ignore_index).count());
+            CHECK(actual.result.count <= s.N - 2);
+            check_matches(actual, expected, one_rank);
+            CHECK(replicated(actual));
+            CHECK(s.W_shard->grad().is_dense());
+            // Padding rows of the shard receive nothing.
+            const Index classes = options.valid_vocab < 0 ? s.V : options.valid_vocab;
+            const Index padding_from = std::clamp<Index>(classes - s.shard.begin, 0, s.shard.rows());
+            CHECK(actual.dW.bottomRows(s.shard.rows() - padding_from).cwiseAbs().sum() == 0);
 
-          // The loss alone: the same numbers, bit for bit.
-          RowMatrix<Scalar> lse(s.N, 1), losses(s.N, 1);
-          VocabParallelFusedHeadLoss<Scalar> loss_only(options);
-          const CrossEntropyResult r = loss_only.forward_shard(world(), s.V, *s.W_shard, s.b_shard.get(), s.h,
-                                                               s.targets, extras_of(weights, lse, losses));
-          CHECK(r.loss == actual.result.loss);
-          CHECK(r.z_loss == actual.result.z_loss);
-          CHECK(same_values(lse, actual.lse));
-          CHECK(same_values(losses, actual.losses));
+            // The loss alone: the same numbers, bit for bit.
+            RowMatrix<Scalar> lse(s.N, 1), losses(s.N, 1);
+            VocabParallelFusedHeadLoss<Scalar> loss_only(options);
+            const CrossEntropyResult r = loss_only.forward_shard(world(), s.V, *s.W_shard, s.b_shard.get(), s.h,
+                                                                 s.targets, extras_of(weights, lse, losses));
+            CHECK(r.loss == actual.result.loss);
+            CHECK(r.z_loss == actual.result.z_loss);
+            CHECK(same_values(lse, actual.lse));
+            CHECK(same_values(losses, actual.losses));
 
-          if (!weighted) {  // the unfused path has no per-token weights
-            const Outputs<Scalar> plain = unfused(s, options);
-            check_matches(actual, plain, false, /*has_lse=*/false);
+            if (!weighted) {  // the unfused path has no per-token weights
+              const Outputs<Scalar> plain = unfused(s, options);
+              check_matches(actual, plain, false, /*has_lse=*/false);
+            }
           }
         }
       }

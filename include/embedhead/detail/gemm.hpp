@@ -33,7 +33,8 @@
 //                       pass over W's rows, the M dot products of each row accumulated together in
 //                       SIMD registers (decode_tokens), the bias added to each finished sum.
 // The head and geometry use Kernel::gemm, the fused loss Kernel::expression, decoding
-// Kernel::decode: each keeps the arithmetic it had before this seam, bit for bit.
+// Kernel::decode: on the Eigen backend each keeps the arithmetic it had before this seam, bit for
+// bit. The CBLAS backend runs gemm and expression as one sgemm / dgemm a chunk, decode as Eigen's.
 //
 // Mixed precision (B stored as Eigen::bfloat16 / Eigen::half, A and C float): inside each chunk,
 // B is widened (exactly) kWidenTileRows of its stored rows at a time into a float tile, one tile
@@ -45,7 +46,9 @@
 // either. Scratch: threads * kWidenTileRows * (K or the chunk's columns) floats in the caller's
 // vector, grown only when too small; never a float copy of B.
 //
-// Backends are types chosen at compile time (run<Kernel, Backend>); DefaultBackend is EigenBackend.
+// Backends are types chosen at compile time (run<Kernel, Backend>); DefaultBackend is EigenBackend,
+// or CblasBackend when EMBEDHEAD_GEMM_CBLAS is defined (the CMake target embedhead::cblas, which
+// links a serial OpenBLAS or BLIS; docs/performance.md, "GEMM backends").
 // A backend provides
 //   template <Kernel, typename Scalar, Layout LA, Layout LB> static void multiply(const Op<...>&)
 //       one chunk, Init included, on the calling thread, never threading by itself;
@@ -69,6 +72,11 @@
 
 #if defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(EMBEDHEAD_GEMM_CBLAS)
+#include <cblas.h>
+
+#include <limits>
 #endif
 
 namespace embedhead {
@@ -94,6 +102,14 @@ constexpr Index kDecodeMinElements = Index{1} << 18;
 // columns of d per dh product.
 constexpr Index kFusedRowPiece = 256;
 constexpr Index kFusedDimPiece = 128;
+// Its token-chunk plan: rows of W per logits / dW product (tried on the project's machine at GPT-2
+// shape, 256 tokens a chunk: 256 rows 3.8-4.5 s a step on 1 thread, 1024 rows 3.2-3.8 s, 2048 and
+// 4096 no better), the default bytes of logits a chunk may hold, and the fewest tokens per
+// chunk at which the automatic choice takes it over the two-pass vocabulary blocks (below that, dW
+// += dz^T h has too short a sum over tokens to run at GEMM speed).
+constexpr Index kFusedChunkPiece = 1024;
+constexpr Index kFusedDefaultBudget = Index{48} << 20;
+constexpr Index kFusedMinTokenChunk = 128;
 
 // Mixed precision: stored rows of B widened per float tile. 256 x 768 floats = 768 KiB at
 // GPT-2's d, within a 1 MiB L2, and each tile product is still [N, d] x [d, 256] (or
@@ -354,7 +370,57 @@ struct EigenBackend {
   }
 };
 
+#if defined(EMBEDHEAD_GEMM_CBLAS)
+// The CBLAS backend (defined by linking the CMake target embedhead::cblas; every translation unit
+// of a program must agree): each chunk of Kernel::gemm and Kernel::expression is one cblas_sgemm /
+// cblas_dgemm on the calling thread, C = op(A) op(B) + beta C with beta = 0 for Init::zero (C is
+// not read), else 1 after start(). Kernel::decode stays the library's own kernel (few tokens:
+// bandwidth, not flops), so decoding is the same on every backend. Results are independent of the
+// thread count only if the BLAS computes a call on the calling thread alone, as the serial builds
+// that embedhead::cblas links do (Debian's libopenblas-serial-dev, libblis-serial-dev): the seam's
+// fixed chunks then fix every sum. A dimension or leading dimension beyond the BLAS's int goes
+// to the Eigen backend instead, as does a view CBLAS cannot describe (rows that overlap).
+struct CblasBackend {
+  template <typename Scalar, typename BStorage>
+  static constexpr bool takes = std::is_same_v<Scalar, BStorage>;
+
+  // The leading dimension CBLAS is given for a row-major stored [rows, cols] operand: ld itself,
+  // or cols for a single stored row (whose ld is never used, and may be anything in an Eigen view);
+  // 0 when CBLAS cannot take it (overlapping rows, or beyond its int).
+  static int blas_ld(Index ld, Index rows, Index cols) {
+    const Index needed = std::max<Index>(cols, 1);
+    const Index value = rows <= 1 ? needed : ld;
+    return value < needed || value > std::numeric_limits<int>::max() ? 0 : static_cast<int>(value);
+  }
+
+  template <Kernel kKernel, typename Scalar, Layout LA, Layout LB>
+  static void multiply(const Op<Scalar, LA, LB>& op) {
+    static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>, "CBLAS: float or double");
+    constexpr Index kMaxInt = std::numeric_limits<int>::max();
+    // The stored shapes: op(A) [M, K] is A [M, K] row_major or [K, M] col_major; likewise op(B).
+    const int lda = LA == Layout::row_major ? blas_ld(op.lda, op.M, op.K) : blas_ld(op.lda, op.K, op.M);
+    const int ldb = LB == Layout::row_major ? blas_ld(op.ldb, op.K, op.N) : blas_ld(op.ldb, op.N, op.K);
+    const int ldc = blas_ld(op.ldc, op.M, op.N);
+    const bool fits = op.M <= kMaxInt && op.N <= kMaxInt && op.K <= kMaxInt && lda > 0 && ldb > 0 && ldc > 0;
+    if (kKernel == Kernel::decode || !fits) return EigenBackend::template multiply<kKernel>(op);
+    if (op.M == 0 || op.N == 0) return;
+    // beta = 0 writes C without reading it (Init::zero); otherwise C starts as start() leaves it.
+    const bool overwrite = op.init == Init::zero && op.K > 0;
+    if (!overwrite) start(op);
+    if (op.K == 0) return;
+    const CBLAS_TRANSPOSE ta = LA == Layout::row_major ? CblasNoTrans : CblasTrans;
+    const CBLAS_TRANSPOSE tb = LB == Layout::row_major ? CblasNoTrans : CblasTrans;
+    const int M = static_cast<int>(op.M), N = static_cast<int>(op.N), K = static_cast<int>(op.K);
+    if constexpr (std::is_same_v<Scalar, float>)
+      cblas_sgemm(CblasRowMajor, ta, tb, M, N, K, 1.0f, op.a, lda, op.b, ldb, overwrite ? 0.0f : 1.0f, op.c, ldc);
+    else
+      cblas_dgemm(CblasRowMajor, ta, tb, M, N, K, 1.0, op.a, lda, op.b, ldb, overwrite ? 0.0 : 1.0, op.c, ldc);
+  }
+};
+using DefaultBackend = CblasBackend;
+#else
 using DefaultBackend = EigenBackend;
+#endif
 
 // Mixed precision, one chunk: op's B widened kWidenTileRows stored rows at a time into tile
 // (kWidenTileRows * (K or N) floats), each tile one float product of the backend.

@@ -4,13 +4,15 @@
 // its bias), and every rank passes the same hidden states h [N, d] and global targets. One call
 // gives, on every rank, the loss that FusedHeadLoss computes on the whole head, dh [N, d], and the
 // shard's rows of dW and db; neither the [N, V] logits nor the whole W exist anywhere. Per rank
-// it costs the single-process pass on V / R rows (8 N (V / R) d flops with dW) plus three
-// all-reduces: the N_count row maxima (max), 2 N_count doubles (3 with label smoothing: sums of
-// exponentials rescaled to the global maximum, target logits, sums of logits) and dh's N_count d
+// it costs the single-process pass on V / R rows -- 6 N (V / R) d flops with dW in token chunks,
+// 8 in vocabulary blocks (the same FusedPlan choice, made from the widest shard's rows so that
+// every rank makes it alike) -- plus the all-reduces: for each token chunk (once for the two
+// passes) its row maxima (max) and 2 doubles a row (3 with label smoothing: sums of exponentials
+// rescaled to the global maximum, target logits, sums of logits), and at the end dh's N_count d
 // partial sums, where N_count counts the tokens whose target is not ignore_index. Memory per rank:
-// one [N_count, vocab_block] block of logits, with vocab_block = 0 (automatic) chosen from this
-// rank's V / R classes as FusedHeadLoss chooses it from V: about 2 % of the [N, V / R] logits the
-// unfused path would hold on this rank.
+// a [n, V / R] chunk of logits within memory_budget, or one [N_count, vocab_block] block with
+// vocab_block = 0 (automatic) chosen from this rank's V / R classes as FusedHeadLoss chooses it
+// from V: about 2 % of the [N, V / R] logits the unfused path would hold on this rank.
 //
 // The shard's pass is detail::fused_head_loss_pass with a VocabSlice (below, over the Communicator), the same code as
 // the single-process loss: with one rank the result is FusedHeadLoss's bit for bit; with more, the sums over the
@@ -49,10 +51,11 @@ template <typename Scalar>
 struct CommunicatorSlice final : VocabSlice<Scalar> {
   Communicator* comm;
   CommunicatorSlice(Index begin, Index V, Communicator& communicator)
-      : VocabSlice<Scalar>(begin, V), comm(&communicator) {}
-  void combine_row_stats(FusedHeadLossWorkspace<Scalar>& ws, Index count, const SoftmaxTerms& terms) const override {
-    all_reduce_row_max(*comm, ws.row_stats.data(), count, ws.reduced);
-    all_reduce_row_sums(*comm, ws.row_stats.data(), count, terms, ws.reduced);
+      : VocabSlice<Scalar>(begin, V, vocab_shard(V, 0, communicator.size()).rows()), comm(&communicator) {}
+  void combine_row_stats(FusedHeadLossWorkspace<Scalar>& ws, Index first, Index rows,
+                         const SoftmaxTerms& terms) const override {
+    all_reduce_row_max(*comm, ws.row_stats.data() + first, rows, ws.reduced);
+    all_reduce_row_sums(*comm, ws.row_stats.data() + first, rows, terms, ws.reduced);
   }
   void sum_over_ranks(Scalar* dh, Index size) const override { comm->all_reduce_sum(dh, size); }
 };
@@ -184,18 +187,20 @@ class VocabParallelFusedHeadLoss {
   }
 
   // What must be the same on every rank, hashed: N, d, V, whether there is a bias, whether dh is
-  // computed, the loss options (all but vocab_block, which only orders this rank's sums), the
-  // targets and weights.
+  // computed, the loss options (all but vocab_block, which only orders this rank's sums; plan and
+  // memory_budget set the number of collective steps), the targets and weights.
   template <typename Id>
   std::uint64_t fingerprint(Index V, const ConstMatrixRef<Scalar>& h, bool has_bias, bool gradient,
                             const TypedTokenIds<Id>& targets, const FusedHeadLossExtras<Scalar>& extras) const {
-    const std::int64_t sizes[7] = {static_cast<std::int64_t>(h.rows()),
+    const std::int64_t sizes[9] = {static_cast<std::int64_t>(h.rows()),
                                    static_cast<std::int64_t>(h.cols()),
                                    static_cast<std::int64_t>(V),
                                    has_bias ? 1 : 0,
                                    gradient ? 1 : 0,
                                    static_cast<std::int64_t>(options_.ignore_index),
-                                   static_cast<std::int64_t>(options_.valid_vocab)};
+                                   static_cast<std::int64_t>(options_.valid_vocab),
+                                   static_cast<std::int64_t>(options_.plan),
+                                   static_cast<std::int64_t>(options_.memory_budget)};
     const double values[5] = {static_cast<double>(static_cast<int>(options_.reduction)), options_.label_smoothing,
                               options_.z_loss, options_.softcap, options_.gradient_scale};
     std::uint64_t hash = detail::fingerprint_bytes(sizes, sizeof(sizes));

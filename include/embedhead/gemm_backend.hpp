@@ -1,0 +1,100 @@
+// embedhead: which GEMM backend this build's matrix products run on, and whether it runs the
+// kernels the CPU is fastest with.
+//
+//   GemmBackendInfo info = embedhead::gemm_backend();
+//   info.name      "Eigen 3.4.0" or "OpenBLAS 0.3.21 ..." (its build configuration) or "BLIS"
+//   info.kernels   Eigen: the SIMD sets it was compiled for; OpenBLAS: the core whose kernels it
+//                  dispatched at load time (openblas_get_corename); BLIS: BLIS_ARCH_TYPE, if set
+//   info.warning   empty, or why the fast kernels are not in use and what to set
+//
+// The backend is fixed when the program is compiled (detail/gemm.hpp: Eigen by default, CBLAS
+// with the CMake target embedhead::cblas). A BLAS picks its kernels when it is loaded, from the
+// CPU and the environment; some misdetect recent Xeons and fall back to old kernels (Debian's
+// OpenBLAS 0.3.21 was seen running its 'Prescott' SSE3 kernels on an Emerald Rapids Xeon, at 17 %
+// of the FMA peak; Debian's serial BLIS 0.9 ran the GPT-2 head forward in 1.89 s on another such
+// Xeon, 0.97 s with BLIS_ARCH_TYPE=skx), and a running process cannot change that: OPENBLAS_CORETYPE (OpenBLAS) or
+// BLIS_ARCH_TYPE (BLIS) must be in the environment before the program starts. So this reports
+// rather than fixes; the benchmarks print it with their results.
+#ifndef EMBEDHEAD_GEMM_BACKEND_HPP
+#define EMBEDHEAD_GEMM_BACKEND_HPP
+
+#include "detail/gemm.hpp"
+
+#include <Eigen/Core>
+
+#include <cstdlib>
+#include <string>
+
+namespace embedhead {
+
+struct GemmBackendInfo {
+  std::string name;
+  std::string kernels;
+  std::string warning;
+};
+
+namespace detail {
+
+// Whether the CPU executing this has AVX-512F / AVX2 (false where the compiler cannot ask).
+inline bool cpu_has(const char* feature) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  if (std::string(feature) == "avx512f") return __builtin_cpu_supports("avx512f");
+  if (std::string(feature) == "avx2") return __builtin_cpu_supports("avx2");
+#endif
+  (void)feature;
+  return false;
+}
+
+// OpenBLAS's x86 cores with AVX-512 kernels and with AVX2 kernels (its names, as corename gives).
+inline bool openblas_core_in(const std::string& core, std::initializer_list<const char*> names) {
+  for (const char* name : names)
+    if (core == name) return true;
+  return false;
+}
+
+}  // namespace detail
+
+// -> the backend of this build's GEMM seam (see the top of this file). Never throws but for
+// std::bad_alloc.
+inline GemmBackendInfo gemm_backend() {
+  GemmBackendInfo info;
+#if defined(EMBEDHEAD_GEMM_CBLAS) && defined(EMBEDHEAD_CBLAS_OPENBLAS)
+  info.name = openblas_get_config();
+  info.kernels = openblas_get_corename();
+  const bool avx512 = detail::cpu_has("avx512f"), avx2 = detail::cpu_has("avx2");
+  const bool has_avx512_kernels = detail::openblas_core_in(info.kernels, {"SkylakeX", "Cooperlake", "SapphireRapids"});
+  const bool has_avx2_kernels = has_avx512_kernels ||
+                                detail::openblas_core_in(info.kernels, {"Haswell", "Zen", "SkylakeX", "Cooperlake"});
+  if (avx512 && !has_avx512_kernels)
+    info.warning = "OpenBLAS runs its '" + info.kernels +
+                   "' kernels on a CPU with AVX-512: start the program with OPENBLAS_CORETYPE=SkylakeX in the "
+                   "environment";
+  else if (avx2 && !has_avx2_kernels)
+    info.warning = "OpenBLAS runs its '" + info.kernels +
+                   "' kernels on a CPU with AVX2: start the program with OPENBLAS_CORETYPE=Haswell in the environment";
+#elif defined(EMBEDHEAD_GEMM_CBLAS) && defined(EMBEDHEAD_CBLAS_BLIS)
+  info.name = "BLIS";
+  const char* arch = std::getenv("BLIS_ARCH_TYPE");
+  info.kernels = arch ? std::string("BLIS_ARCH_TYPE=") + arch : "chosen by BLIS at load time (BLIS_ARCH_TYPE unset)";
+  if (!arch && detail::cpu_has("avx512f"))
+    info.warning =
+        "BLIS_ARCH_TYPE is unset on a CPU with AVX-512, and Debian's BLIS 0.9 was measured at half the speed of "
+        "its skx kernels on such a Xeon: start the program with BLIS_ARCH_TYPE=skx in the environment";
+#elif defined(EMBEDHEAD_GEMM_CBLAS)
+  info.name = "CBLAS";
+  info.kernels = "unknown (not OpenBLAS or BLIS)";
+#else
+  info.name = "Eigen " + std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
+              std::to_string(EIGEN_MINOR_VERSION);
+  info.kernels = Eigen::SimdInstructionSetsInUse();
+  if (detail::cpu_has("avx512f") && info.kernels.find("AVX512") == std::string::npos)
+    info.warning =
+        "compiled without AVX-512 on a CPU that has it: -march=native (or -mavx512f -mfma) makes "
+        "Eigen's kernels twice as wide";
+#endif
+  return info;
+}
+
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_GEMM_BACKEND_HPP
