@@ -5,15 +5,17 @@
 #      mpirun must be among them);
 #   2. a clang libFuzzer build that replays the corpus and fuzzes the safetensors reader for a
 #      bounded time;
-#   3. a clang ASan+UBSan build of the tests (the clang build of the test suite) and its ctest,
-#      with every matrix product through the CBLAS backend (serial OpenBLAS: embedhead::cblas), so
-#      the suite runs against Eigen in part 1 and against a BLAS here.
+#   3. a clang ASan+UBSan build of the tests (the clang build of the test suite) and its ctest;
+#   4. a gcc Release build of the tests with every matrix product through the CBLAS backend
+#      (serial OpenBLAS: embedhead::cblas) and its ctest, so the suite runs against Eigen (parts
+#      1 and 3) and against a BLAS.
 # The fuzzer is built in the clang ASan+UBSan tree, without -DNDEBUG: the tests at -O0 with line
 # tables (-gline-tables-only: file:line stacks), the fuzzer at -O1 -g (fuzz/CMakeLists.txt).
 #
 # Environment:
 #   EMBEDHEAD_SKIP_ASAN=1       skip the sanitizer phase (fast local iteration)
 #   EMBEDHEAD_SKIP_FUZZ=1       skip the fuzz phase
+#   EMBEDHEAD_SKIP_CBLAS=1      skip the CBLAS-backend phase
 #   EMBEDHEAD_FUZZ_SECONDS=<s>  how long each fuzzing worker runs (default 30)
 #   EMBEDHEAD_FUZZ_WORKERS=<n>  how many fuzzing workers run side by side (default JOBS)
 #   EMBEDHEAD_CCACHE=0|1        compile through ccache (default: when installed and CI is unset)
@@ -28,6 +30,7 @@ source scripts/common.sh
 jobs="${JOBS:-2}"
 skip_asan="${EMBEDHEAD_SKIP_ASAN:-0}"
 skip_fuzz="${EMBEDHEAD_SKIP_FUZZ:-0}"
+skip_cblas="${EMBEDHEAD_SKIP_CBLAS:-0}"
 start_time=$SECONDS
 
 # The clang tree (build/asan): the sanitized tests unless skipped, the fuzzer unless skipped.
@@ -95,8 +98,6 @@ if [ "$clang_tree" = "1" ]; then
     -DEMBEDHEAD_CHECK_HEADERS=OFF \
     -DEMBEDHEAD_BUILD_BENCHMARKS=OFF \
     -DEMBEDHEAD_BUILD_EXAMPLES=OFF \
-    -DEMBEDHEAD_CBLAS=OpenBLAS \
-    -DEMBEDHEAD_TEST_CBLAS=ON \
     -DEMBEDHEAD_BUILD_FUZZERS="$fuzzers"
 fi
 
@@ -212,6 +213,36 @@ if [ "$clang_tree" = "1" ]; then
       echo "test.sh: error: expected the fuzz corpus replay (safetensors_fuzz_replay) in build/asan, found ${fuzz_tests:-0}" >&2
       exit 1
     fi
+  fi
+fi
+
+if [ "$skip_cblas" = "1" ]; then
+  phase "CBLAS backend: skipped (EMBEDHEAD_SKIP_CBLAS=1)"
+else
+  # The test suite once more, every product through serial OpenBLAS (embedhead::cblas): the
+  # tests only (no tools, examples, benchmarks or header check: those do not depend on the
+  # backend beyond what the tests cover), gcc Release, -Werror.
+  phase "CBLAS backend: configure and build (build/cblas, gcc, -DEMBEDHEAD_CBLAS=OpenBLAS -DEMBEDHEAD_TEST_CBLAS=ON)"
+  configure build/cblas "${CXX_RELEASE:-g++}" \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DEMBEDHEAD_WERROR=ON \
+    -DEMBEDHEAD_REQUIRE_SAFETENSORS=ON \
+    -DEMBEDHEAD_REQUIRE_MPI=ON \
+    -DEMBEDHEAD_BUILD_TESTS=ON \
+    -DEMBEDHEAD_REQUIRE_PYTHON_TESTS=ON \
+    -DEMBEDHEAD_BUILD_TOOLS=OFF \
+    -DEMBEDHEAD_CHECK_HEADERS=OFF \
+    -DEMBEDHEAD_BUILD_BENCHMARKS=OFF \
+    -DEMBEDHEAD_BUILD_EXAMPLES=OFF \
+    -DEMBEDHEAD_CBLAS=OpenBLAS \
+    -DEMBEDHEAD_TEST_CBLAS=ON
+  cmake --build build/cblas -j "$jobs"
+  phase "CBLAS backend: ctest (excluding label 'cmake')"
+  ctest --test-dir build/cblas --output-on-failure -j "$jobs" -LE cmake
+  unit_cblas="$(count_tests build/cblas unit)"
+  if [ "${unit_cblas:-0}" -lt 20 ]; then
+    echo "test.sh: error: expected the unit tests (label unit) in build/cblas, found ${unit_cblas:-0}" >&2
+    exit 1
   fi
 fi
 

@@ -343,6 +343,40 @@ TEMPLATE_TEST_CASE("fused_head_loss (no gradient) gives the same loss and writes
   }
 }
 
+TEMPLATE_TEST_CASE("fused head loss: the automatic plan is token chunks when the budget holds enough tokens",
+                   "[fused_head_loss][plan]", float, double) {
+  using Scalar = TestType;
+  const Index V = 19, d = 6;
+  Problem<Scalar> p = make_problem<Scalar>(3, 50, V, d, 515);  // 150 tokens
+  const RowMatrix<Scalar> no(0, 1);
+  const Index row = V * static_cast<Index>(sizeof(Scalar));
+  auto with = [&](embedhead::FusedPlan plan, Index rows) {
+    FusedHeadLossOptions o;
+    o.vocab_block = 4;
+    o.plan = plan;
+    o.memory_budget = rows * row;
+    return o;
+  };
+  auto same = [](const Outputs& a, const Outputs& b) {
+    return a.result.loss == b.result.loss && same_values(a.dh, b.dh) && same_values(a.dW, b.dW) &&
+           same_values(a.db, b.db);
+  };
+  using embedhead::FusedPlan;
+  // 127 rows hold fewer than min(150, 128) tokens: the two passes; 128 rows: chunks of 128 (and 22).
+  CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 127), 150, V, sizeof(Scalar)) == 0);
+  CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 128), 150, V, sizeof(Scalar)) == 128);
+  CHECK(same(fused<Scalar>(p, true, with(FusedPlan::automatic, 127), no),
+             fused<Scalar>(p, true, with(FusedPlan::vocab_blocks, 127), no)));
+  CHECK(same(fused<Scalar>(p, true, with(FusedPlan::automatic, 128), no),
+             fused<Scalar>(p, true, with(FusedPlan::token_chunks, 128), no)));
+  // Fewer tokens than 128, all within the budget: one chunk of all of them.
+  Problem<Scalar> small = make_problem<Scalar>(2, 30, V, d, 516);
+  CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 60), 60, V, sizeof(Scalar)) == 60);
+  CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 59), 60, V, sizeof(Scalar)) == 0);
+  CHECK(same(fused<Scalar>(small, true, with(FusedPlan::automatic, 60), no),
+             fused<Scalar>(small, true, with(FusedPlan::token_chunks, 60), no)));
+}
+
 TEMPLATE_TEST_CASE("FusedHeadLoss layer: tied and untied, equal to the unfused layers",
                    "[fused_head_loss][layer][tied]", float, double) {
   using Scalar = TestType;
@@ -600,12 +634,15 @@ TEMPLATE_TEST_CASE("FusedHeadLoss layer leaves the gradients untouched when it t
 TEMPLATE_TEST_CASE("FusedHeadLoss layer with a frozen W or bias: same loss and dh, no frozen gradient",
                    "[fused_head_loss][layer][freeze]", float, double) {
   using Scalar = TestType;
-  const Index N = 9, V = 300, d = 6;  // V over two GEMM pieces of 256 rows
+  const Index N = 9, V = 300, d = 6;
   IdMatrix<std::int32_t> targets = random_ids<std::int32_t>(1, N, V, 700);
   targets(0, 4) = -100;
   const RowMatrix<Scalar> h = random_matrix<Scalar>(N, d, 701);
   FusedHeadLossOptions options;
   options.vocab_block = 128;
+  // Both plans: blocks of 128 rows (one GEMM piece each), token chunks of 3 tokens over V (one piece).
+  options.plan = GENERATE(embedhead::FusedPlan::vocab_blocks, embedhead::FusedPlan::token_chunks);
+  options.memory_budget = 3 * V * static_cast<Index>(sizeof(Scalar));
   embedhead::OutputProjection<Scalar> reference(V, d), head(V, d);  // same default seed: same W
   reference.bias()->value() = random_matrix<Scalar>(V, 1, 702);
   head.bias()->value() = reference.bias()->value();

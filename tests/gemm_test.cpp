@@ -3,11 +3,13 @@
 //
 // Every backend compiled in (Eigen always; CBLAS in a build with embedhead::cblas) is checked on
 // every layout pair and Init against a triple loop in double, over shapes that exercise the edges:
-// K = 0, a single row whose leading dimension is not the row's length (what an Eigen view of one
-// row may carry), several chunks along rows and along columns, a strided bias.
+// K = 0, padded leading dimensions, several chunks along rows and along columns, a strided bias;
+// then a single row whose leading dimension is smaller than the row (what an Eigen view of one
+// row may carry), and Init::zero over a C full of NaN (C must not be read).
 #include <catch2/catch.hpp>
 #include <embedhead/detail/gemm.hpp>
 #include <embedhead/gemm_backend.hpp>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -117,6 +119,40 @@ TEMPLATE_TEST_CASE("gemm seam: every backend, layout pair and Init against a tri
   check_backend<gemm::EigenBackend, TestType>("Eigen");
 #if defined(EMBEDHEAD_GEMM_CBLAS)
   check_backend<gemm::CblasBackend, TestType>("CBLAS");
+#endif
+}
+
+template <typename Backend>
+void check_single_row_and_nan(const char* backend) {
+  CAPTURE(backend);
+  // h [1, 5] with lda = 1, W [7, 5] (op(B) = W^T) with ldb = 5, logits [1, 7] with ldc = 2.
+  const Index K = 5, N = 7;
+  std::vector<float> h(K), W(static_cast<std::size_t>(N * K));
+  for (Index k = 0; k < K; ++k) h[static_cast<std::size_t>(k)] = value_at<float>(5, k);
+  for (Index i = 0; i < N * K; ++i) W[static_cast<std::size_t>(i)] = value_at<float>(6, i);
+  for (gemm::Kernel kernel : {gemm::Kernel::gemm, gemm::Kernel::expression}) {
+    std::vector<float> C(static_cast<std::size_t>(N), std::numeric_limits<float>::quiet_NaN());
+    const gemm::Op<float, gemm::Layout::row_major, gemm::Layout::col_major> op{
+        1, N, K, h.data(), 1, W.data(), K, C.data(), 2, gemm::Init::zero};
+    if (kernel == gemm::Kernel::gemm)
+      gemm::run<gemm::Kernel::gemm, Backend>(op, gemm::Plan{gemm::Split::cols, 3, false});
+    else
+      gemm::run<gemm::Kernel::expression, Backend>(op, gemm::Plan{gemm::Split::cols, 3, false});
+    bool equal = true;
+    for (Index n = 0; n < N; ++n) {
+      double sum = 0;
+      for (Index k = 0; k < K; ++k)
+        sum += static_cast<double>(h[static_cast<std::size_t>(k)]) * W[static_cast<std::size_t>(n * K + k)];
+      equal = equal && static_cast<double>(C[static_cast<std::size_t>(n)]) == sum;
+    }
+    CHECK(equal);
+  }
+}
+
+TEST_CASE("gemm seam: a single row with a short leading dimension, and Init::zero never reads C", "[gemm]") {
+  check_single_row_and_nan<gemm::EigenBackend>("Eigen");
+#if defined(EMBEDHEAD_GEMM_CBLAS)
+  check_single_row_and_nan<gemm::CblasBackend>("CBLAS");
 #endif
 }
 

@@ -463,8 +463,9 @@ TEMPLATE_TEST_CASE("low precision: head backward", "[low_precision][head][backwa
                                 gd.cwiseAbs().transpose() * hd.cwiseAbs(), 2 * N) <= 1.0);
 
       // A second call accumulates: exactly twice (x + x is exact) where the GEMM adds its finished
-      // product to dW (Eigen, OpenBLAS); BLIS's small-matrix kernels fold the existing dW into
-      // their sums, so there it is twice within rounding.
+      // product to dW, as Eigen and OpenBLAS do for a sum over N = 4 tokens (longer sums are added
+      // in blocks); BLIS's small-matrix kernels fold the existing dW into their sums, so there it
+      // is twice within rounding.
       const RowMatrix<float> dW1 = head.weight_grad().to_dense(), db1 = head.bias_grad().to_dense();
       head.backward(h, dlogits);
 #if defined(EMBEDHEAD_CBLAS_BLIS)

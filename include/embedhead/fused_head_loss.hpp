@@ -34,8 +34,9 @@
 // output (for z-loss monitoring), and per-token losses (Reduction::none).
 //
 // Vocabulary-parallel (parallel/vocab_parallel_fused_head_loss.hpp): the same pass runs on one rank's
-// shard of W's rows, with the per-row statistics and dh combined across ranks in three
-// all-reduces (detail::fused_head_loss_pass's VocabSlice, implemented there over the Communicator).
+// shard of W's rows, in the same plan, with the per-row statistics combined across ranks for each
+// token chunk (once for the two passes) and dh at the end (detail::fused_head_loss_pass's
+// VocabSlice, implemented there over the Communicator).
 //
 // Threads (when built with OpenMP): each GEMM is cut into fixed pieces -- rows of W for the logits
 // and dW (256 within a two-pass block, 1024 across a token chunk's vocabulary), 128 columns of d
@@ -88,10 +89,11 @@ struct FusedHeadLossOptions : CrossEntropyOptions {
   Index vocab_block = 0;
   FusedPlan plan = FusedPlan::automatic;
   // Bytes the token-chunk plan may hold as logits: a chunk is n = memory_budget / (C sizeof(Scalar))
-  // tokens (C: the classes, a shard's on a vocabulary-parallel rank), at most all the counted ones.
-  // 0: kFusedDefaultBudget (48 MiB: 250 tokens of GPT-2's V = 50,257 in float, 24 % of the logits
-  // of N = 1024). The chunk fixes dW's order of summation over tokens, so the result depends on it
-  // (within rounding), never on the thread count.
+  // tokens (C: the classes; vocabulary-parallel, the most classes any shard holds), at most all the
+  // counted ones. 0: kFusedDefaultBudget (48 MiB: 250 tokens of GPT-2's V = 50,257 in float, 24 %
+  // of the logits of N = 1024). The chunk fixes dW's order of summation over tokens, so the result
+  // depends on it (within rounding), never on the thread count. It does not bound the two-pass
+  // plan, whose buffer is N * vocab_block scalars (64 MiB at N = 4096, vocab_block = 4096).
   Index memory_budget = 0;
 };
 
@@ -100,8 +102,8 @@ struct FusedHeadLossOptions : CrossEntropyOptions {
 template <typename Scalar>
 struct FusedHeadLossWorkspace {
   std::vector<Scalar> hidden;                      // [count, d] the counted tokens' rows of h, when some are ignored
-  std::vector<Scalar> dhidden;                     // [count, d] their dh, accumulated over the blocks
-  std::vector<Scalar> logits;                      // [count, vocab_block] one block's logits, then its dz
+  std::vector<Scalar> dhidden;                     // [count, d] their dh
+  std::vector<Scalar> logits;                      // [chunk, C] or [count, vocab_block] logits, then dz
   std::vector<Index> tokens;                       // token index n of each counted row
   std::vector<detail::SoftmaxRowStats> row_stats;  // pass 1's running statistics
   std::vector<double> lse;                         // each counted row's log-sum-exp
@@ -144,7 +146,7 @@ inline Index fused_memory_budget(const FusedHeadLossOptions& options) {
 }
 
 // The token-chunk plan's tokens per chunk for `count` counted tokens whose logits rows are
-// `columns` long (the classes; the widest shard's rows with a slice), or 0 for the two-pass plan:
+// `columns` long (the classes; with a slice, the most classes any shard holds), or 0 for the two-pass plan:
 // as many as memory_budget holds, at most count; automatic takes it from kFusedMinTokenChunk
 // tokens (or all count of them). \pre check_fused_head_loss passed (token_chunks: at least one row fits).
 inline Index fused_token_chunk(const FusedHeadLossOptions& options, Index count, Index columns, Index scalar_bytes) {
@@ -206,8 +208,9 @@ void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, I
             << " bytes)";
     throw value_error(message.str());
   }
-  // token_chunks must hold one row of logits: the classes (a shard's rows, vocabulary-parallel).
-  const Index row_bytes = (W_rows == V ? classes_of(options, V) : W_rows) * static_cast<Index>(sizeof(Scalar));
+  // token_chunks must hold one row of logits: the classes among W's rows (on rank 0, whose check
+  // every rank shares through check_on_every_rank, the most any shard holds).
+  const Index row_bytes = std::min(W_rows, classes_of(options, V)) * static_cast<Index>(sizeof(Scalar));
   if (options.plan == FusedPlan::token_chunks && fused_memory_budget(options) < row_bytes) {
     std::ostringstream message;
     message << where << ": memory_budget = " << fused_memory_budget(options) << " bytes outside [" << row_bytes
@@ -218,18 +221,20 @@ void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, I
   check_token_weights(where, weights);
 }
 
-// The fused pass (see the top of this file); dh == nullptr: the loss alone (pass 1).
+// The fused pass (see the top of this file), in either plan; dh == nullptr: the loss alone.
 //
 // slice == nullptr: W is the whole head [V, d]. With a slice, W is one rank's shard of rows
 // [begin, end) and every rank calls the pass with its own shard and the same h, targets, weights
 // and options: targets stay global ids and the classes are the global valid_vocab, of which the
 // shard holds the local columns [0, clamp(classes - begin, 0, rows)) (a shard wholly in the
-// padding holds none). Pass 1 runs on the local columns; then each row's running maximum is
-// all-reduced (max), every rank rescales its local sum of exponentials to the global maximum, and
-// one all-reduce sums [sum_exp, target logit, (sum of logits)] -- the target logit is one rank's
-// value plus zeros, so exact. From there the loss is computed from identical numbers on every
-// rank. Pass 2 writes dz for the local columns only (dW and db are the shard's rows) and dh, a
-// partial sum over the local columns, is all-reduced at the end (count * d values). With one rank
+// padding holds none). The statistics run on the local columns (pass 1, or a token chunk's rows);
+// then each row's running maximum is all-reduced (max), every rank rescales its local sum of
+// exponentials to the global maximum, and one all-reduce sums [sum_exp, target logit, (sum of
+// logits)] -- the target logit is one rank's value plus zeros, so exact. From there the loss is
+// computed from identical numbers on every rank. dz is written for the local columns only (dW
+// and db are the shard's rows) and dh, a partial sum over the local columns, is all-reduced at the
+// end (count * d values). In token chunks, dW and the outputs are written chunk by chunk, between
+// the chunks' collectives: a communicator that fails mid-call leaves them partly updated. With one rank
 // the arithmetic is the single-process pass's, bit for bit (the rescale factor is exp(0) = 1).
 // \pre with a slice, the caller has agreed check_fused_head_loss across the ranks
 // (check_on_every_rank) before calling: the local checks here then cannot fail on one rank alone.
@@ -303,13 +308,15 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
                                                                      gather || !gradient ? d : dh->outerStride()));
   if (gradient) dhidden.setZero();
 
-  // The block is chosen from this rank's classes (all of them on one process), so the buffer stays
-  // about 2 % of the logits this rank would otherwise hold, whatever the number of ranks; one rank
-  // uses the single-process block. (A shard that is all padding has no block and no pass.)
+  // The block is chosen from this rank's classes (all of them on one process), so the two-pass
+  // buffer stays about 2 % of the logits this rank would otherwise hold, whatever the number of
+  // ranks; one rank uses the single-process block. (A shard that is all padding has no block and no pass.)
   const Index block = fused_vocab_block(options.vocab_block, slice ? local_classes : classes);
-  // The token chunk, the same on every rank (each makes one collective step per chunk): from the
-  // widest shard's classes with a slice.
-  const Index chunk = fused_token_chunk(options, count, slice ? slice->widest : classes, sizeof(Scalar));
+  // The token chunk, the same on every rank (each makes one collective step per chunk): with a
+  // slice, from the most classes a shard holds, min(widest, classes) -- rank 0's, as rows [0,
+  // widest) are its -- so that one rank chunks exactly as the single-process pass does.
+  const Index chunk = fused_token_chunk(options, count, slice ? std::min(slice->widest, classes) : classes,
+                                        sizeof(Scalar));
   const bool one_pass = chunk > 0;
   ws.logits.resize(static_cast<std::size_t>(one_pass ? chunk * local_classes : count * block));
   // No column yet: max -inf, sums 0 (a shard without the target adds s_y = 0).

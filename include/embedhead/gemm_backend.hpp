@@ -9,12 +9,12 @@
 //
 // The backend is fixed when the program is compiled (detail/gemm.hpp: Eigen by default, CBLAS
 // with the CMake target embedhead::cblas). A BLAS picks its kernels when it is loaded, from the
-// CPU and the environment; some misdetect recent Xeons and fall back to old kernels (Debian's
-// OpenBLAS 0.3.21 was seen running its 'Prescott' SSE3 kernels on an Emerald Rapids Xeon, at 17 %
-// of the FMA peak; Debian's serial BLIS 0.9 ran the GPT-2 head forward in 1.89 s on another such
-// Xeon, 0.97 s with BLIS_ARCH_TYPE=skx), and a running process cannot change that: OPENBLAS_CORETYPE (OpenBLAS) or
-// BLIS_ARCH_TYPE (BLIS) must be in the environment before the program starts. So this reports
-// rather than fixes; the benchmarks print it with their results.
+// CPU and the environment; some misdetect recent Xeons and fall back to old kernels (issue 14 saw
+// Debian's threaded OpenBLAS 0.3.21 run its 'Prescott' SSE3 kernels on an Emerald Rapids Xeon, at
+// 17 % of the FMA peak; on the project's Xeon, Debian's serial BLIS 0.9 ran the GPT-2 head forward
+// in 1.89 s, 0.97 s with BLIS_ARCH_TYPE=skx: bench/RESULTS.md), and a running process cannot change that:
+// OPENBLAS_CORETYPE (OpenBLAS) or BLIS_ARCH_TYPE (BLIS) must be in the environment before the program starts. So this
+// reports rather than fixes; the benchmarks print it with their results.
 #ifndef EMBEDHEAD_GEMM_BACKEND_HPP
 #define EMBEDHEAD_GEMM_BACKEND_HPP
 
@@ -22,7 +22,9 @@
 
 #include <Eigen/Core>
 
+#include <cctype>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 
 namespace embedhead {
@@ -45,10 +47,15 @@ inline bool cpu_has(const char* feature) {
   return false;
 }
 
-// OpenBLAS's x86 cores with AVX-512 kernels and with AVX2 kernels (its names, as corename gives).
+// Whether core is one of names, ignoring case (a DYNAMIC_ARCH build says "SkylakeX", a build for
+// one target "SKYLAKEX").
 inline bool openblas_core_in(const std::string& core, std::initializer_list<const char*> names) {
+  auto lower = [](std::string text) {
+    for (char& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return text;
+  };
   for (const char* name : names)
-    if (core == name) return true;
+    if (lower(core) == lower(name)) return true;
   return false;
 }
 
@@ -65,7 +72,12 @@ inline GemmBackendInfo gemm_backend() {
   const bool has_avx512_kernels = detail::openblas_core_in(info.kernels, {"SkylakeX", "Cooperlake", "SapphireRapids"});
   const bool has_avx2_kernels = has_avx512_kernels ||
                                 detail::openblas_core_in(info.kernels, {"Haswell", "Zen", "SkylakeX", "Cooperlake"});
-  if (avx512 && !has_avx512_kernels)
+  if (openblas_get_parallel() != 0)
+    info.warning = "a threaded OpenBLAS is loaded (openblas_get_parallel() = " +
+                   std::to_string(openblas_get_parallel()) +
+                   "): its own threads split the sums by the thread count; load the serial build "
+                   "(libopenblas-serial-dev), which embedhead::cblas links";
+  else if (avx512 && !has_avx512_kernels)
     info.warning = "OpenBLAS runs its '" + info.kernels +
                    "' kernels on a CPU with AVX-512: start the program with OPENBLAS_CORETYPE=SkylakeX in the "
                    "environment";

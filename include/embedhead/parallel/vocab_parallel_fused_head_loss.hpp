@@ -42,11 +42,11 @@ namespace embedhead {
 namespace detail {
 
 // fused_head_loss_pass's two collective steps over a Communicator (fused_head_loss.hpp's
-// VocabSlice). After pass 1 on every rank's shard, each counted row's statistics (max, sum_exp,
-// target logit, sum of logits) over the local columns become the same over all V columns on every
-// rank: the row maxima all-reduced (max), each rank's sum of exponentials rescaled to them, then
-// the sums all-reduced (detail/softmax.hpp). A rank with no local class has max -inf and sum 0,
-// and contributes 0. At the end, each rank's dh -- the sum over its own columns -- is all-reduced.
+// VocabSlice). After pass 1 (or each token chunk's statistics) on every rank's shard, each counted row's statistics
+// (max, sum_exp, target logit, sum of logits) over the local columns become the same over all V columns on every rank:
+// the row maxima all-reduced (max), each rank's sum of exponentials rescaled to them, then the sums all-reduced
+// (detail/softmax.hpp). A rank with no local class has max -inf and sum 0, and contributes 0. At the end, each rank's
+// dh -- the sum over its own columns -- is all-reduced.
 template <typename Scalar>
 struct CommunicatorSlice final : VocabSlice<Scalar> {
   Communicator* comm;
