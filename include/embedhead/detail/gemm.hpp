@@ -77,6 +77,7 @@
 #include <cblas.h>
 
 #include <limits>
+#include <mutex>
 #endif
 
 namespace embedhead {
@@ -380,6 +381,13 @@ struct EigenBackend {
 // that embedhead::cblas links do (Debian's libopenblas-serial-dev, libblis-serial-dev): the seam's
 // fixed chunks then fix every sum. A dimension or leading dimension beyond the BLAS's int goes
 // to the Eigen backend instead, as does a view CBLAS cannot describe (rows that overlap).
+//
+// The calls are made one at a time (one mutex for the program): Debian's serial OpenBLAS 0.3.21
+// is not safe to call from two threads at once -- the fused loss's token chunks on 2 OpenMP
+// threads gave a different loss on each run (8.553 against 8.523) until the calls were
+// serialised. So on this backend the products do not run in parallel; what runs beside them
+// (softmax rows, epilogues, lookups) still does. The same lock is taken for BLIS, whose serial
+// build's safety under concurrent calls was not established.
 struct CblasBackend {
   template <typename Scalar, typename BStorage>
   static constexpr bool takes = std::is_same_v<Scalar, BStorage>;
@@ -391,6 +399,11 @@ struct CblasBackend {
     const Index needed = std::max<Index>(cols, 1);
     const Index value = rows <= 1 ? needed : ld;
     return value < needed || value > std::numeric_limits<int>::max() ? 0 : static_cast<int>(value);
+  }
+
+  static std::mutex& call_mutex() {
+    static std::mutex mutex;
+    return mutex;
   }
 
   template <Kernel kKernel, typename Scalar, Layout LA, Layout LB>
@@ -411,6 +424,7 @@ struct CblasBackend {
     const CBLAS_TRANSPOSE ta = LA == Layout::row_major ? CblasNoTrans : CblasTrans;
     const CBLAS_TRANSPOSE tb = LB == Layout::row_major ? CblasNoTrans : CblasTrans;
     const int M = static_cast<int>(op.M), N = static_cast<int>(op.N), K = static_cast<int>(op.K);
+    const std::lock_guard<std::mutex> one_at_a_time(call_mutex());
     if constexpr (std::is_same_v<Scalar, float>)
       cblas_sgemm(CblasRowMajor, ta, tb, M, N, K, 1.0f, op.a, lda, op.b, ldb, overwrite ? 0.0f : 1.0f, op.c, ldc);
     else
