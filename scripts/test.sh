@@ -62,15 +62,20 @@ count_tests() {
 phase "Dependencies"
 bash scripts/install_deps.sh
 
+# The gcc Release test trees' common settings (build/release and build/cblas).
+gcc_test_tree=(
+  -DCMAKE_BUILD_TYPE=Release
+  -DEMBEDHEAD_WERROR=ON
+  -DEMBEDHEAD_REQUIRE_SAFETENSORS=ON
+  -DEMBEDHEAD_REQUIRE_MPI=ON
+  -DEMBEDHEAD_SANITIZE=OFF
+  -DEMBEDHEAD_BUILD_TESTS=ON
+  -DEMBEDHEAD_REQUIRE_PYTHON_TESTS=ON
+)
+
 phase "Release: configure (build/release, gcc, -DEMBEDHEAD_WERROR=ON)"
 configure build/release "${CXX_RELEASE:-g++}" \
-  -DCMAKE_BUILD_TYPE=Release \
-  -DEMBEDHEAD_WERROR=ON \
-  -DEMBEDHEAD_REQUIRE_SAFETENSORS=ON \
-  -DEMBEDHEAD_REQUIRE_MPI=ON \
-  -DEMBEDHEAD_SANITIZE=OFF \
-  -DEMBEDHEAD_BUILD_TESTS=ON \
-  -DEMBEDHEAD_REQUIRE_PYTHON_TESTS=ON \
+  "${gcc_test_tree[@]}" \
   -DEMBEDHEAD_BUILD_TOOLS=ON \
   -DEMBEDHEAD_REQUIRE_BROWSER_TESTS=ON \
   -DEMBEDHEAD_CHECK_HEADERS=ON \
@@ -224,12 +229,7 @@ else
   # backend beyond what the tests cover), gcc Release, -Werror.
   phase "CBLAS backend: configure and build (build/cblas, gcc, -DEMBEDHEAD_CBLAS=OpenBLAS -DEMBEDHEAD_TEST_CBLAS=ON)"
   configure build/cblas "${CXX_RELEASE:-g++}" \
-    -DCMAKE_BUILD_TYPE=Release \
-    -DEMBEDHEAD_WERROR=ON \
-    -DEMBEDHEAD_REQUIRE_SAFETENSORS=ON \
-    -DEMBEDHEAD_REQUIRE_MPI=ON \
-    -DEMBEDHEAD_BUILD_TESTS=ON \
-    -DEMBEDHEAD_REQUIRE_PYTHON_TESTS=ON \
+    "${gcc_test_tree[@]}" \
     -DEMBEDHEAD_BUILD_TOOLS=OFF \
     -DEMBEDHEAD_CHECK_HEADERS=OFF \
     -DEMBEDHEAD_BUILD_BENCHMARKS=OFF \
