@@ -64,6 +64,7 @@ inline int run_benchmarks(int argc, char** argv, void (*register_benchmarks)()) 
   const embedhead::GemmBackendInfo gemm = embedhead::gemm_backend();
   benchmark::AddCustomContext("gemm", gemm.name + ", kernels: " + gemm.kernels +
                                           (gemm.warning.empty() ? "" : ", WARNING: " + gemm.warning));
+  benchmark::AddCustomContext("gemm_bf16", gemm.bf16);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

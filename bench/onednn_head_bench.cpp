@@ -5,10 +5,17 @@
 //   OneDnnHeadBf16/threads:T  OneDnnHead::forward: h fp32 (rounded to bf16 inside, included in
 //                             the time), W bf16 [V, d] read in place, fp32 accumulation and logits
 //
-// FLOPS counts 2 N V d per call. T = 1 and 2 OpenMP threads (Eigen and oneDNN both follow
-// omp_set_num_threads); wall-clock time. Before timing, the oneDNN logits are checked against the
-// double product of the bf16 inputs, and the Eigen ones against the fp32 inputs, on probe entries.
-// Set ONEDNN_VERBOSE=1 to see the kernel oneDNN dispatches (e.g. brg:avx512_core_bf16).
+//   FusedStepFp32/threads:T   FusedHeadLoss::forward_backward, all fp32 (Eigen GEMM, default options:
+//                             the token-chunk plan), bias included
+//   FusedStepBf16/threads:T   the same step in bf16 mixed precision: W rounded to bf16 (to_bf16, in
+//                             the time: once a step, as a trainer does from its float master
+//                             weights), then fused_head_loss_forward_backward with the bf16 W, its
+//                             products on oneDNN (gemm::MixedBackend), dW, db, dh and loss in float
+//
+// FLOPS counts 2 N V d per head call and 6 N V d per fused step. T = 1 and 2 OpenMP threads (Eigen and oneDNN both
+// follow omp_set_num_threads); wall-clock time. Before timing, the oneDNN logits are checked against the double product
+// of the bf16 inputs, and the Eigen ones against the fp32 inputs, on probe entries. Set ONEDNN_VERBOSE=1 to see the
+// kernel oneDNN dispatches (e.g. brg:avx512_core_bf16).
 #include "bench_support.hpp"  // first: its pragma must precede every other include
 
 #include "gbench_main.hpp"
@@ -40,6 +47,8 @@ constexpr Index kN = 1024, kD = 768, kV = 50257;
 struct Problem {
   OutputProjection<float> head{kV, kD};
   RowMatrix<float> h = RowMatrix<float>(kN, kD);
+  embedhead::IdMatrix<std::int32_t> targets = embedhead::IdMatrix<std::int32_t>(kN, 1);
+  RowMatrix<float> dh = RowMatrix<float>(kN, kD);
   RowMatrix<embedhead::bfloat16> W_bf16;
   RowMatrix<float> logits = RowMatrix<float>(kN, kV);
   embedhead::OneDnnHead onednn;
@@ -47,6 +56,7 @@ struct Problem {
     bench_support::fill_uniform(h, 12);
     bench_support::fill_uniform(head.bias()->value(), 11, 0.1);
     W_bf16 = embedhead::to_bf16(static_cast<const OutputProjection<float>&>(head).weight().value());
+    for (Index n = 0; n < kN; ++n) targets(n, 0) = static_cast<std::int32_t>((n * 7919) % kV);
   }
 };
 
@@ -117,19 +127,79 @@ void BM_OneDnnHeadBf16(benchmark::State& state) {
   state.counters["FLOPS"] = benchmark::Counter(2.0 * kN * kV * kD, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-void register_benchmarks() {
-  for (const int threads : {1, 2}) {
-    benchmark::RegisterBenchmark("EigenHeadFp32", BM_EigenHeadFp32)
-        ->Arg(threads)
-        ->ArgName("threads")
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark("OneDnnHeadBf16", BM_OneDnnHeadBf16)
-        ->Arg(threads)
-        ->ArgName("threads")
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
+// The fused step, fp32 then bf16; before timing, the bf16 loss against the fp32 one (bf16 inputs:
+// the logits move by about 2^-8 of their terms, the loss far less; 1e-3 relative is a loose bound
+// that still catches a wrong product) and dh's relative Frobenius error below 2^-6.
+struct FusedSteps {
+  embedhead::FusedHeadLoss<float> fp32;
+  embedhead::FusedHeadLossWorkspace<float> workspace;
+  double fp32_loss = 0;
+  RowMatrix<float> fp32_dh;
+};
+FusedSteps& fused_steps() {
+  static FusedSteps steps;
+  return steps;
+}
+
+double bf16_step(Problem& p, FusedSteps& steps) {
+  auto& weight = p.head.weight();
+  auto& bias = *p.head.bias();
+  p.W_bf16 = embedhead::to_bf16(static_cast<const OutputProjection<float>&>(p.head).weight().value());
+  auto dW = weight.grad().dense_accumulator();
+  auto db = bias.grad().dense_accumulator();
+  const auto b = static_cast<const OutputProjection<float>&>(p.head).bias()->value();
+  return embedhead::fused_head_loss_forward_backward(p.h, p.W_bf16, b, p.targets, p.dh, dW, db, steps.workspace).loss;
+}
+
+void BM_FusedStepFp32(benchmark::State& state) {
+  Problem& p = problem();
+  FusedSteps& steps = fused_steps();
+  set_threads(state);
+  for (auto _ : state) {
+    p.head.zero_grad();
+    benchmark::DoNotOptimize(steps.fp32.forward_backward(p.head, p.h, p.targets, p.dh).loss);
   }
+  state.counters["FLOPS"] = benchmark::Counter(6.0 * kN * kV * kD, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_FusedStepBf16(benchmark::State& state) {
+  Problem& p = problem();
+  FusedSteps& steps = fused_steps();
+  set_threads(state);
+  if (steps.fp32_dh.size() == 0) {
+    p.head.zero_grad();
+    steps.fp32_loss = steps.fp32.forward_backward(p.head, p.h, p.targets, p.dh).loss;
+    steps.fp32_dh = p.dh;
+  }
+  p.head.zero_grad();
+  const double loss = bf16_step(p, steps);
+  if (!(std::abs(loss - steps.fp32_loss) <= 1e-3 * std::abs(steps.fp32_loss)))
+    fail(kProgram, "FusedStepBf16: loss " + number(loss) + ", the fp32 step's " + number(steps.fp32_loss));
+  const double dh_error = (p.dh - steps.fp32_dh).norm() / steps.fp32_dh.norm();
+  if (!(dh_error <= std::ldexp(1.0, -6)))
+    fail(kProgram, "FusedStepBf16: dh's relative error against the fp32 step " + number(dh_error));
+  for (auto _ : state) {
+    p.head.zero_grad();
+    benchmark::DoNotOptimize(bf16_step(p, steps));
+  }
+  state.counters["FLOPS"] = benchmark::Counter(6.0 * kN * kV * kD, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(embedhead::detail::gemm::OneDnnBackend::kernel_name());
+}
+
+void register_benchmarks() {
+  // Each pair side by side, on 1 then 2 threads.
+  const std::pair<const char*, void (*)(benchmark::State&)> pairs[][2] = {{{"EigenHeadFp32", BM_EigenHeadFp32},
+                                                                           {"OneDnnHeadBf16", BM_OneDnnHeadBf16}},
+                                                                          {{"FusedStepFp32", BM_FusedStepFp32},
+                                                                           {"FusedStepBf16", BM_FusedStepBf16}}};
+  for (const auto& pair : pairs)
+    for (const int threads : {1, 2})
+      for (const auto& benchmark : pair)
+        benchmark::RegisterBenchmark(benchmark.first, benchmark.second)
+            ->Arg(threads)
+            ->ArgName("threads")
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
 }
 
 }  // namespace

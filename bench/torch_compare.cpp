@@ -14,6 +14,10 @@
 //              at::cross_entropy_loss + backward() (autograd).
 //   LM step    zero_grad + forward + cross-entropy in place + backward vs at::linear +
 //              at::cross_entropy_loss + backward() (autograd, grads set to none each step).
+//   bf16 step  (built with embedhead::onednn) W rounded to bf16 + the bf16 fused head loss on
+//              oneDNN, vs torch's bf16 step as CPU autocast runs it: at::linear on bf16 casts of
+//              h, W and b (its oneDNN matmul), the logits cast to float for at::cross_entropy_loss,
+//              backward() into the float leaves through the casts.
 //
 // Each implementation is timed on 1 and 2 threads (at::set_num_threads and omp_set_num_threads:
 // Eigen, OpenBLAS's OpenMP build and ATen all follow the OpenMP setting), median of repeated runs
@@ -36,6 +40,9 @@
 
 #include <embedhead/embedhead.hpp>
 #include <embedhead/version.hpp>
+#ifdef EMBEDHEAD_HAVE_ONEDNN
+#include <embedhead/backends/onednn_head.hpp>  // to_bf16
+#endif
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -549,6 +556,44 @@ int main(int argc, char** argv) {
         fused_lm_step(fresh);
       });
 
+#ifdef EMBEDHEAD_HAVE_ONEDNN
+  // The bf16 step, both sides casting the float master W each step as mixed precision does.
+  RowMatrix<embedhead::bfloat16> W_bf16;
+  embedhead::FusedHeadLossWorkspace<float> bf16_workspace;
+  RowMatrix<float> bf16_dh(kHeadTokens, kD);
+  double bf16_loss = 0;
+  const auto bf16_lm_step = [&](embedhead::FusedHeadLossWorkspace<float>& workspace) {
+    head.zero_grad();
+    W_bf16 = embedhead::to_bf16(W_value);
+    auto dW_acc = head.weight().grad().dense_accumulator();
+    auto db_acc = head.bias()->grad().dense_accumulator();
+    bf16_loss = embedhead::fused_head_loss_forward_backward(h, W_bf16, b_value, targets, bf16_dh, dW_acc, db_acc,
+                                                            workspace)
+                    .loss;
+  };
+  at::Tensor torch_bf16_loss;
+  const auto torch_bf16_step = [&] {
+    W_leaf.mutable_grad().reset();
+    b_leaf.mutable_grad().reset();
+    h_leaf.mutable_grad().reset();
+    const at::Tensor logits_bf16 = at::linear(h_leaf.to(at::kBFloat16), W_leaf.to(at::kBFloat16),
+                                              b_leaf.to(at::kBFloat16));
+    torch_bf16_loss = at::cross_entropy_loss(logits_bf16.to(at::kFloat), targets_t);
+    torch_bf16_loss.backward();
+  };
+  bench.add(
+      "embedhead bf16 fused LM-head step", [&] { bf16_lm_step(bf16_workspace); }, 3,
+      [&] {
+        embedhead::FusedHeadLossWorkspace<float> fresh;
+        bf16_lm_step(fresh);
+      });
+  bench.add("torch bf16 linear+CE+backward", torch_bf16_step, 3);
+  bench.compare("LM-head step (bf16)", "embedhead bf16 fused LM-head step", "torch bf16 linear+CE+backward", 1.2, 1.2,
+                true);
+  bench.compare("bf16 fused vs fp32 fused step", "embedhead bf16 fused LM-head step", "embedhead fused LM-head step",
+                3.0, 3.0, true);
+#endif
+
   // ---- numerical agreement, 1 thread, before any timing ----
   std::printf("\nnumerical agreement (embedhead vs torch, same inputs):\n");
   embedding.forward(ids, out);
@@ -606,6 +651,19 @@ int main(int argc, char** argv) {
     agree("fused LM step dW", view(dW), W_leaf.grad(), 1e-4);
     agree("fused LM step db", view(db).view({kV}), b_leaf.grad(), 1e-4);
   }
+
+#ifdef EMBEDHEAD_HAVE_ONEDNN
+  // bf16 against bf16: torch also rounds its logits to bf16, so only a loose agreement is asked.
+  bf16_lm_step(bf16_workspace);
+  torch_bf16_step();
+  {
+    const RowMatrix<float> dW = head.weight().grad().to_dense(), db = head.bias()->grad().to_dense();
+    agree_scalar("bf16 LM step loss", bf16_loss, torch_bf16_loss.item<double>(), 2e-2);
+    agree("bf16 LM step dh", view(bf16_dh), h_leaf.grad(), 5e-2);
+    agree("bf16 LM step dW", view(dW), W_leaf.grad(), 5e-2);
+    agree("bf16 LM step db", view(db).view({kV}), b_leaf.grad(), 5e-2);
+  }
+#endif
 
   // ---- peak extra memory, one thread, forked children ----
   std::printf("\npeak extra memory (forked child per step, 1 thread):\n");

@@ -24,9 +24,11 @@ demo_packages=(cmake g++ ninja-build libeigen3-dev libbenchmark-dev)
 # chromium: the headless-browser check of embedhead-inspect's HTML report (ctest label browser);
 # libopenmpi-dev + openmpi-bin: embedhead::mpi and the parallel tests under mpirun (label mpi);
 # make: cmake's fallback generator; clang-format-14: the formatting check (ctest label format);
-# libopenblas-serial-dev: the CBLAS backend the third tree's tests run on (embedhead::cblas).
+# libopenblas-serial-dev: the CBLAS backend the third tree's tests run on (embedhead::cblas);
+# libdnnl-dev: oneDNN, the bf16 products' backend the Release tree tests (embedhead::onednn).
 full_packages=("${demo_packages[@]}" make catch2 nlohmann-json3-dev python3-numpy clang libclang-rt-14-dev
-               libomp-dev chromium libopenmpi-dev openmpi-bin clang-format-14 libopenblas-serial-dev)
+               libomp-dev chromium libopenmpi-dev openmpi-bin clang-format-14 libopenblas-serial-dev
+               libdnnl-dev)
 if [ "$set_name" = "demo" ]; then
   packages=("${demo_packages[@]}" "$@")
 else

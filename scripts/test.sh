@@ -80,7 +80,13 @@ configure build/release "${CXX_RELEASE:-g++}" \
   -DEMBEDHEAD_REQUIRE_BROWSER_TESTS=ON \
   -DEMBEDHEAD_CHECK_HEADERS=ON \
   -DEMBEDHEAD_BUILD_BENCHMARKS=ON \
-  -DEMBEDHEAD_BUILD_EXAMPLES=ON
+  -DEMBEDHEAD_BUILD_EXAMPLES=ON \
+  -DEMBEDHEAD_WITH_ONEDNN=ON
+# oneDNN is optional for users and found quietly; here its tests must be there.
+if ! ctest --test-dir build/release -N -R '^fused_head_loss_bf16_onednn_test$' | grep -q 'Total Tests: 1'; then
+  echo "test.sh: error: build/release has no fused_head_loss_bf16_onednn_test (oneDNN or OpenMP not found?)" >&2
+  exit 1
+fi
 
 if [ "$clang_tree" = "1" ]; then
   # RelWithDebInfo, but -O0 -gline-tables-only and without -DNDEBUG so assert()/Eigen's bounds

@@ -177,4 +177,8 @@ TEST_CASE("gemm_backend names the backend and its kernels", "[gemm]") {
                          std::to_string(EIGEN_MINOR_VERSION));
   CHECK(info.kernels == Eigen::SimdInstructionSetsInUse());
 #endif
+#if !defined(EMBEDHEAD_HAVE_ONEDNN)
+  CHECK(std::is_same_v<gemm::MixedBackend, gemm::DefaultBackend>);
+  CHECK(info.bf16 == "the float GEMM on bf16-rounded values");
+#endif
 }

@@ -33,6 +33,11 @@
 // w_n >= 0 (mean divides by their sum over counted tokens), the log-sum-exp of every row as an
 // output (for z-loss monitoring), and per-token losses (Reduction::none).
 //
+// bf16 mixed precision (the overloads taking W as Eigen::bfloat16, "bf16 mixed precision" below):
+// the same pass with the products' inputs in bf16 -- bf16(h), W, bf16(dz) -- and everything else,
+// dW's accumulation included, in float; the products run on gemm::MixedBackend (oneDNN's bf16
+// kernels when the program links embedhead::onednn).
+//
 // Vocabulary-parallel (parallel/vocab_parallel_fused_head_loss.hpp): the same pass runs on one rank's
 // shard of W's rows, in the same plan, with the per-row statistics combined across ranks for each
 // token chunk (once for the two passes) and dh at the end (detail::fused_head_loss_pass's
@@ -41,7 +46,8 @@
 // Threads (when built with OpenMP): each GEMM is cut into fixed pieces -- rows of W for the logits
 // and dW (256 within a two-pass block, 1024 across a token chunk's vocabulary), 128 columns of d
 // for dh -- and each row's softmax is one thread's, so the result is bit-identical for any thread
-// count and across runs (for the default Eigen backend and the serial CBLAS one, detail/gemm.hpp). The idea of never
+// count and across runs (for the default Eigen backend, the serial CBLAS one and, for the bf16
+// products, oneDNN: detail/gemm.hpp, detail/gemm_onednn.hpp). The idea of never
 // materialising the logits is Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024) and Cut
 // Cross-Entropy's (Wijmans et al. 2024); the code is this library's own.
 #ifndef EMBEDHEAD_FUSED_HEAD_LOSS_HPP
@@ -108,6 +114,14 @@ struct FusedHeadLossWorkspace {
   std::vector<detail::SoftmaxRowStats> row_stats;  // pass 1's running statistics
   std::vector<double> lse;                         // each counted row's log-sum-exp
   std::vector<double> reduced;                     // vocabulary-parallel: the per-row sums all-reduced in one call
+  // bf16 mixed precision (W stored in bf16): h and dz rounded to bf16, as bf16 where the backend takes
+  // bf16 operands (oneDNN), else as Scalar holding the rounded values (hidden then holds h's); the
+  // float tiles a bf16 W is widened into on such a backend.
+  std::vector<Eigen::bfloat16> hidden_bf16, dz_bf16;
+  std::vector<Scalar> dz_rounded;
+  std::vector<float> tiles;
+  std::vector<Scalar> piece_logits;            // a token chunk's product per thread, before its copy
+  std::vector<std::vector<float>> slot_tiles;  // and the widened tiles of each thread's product
 };
 
 namespace detail {
@@ -186,7 +200,8 @@ void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, I
                            const ConstMatrixRef<Scalar>& bias, const TypedTokenIds<Id>& targets,
                            const ConstMatrixRef<Scalar>& weights, const MatrixRef<Scalar>* dh,
                            const MatrixRef<Scalar>* dW, const MatrixRef<Scalar>* db, const MatrixRef<Scalar>* lse,
-                           const MatrixRef<Scalar>* losses, const FusedHeadLossOptions& options, Index V) {
+                           const MatrixRef<Scalar>* losses, const FusedHeadLossOptions& options, Index V,
+                           Index bytes_per_logit = static_cast<Index>(sizeof(Scalar))) {
   const Index N = h.rows();
   check_shape(where, "h", h, N, d);
   if (bias.size() != 0) check_shape(where, "bias", bias, W_rows, 1);
@@ -210,7 +225,7 @@ void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, I
   }
   // token_chunks must hold one row of logits: the classes among W's rows (on rank 0, whose check
   // every rank shares through check_on_every_rank, the most any shard holds).
-  const Index row_bytes = std::min(W_rows, classes_of(options, V)) * static_cast<Index>(sizeof(Scalar));
+  const Index row_bytes = std::min(W_rows, classes_of(options, V)) * bytes_per_logit;
   if (options.plan == FusedPlan::token_chunks && fused_memory_budget(options) < row_bytes) {
     std::ostringstream message;
     message << where << ": memory_budget = " << fused_memory_budget(options) << " bytes outside [" << row_bytes
@@ -238,8 +253,23 @@ void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, I
 // the arithmetic is the single-process pass's, bit for bit (the rescale factor is exp(0) = 1).
 // \pre with a slice, the caller has agreed check_fused_head_loss across the ranks
 // (check_on_every_rank) before calling: the local checks here then cannot fail on one rank alone.
-template <typename Scalar, typename Id>
-CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+template <typename T>
+struct same_type {
+  using type = T;
+};
+// p itself when Low is its type; otherwise (a mixed-precision operand, which the pass always
+// gathers into a buffer of its own) never called.
+template <typename Low, typename Scalar>
+const Low* same_storage(const Scalar* p) {
+  if constexpr (std::is_same_v<Low, Scalar>)
+    return p;
+  else
+    return nullptr;
+}
+
+template <typename Scalar, typename Id, typename Storage = Scalar, typename Backend = gemm::DefaultBackend>
+CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
+                                        const ConstMatrixRef<typename same_type<Storage>::type>& W,
                                         const ConstMatrixRef<Scalar>& bias, const TypedTokenIds<Id>& targets,
                                         const ConstMatrixRef<Scalar>& weights, MatrixRef<Scalar>* dh,
                                         MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db, MatrixRef<Scalar>* lse,
@@ -247,11 +277,19 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
                                         FusedHeadLossWorkspace<Scalar>& ws, const char* where,
                                         const VocabSlice<Scalar>* slice = nullptr) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+  // bf16 mixed precision: W stored in bf16, h and dz rounded to bf16 for the products, held as Low
+  // (bf16 on a backend that takes bf16 operands, else Scalar holding the rounded values).
+  constexpr bool mixed = !std::is_same_v<Storage, Scalar>;
+  static_assert(!mixed || (std::is_same_v<Scalar, float> && std::is_same_v<Storage, Eigen::bfloat16>),
+                "mixed precision: float h and gradients with a bf16 W");
+  using Low = std::conditional_t<mixed && Backend::template takes<float, Storage, Storage>, Storage, Scalar>;
+  constexpr Index bytes_per_logit = static_cast<Index>(sizeof(Scalar) + (mixed ? sizeof(Low) : 0));
   // rows: W's rows; V: the global vocabulary; begin: the global id of W's row 0.
   const Index N = h.rows(), rows = W.rows(), d = W.cols(), T = targets.cols();
   const Index V = slice ? slice->V : rows, begin = slice ? slice->begin : 0;
   // ---- every check before anything is written ----
-  check_fused_head_loss<Scalar, Id>(where, h, rows, d, bias, targets, weights, dh, dW, db, lse, losses, options, V);
+  check_fused_head_loss<Scalar, Id>(where, h, rows, d, bias, targets, weights, dh, dW, db, lse, losses, options, V,
+                                    bytes_per_logit);
   const Index classes = classes_of(options, V);
   // The classes among W's rows, in W's local numbering.
   const Index local_classes = slice ? std::clamp<Index>(classes - begin, 0, rows) : classes;
@@ -293,15 +331,29 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   const bool dh_overlaps_h = gradient && dh->data() < h.data() + h.size() && h.data() < dh->data() + dh->size();
   // Vocabulary-parallel, dh is all-reduced in place at the end, so it must be contiguous.
   const bool dh_strided = gradient && slice && dh->outerStride() != d;
-  const bool gather = count < N || dh_overlaps_h || dh_strided;
+  // Mixed precision always gathers: the gathered rows are h rounded to bf16.
+  const bool gather = mixed || count < N || dh_overlaps_h || dh_strided;
+  std::vector<Low>& hidden_buffer = [&]() -> std::vector<Low>& {
+    if constexpr (std::is_same_v<Low, Scalar>)
+      return ws.hidden;
+    else
+      return ws.hidden_bf16;
+  }();
   if (gather) {
-    ws.hidden.resize(static_cast<std::size_t>(count * d));
-    for (Index r = 0; r < count; ++r)
-      std::copy_n(h.row(ws.tokens[static_cast<std::size_t>(r)]).data(), d, ws.hidden.data() + r * d);
+    hidden_buffer.resize(static_cast<std::size_t>(count * d));
+    for (Index r = 0; r < count; ++r) {
+      const Scalar* source = h.row(ws.tokens[static_cast<std::size_t>(r)]).data();
+      Low* target = hidden_buffer.data() + r * d;
+      if constexpr (mixed)
+        for (Index j = 0; j < d; ++j) target[j] = static_cast<Low>(Eigen::bfloat16(source[j]));
+      else
+        std::copy_n(source, d, target);
+    }
     if (gradient) ws.dhidden.resize(static_cast<std::size_t>(count * d));
   }
-  const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> hidden(
-      gather ? ws.hidden.data() : h.data(), count, d, Eigen::OuterStride<>(gather ? d : h.outerStride()));
+  const Eigen::Map<const RowMatrix<Low>, 0, Eigen::OuterStride<>> hidden(
+      gather ? hidden_buffer.data() : same_storage<Low>(h.data()), count, d,
+      Eigen::OuterStride<>(gather ? d : h.outerStride()));
   Scalar* dh_base = gradient ? (gather ? ws.dhidden.data() : dh->data()) : nullptr;
   Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> dhidden(dh_base, gradient ? count : 0, d,
                                                                  Eigen::OuterStride<>(
@@ -316,9 +368,18 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   // slice, from the most classes a shard holds, min(widest, classes) -- rank 0's, as rows [0,
   // widest) are its -- so that one rank chunks exactly as the single-process pass does.
   const Index chunk = fused_token_chunk(options, count, slice ? std::min(slice->widest, classes) : classes,
-                                        sizeof(Scalar));
+                                        bytes_per_logit);
   const bool one_pass = chunk > 0;
-  ws.logits.resize(static_cast<std::size_t>(one_pass ? chunk * local_classes : count * block));
+  const std::size_t logits_size = static_cast<std::size_t>(one_pass ? chunk * local_classes : count * block);
+  ws.logits.resize(logits_size);
+  // Mixed precision: dz rounded to bf16 beside the float dz (db sums the float one).
+  std::vector<Low>& dz_buffer = [&]() -> std::vector<Low>& {
+    if constexpr (std::is_same_v<Low, Scalar>)
+      return ws.dz_rounded;
+    else
+      return ws.dz_bf16;
+  }();
+  if (mixed && gradient) dz_buffer.resize(logits_size);
   // No column yet: max -inf, sums 0 (a shard without the target adds s_y = 0).
   ws.row_stats.assign(static_cast<std::size_t>(count), SoftmaxRowStats{});
   ws.lse.resize(static_cast<std::size_t>(count));
@@ -335,24 +396,50 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
   auto logits_of = [&](Index r0, Index rows, Index v0, Index width, Index ld) {
     Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> logits(ws.logits.data(), rows, width,
                                                                   Eigen::OuterStride<>(ld));
-    const gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::col_major> product{rows,
-                                                                                     width,
-                                                                                     d,
-                                                                                     hidden.data() +
-                                                                                         r0 * hidden.outerStride(),
-                                                                                     hidden.outerStride(),
-                                                                                     W.data() + v0 * W.outerStride(),
-                                                                                     W.outerStride(),
-                                                                                     logits.data(),
-                                                                                     ld,
-                                                                                     gemm::Init::zero};
-    const gemm::Plan pieces{gemm::Split::cols, vocab_piece, true};
-    gemm::run<gemm::Kernel::expression>(product, pieces, [&](Index p0, Index p1) {
+    const gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::col_major, Storage, Low> product{
+        rows,
+        width,
+        d,
+        hidden.data() + r0 * hidden.outerStride(),
+        hidden.outerStride(),
+        W.data() + v0 * W.outerStride(),
+        W.outerStride(),
+        logits.data(),
+        ld,
+        gemm::Init::zero};
+    auto finish_piece = [&](Index p0, Index p1) {
       const Index p_width = p1 - p0;
       auto out = logits.middleCols(p0, p_width);
       if (bias.size() != 0) out.rowwise() += bias.col(0).segment(v0 + p0, p_width).transpose();
       if (softcap > 0) out = softcapped(out.array(), cap).matrix();
-    });
+    };
+    if (mixed && one_pass) {
+      // Mixed precision, token chunks: each piece's product into a contiguous [rows, p_width]
+      // buffer of its thread's, then copied into the chunk's rows (measured with oneDNN at GPT-2
+      // shape: writing C straight into rows V floats apart ran the product at half the speed).
+      // The same products as below, so the same values.
+      const Index pieces = (width + vocab_piece - 1) / vocab_piece;
+      const Index slots = chunk_threads(pieces, 1, true);
+      ws.piece_logits.resize(static_cast<std::size_t>(slots * rows * std::min(vocab_piece, width)));
+      if (static_cast<Index>(ws.slot_tiles.size()) < slots) ws.slot_tiles.resize(static_cast<std::size_t>(slots));
+      parallel_chunks_slotted(pieces, 1, true, [&](Index q0, Index q1, Index slot) {
+        for (Index q = q0; q < q1; ++q) {
+          const Index p0 = q * vocab_piece, p_width = std::min(vocab_piece, width - p0);
+          Scalar* scratch = ws.piece_logits.data() + slot * rows * std::min(vocab_piece, width);
+          auto piece = gemm::cols_of(product, p0, p_width);
+          piece.c = scratch;
+          piece.ldc = p_width;
+          gemm::run<gemm::Kernel::expression, Backend>(piece, gemm::Plan{gemm::Split::cols, p_width, false},
+                                                       gemm::NoEpilogue{},
+                                                       &ws.slot_tiles[static_cast<std::size_t>(slot)]);
+          for (Index r = 0; r < rows; ++r) std::copy_n(scratch + r * p_width, p_width, logits.row(r).data() + p0);
+          finish_piece(p0, p0 + p_width);
+        }
+      });
+      return logits;
+    }
+    gemm::run<gemm::Kernel::expression, Backend>(product, gemm::Plan{gemm::Split::cols, vocab_piece, true},
+                                                 finish_piece, &ws.tiles);
     return logits;
   };
   // Row r's statistics over columns [v0, v0 + width) of its logits z (z[0] is column v0).
@@ -380,38 +467,52 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h, const C
     const Index y = target_of(ws.tokens[i]) - begin;  // in W's local numbering
     apply_softmax_gradient(z, width, y - v0, k, terms, /*holds_exp=*/false);
   };
+  // Mixed precision: dz [rows, width] (leading dimension ld) rounded to bf16 and transposed into
+  // dz_buffer as dz^T [width, rows], the products' operand: dW += (dz^T) hidden then reads it as
+  // plain rows (measured with oneDNN: twice as fast as dz^T read as a transposed view of dz), and
+  // dh = dz W as its transposed view. Groups of kGroup columns per thread, so a group's rows of
+  // dz^T stay in cache while they fill.
+  auto round_dz = [&](const Scalar* dz, Index ld, Index rows, Index width) {
+    constexpr Index kGroup = 256;
+    Low* out = dz_buffer.data();
+    parallel_blocks((width + kGroup - 1) / kGroup, [&](Index group) {
+      const Index g0 = group * kGroup, g1 = std::min(width, g0 + kGroup);
+      for (Index r = 0; r < rows; ++r)
+        for (Index v = g0; v < g1; ++v) out[v * rows + r] = static_cast<Low>(Eigen::bfloat16(dz[r * ld + v]));
+    });
+  };
   // dz [rows, width] (leading dimension ld) of hidden rows [r0, r0 + rows) and W rows [v0, v0 +
   // width): dW_block += dz^T hidden (with db_block += sums of dz), dhidden rows += dz W_block.
   auto backward_of = [&](const Scalar* dz, Index ld, Index r0, Index rows, Index v0, Index width) {
-    const gemm::Op<Scalar, gemm::Layout::col_major, gemm::Layout::row_major> dW_product{
-        width,
-        d,
-        rows,
-        dz,
-        ld,
-        hidden.data() + r0 * hidden.outerStride(),
-        hidden.outerStride(),
-        want_dW ? dW->data() + v0 * dW->outerStride() : nullptr,
-        want_dW ? dW->outerStride() : 0};
+    auto db_sums = [&](Index p0, Index p1) {
+      if (want_db) add_column_sums(dz + p0, ld, rows, p1 - p0, db->col(0).segment(v0 + p0, p1 - p0));
+    };
     const gemm::Plan row_pieces{gemm::Split::rows, vocab_piece, true};
-    if (want_dW || want_db)
-      gemm::run<gemm::Kernel::expression>(dW_product, row_pieces, [&](Index p0, Index p1) {
-        if (!want_db) return;
-        const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> dz_piece(dz + p0, rows, p1 - p0,
-                                                                                    Eigen::OuterStride<>(ld));
-        db->col(0).segment(v0 + p0, p1 - p0) += dz_piece.colwise().sum().transpose();
-      });
-    const gemm::Op<Scalar, gemm::Layout::row_major, gemm::Layout::row_major> dh_product{rows,
-                                                                                        d,
-                                                                                        width,
-                                                                                        dz,
-                                                                                        ld,
-                                                                                        W.data() + v0 * W.outerStride(),
-                                                                                        W.outerStride(),
-                                                                                        dhidden.data() +
-                                                                                            r0 * dhidden.outerStride(),
-                                                                                        dhidden.outerStride()};
-    gemm::run<gemm::Kernel::expression>(dh_product, gemm::Plan{gemm::Split::cols, kFusedDimPiece, true});
+    const gemm::Plan dim_pieces{gemm::Split::cols, kFusedDimPiece, true};
+    Scalar* dW_rows = want_dW ? dW->data() + v0 * dW->outerStride() : nullptr;
+    const Index ldW = want_dW ? dW->outerStride() : 0;
+    const Low* h_rows = hidden.data() + r0 * hidden.outerStride();
+    const Storage* W_rows = W.data() + v0 * W.outerStride();
+    Scalar* dh_rows = dhidden.data() + r0 * dhidden.outerStride();
+    using gemm::Layout;
+    if constexpr (mixed) {
+      // dW += (dz^T) hidden and dh = (dz^T)^T W from the rounded dz^T [width, rows].
+      round_dz(dz, ld, rows, width);
+      const Low* dzT = dz_buffer.data();
+      const gemm::Op<Scalar, Layout::row_major, Layout::row_major, Low, Low> dW_product{
+          width, d, rows, dzT, rows, h_rows, hidden.outerStride(), dW_rows, ldW};
+      if (want_dW || want_db) gemm::run<gemm::Kernel::expression, Backend>(dW_product, row_pieces, db_sums);
+      const gemm::Op<Scalar, Layout::col_major, Layout::row_major, Storage, Low> dh_product{
+          rows, d, width, dzT, rows, W_rows, W.outerStride(), dh_rows, dhidden.outerStride()};
+      gemm::run<gemm::Kernel::expression, Backend>(dh_product, dim_pieces, gemm::NoEpilogue{}, &ws.tiles);
+    } else {
+      const gemm::Op<Scalar, Layout::col_major, Layout::row_major> dW_product{
+          width, d, rows, dz, ld, h_rows, hidden.outerStride(), dW_rows, ldW};
+      if (want_dW || want_db) gemm::run<gemm::Kernel::expression, Backend>(dW_product, row_pieces, db_sums);
+      const gemm::Op<Scalar, Layout::row_major, Layout::row_major> dh_product{
+          rows, d, width, dz, ld, W_rows, W.outerStride(), dh_rows, dhidden.outerStride()};
+      gemm::run<gemm::Kernel::expression, Backend>(dh_product, dim_pieces);
+    }
   };
 
   if (one_pass) {
@@ -520,6 +621,69 @@ CrossEntropyResult fused_head_loss(const ConstMatrixRef<Scalar>& h, const ConstM
   return targets.visit([&](const auto& typed) {
     return detail::fused_head_loss_pass<Scalar>(h, W, bias, typed, extras.weights, nullptr, nullptr, nullptr, &lse_ref,
                                                 &losses_ref, options, workspace, "fused_head_loss");
+  });
+}
+
+// ---- bf16 mixed precision ----
+//
+// The same loss and gradients with W [V, d] stored in bf16 (e.g. to_bf16 of float master weights
+// once a step) and the products' inputs in bf16, as mixed-precision training runs the head:
+//   logits = bf16(h) W^T (+ b)            each product exact in float, the sums in float
+//   dz     = d loss / d logits            in float, from the float logits (the softmax in double)
+//   dW    += bf16(dz)^T bf16(h),  db += sums of the float dz,  dh = bf16(dz) W
+// with h, dh, dW, db, bias, loss, lse and losses in float; dW is accumulated in float across
+// chunks and calls, never rounded. bf16(x) rounds to nearest even (8 significant bits). The
+// products run on gemm::MixedBackend: oneDNN's bf16 kernels (AMX or AVX512_BF16) when the program
+// links embedhead::onednn and oneDNN has native bf16 kernels on this CPU (OneDnnBackend::usable),
+// else the float GEMM on the rounded values (the same products within float rounding, no faster
+// than float); Backend names one explicitly (a detail::gemm backend). Plans, options, extras,
+// checks and thread-count invariance are the float call's. Memory: the rounded dz beside the
+// float logits (a token chunk is memory_budget / (6 C) tokens on oneDNN, / (8 C) otherwise),
+// the counted rows of h rounded (count d values, bf16 on oneDNN, else float) and their dh
+// (count d floats); in token chunks on oneDNN, also one [n, 1024] float buffer per thread.
+// Accuracy against the float head: bench/RESULTS.md and tests/fused_head_loss_bf16_test.cpp.
+
+// h [N, d], W [V, d] bf16, bias [V, 1] or empty, targets -> loss; dh [N, d] written, dW [V, d]
+// +=, db [V, 1] += (each as the float call, empty: skipped). \throws as the float call.
+template <typename Backend = detail::gemm::MixedBackend>
+CrossEntropyResult fused_head_loss_forward_backward(const ConstMatrixRef<float>& h,
+                                                    const ConstMatrixRef<Eigen::bfloat16>& W,
+                                                    const ConstMatrixRef<float>& bias, TokenIds targets,
+                                                    MatrixRef<float> dh, MatrixRef<float> dW, MatrixRef<float> db,
+                                                    FusedHeadLossWorkspace<float>& workspace,
+                                                    const FusedHeadLossOptions& options = {},
+                                                    const FusedHeadLossExtras<float>& extras = {}) {
+  static_assert(detail::gemm::is_backend<Backend>::value, "Backend: a detail::gemm backend (default MixedBackend)");
+  if (!Backend::usable())
+    return fused_head_loss_forward_backward<detail::gemm::DefaultBackend>(h, W, bias, targets, dh, dW, db, workspace,
+                                                                          options, extras);
+  Eigen::Map<RowMatrix<float>> lse = extras.lse, losses = extras.losses;
+  MatrixRef<float> lse_ref(lse), losses_ref(losses);
+  return targets.visit([&](const auto& typed) {
+    using Id = typename std::decay_t<decltype(typed)>::id_type;
+    return detail::fused_head_loss_pass<float, Id, Eigen::bfloat16, Backend>(h, W, bias, typed, extras.weights, &dh,
+                                                                             &dW, &db, &lse_ref, &losses_ref, options,
+                                                                             workspace,
+                                                                             "fused_head_loss_forward_backward");
+  });
+}
+
+// h [N, d], W [V, d] bf16, bias, targets -> the loss alone, forward_backward's bit for bit.
+template <typename Backend = detail::gemm::MixedBackend>
+CrossEntropyResult fused_head_loss(const ConstMatrixRef<float>& h, const ConstMatrixRef<Eigen::bfloat16>& W,
+                                   const ConstMatrixRef<float>& bias, TokenIds targets,
+                                   FusedHeadLossWorkspace<float>& workspace, const FusedHeadLossOptions& options = {},
+                                   const FusedHeadLossExtras<float>& extras = {}) {
+  static_assert(detail::gemm::is_backend<Backend>::value, "Backend: a detail::gemm backend (default MixedBackend)");
+  if (!Backend::usable())
+    return fused_head_loss<detail::gemm::DefaultBackend>(h, W, bias, targets, workspace, options, extras);
+  Eigen::Map<RowMatrix<float>> lse = extras.lse, losses = extras.losses;
+  MatrixRef<float> lse_ref(lse), losses_ref(losses);
+  return targets.visit([&](const auto& typed) {
+    using Id = typename std::decay_t<decltype(typed)>::id_type;
+    return detail::fused_head_loss_pass<float, Id, Eigen::bfloat16, Backend>(h, W, bias, typed, extras.weights, nullptr,
+                                                                             nullptr, nullptr, &lse_ref, &losses_ref,
+                                                                             options, workspace, "fused_head_loss");
   });
 }
 

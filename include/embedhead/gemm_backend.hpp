@@ -6,6 +6,9 @@
 //   info.kernels   Eigen: the SIMD sets it was compiled for; OpenBLAS: the core whose kernels it
 //                  dispatched at load time (openblas_get_corename); BLIS: BLIS_ARCH_TYPE, if set
 //   info.warning   empty, or why the fast kernels are not in use and what to set
+//   info.bf16      what the bf16 mixed-precision products (the bf16 fused head loss) run on:
+//                  "oneDNN <version>: <its kernel>" with embedhead::onednn and native bf16 kernels
+//                  here, else "the float GEMM on bf16-rounded values" (and why, with oneDNN)
 //
 // The backend is fixed when the program is compiled (detail/gemm.hpp: Eigen by default, CBLAS
 // with the CMake target embedhead::cblas). A BLAS picks its kernels when it is loaded, from the
@@ -33,6 +36,7 @@ struct GemmBackendInfo {
   std::string name;
   std::string kernels;
   std::string warning;
+  std::string bf16;
 };
 
 namespace detail {
@@ -103,6 +107,23 @@ inline GemmBackendInfo gemm_backend() {
     info.warning =
         "compiled without AVX-512 on a CPU that has it: -march=native (or -mavx512f -mfma) makes "
         "Eigen's kernels twice as wide";
+#endif
+  info.bf16 = "the float GEMM on bf16-rounded values";
+#if defined(EMBEDHEAD_HAVE_ONEDNN)
+  const dnnl_version_t* version = dnnl_version();
+  const std::string onednn = "oneDNN " + std::to_string(version->major) + "." + std::to_string(version->minor) + "." +
+                             std::to_string(version->patch);
+  if (detail::gemm::OneDnnBackend::usable()) {
+    info.bf16 = onednn + ": " + detail::gemm::OneDnnBackend::kernel_name();
+  } else {
+    std::string kernel;
+    try {
+      kernel = detail::gemm::OneDnnBackend::kernel_name();
+    } catch (const dnnl::error& e) {
+      kernel = std::string("none (") + e.what() + ")";
+    }
+    info.bf16 += " (" + onednn + " has no native bf16 kernel here: " + kernel + ")";
+  }
 #endif
   return info;
 }

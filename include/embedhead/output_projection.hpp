@@ -74,6 +74,22 @@ void head_forward_chunked(const ConstMatrixRef<Scalar>& h,
   run<Kernel::gemm>(op, Plan{Split::cols, vocab_chunk, head_threaded(N, V, d)}, NoEpilogue{}, tiles);
 }
 
+// db [width] += the column sums of x [rows, width] (row r at x + r * ld): each group of kSumGroup
+// columns summed into zeroed sums on the stack in row order, vectorised across the columns, then
+// added to db -- so a second call adds exactly what the first added.
+template <typename Scalar, typename Column>
+void add_column_sums(const Scalar* x, Index ld, Index rows, Index width, Column&& db) {
+  constexpr Index kSumGroup = 256;
+  Eigen::Array<Scalar, kSumGroup, 1> sums;
+  for (Index g0 = 0; g0 < width; g0 += kSumGroup) {
+    const Index group = std::min(kSumGroup, width - g0);
+    sums.head(group).setZero();
+    for (Index r = 0; r < rows; ++r)
+      sums.head(group) += Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(x + r * ld + g0, group);
+    db.segment(g0, group).array() += sums.head(group);
+  }
+}
+
 // dW[c] += dlogits[:, c]^T h and db[c] += sum_n dlogits[n, c] by chunks c of vocab_chunk rows (each
 // row of dW and db belongs to one chunk); then dh[r] = dlogits[r] W by chunks r of token_chunk
 // rows (dh is a sum over all of V, so it is split by tokens instead, each row of dh in one chunk).
@@ -107,14 +123,7 @@ void head_backward_chunked(const ConstMatrixRef<Scalar>& h,
       for (Index n = 0; n < N; ++n) db.col(0).segment(v0, v1 - v0) += dlogits.row(n).segment(v0, v1 - v0).transpose();
       return;
     }
-    constexpr Index kSumGroup = 256;
-    Eigen::Array<Scalar, kSumGroup, 1> sums;
-    for (Index g0 = v0; g0 < v1; g0 += kSumGroup) {
-      const Index width = std::min(kSumGroup, v1 - g0);
-      sums.head(width).setZero();
-      for (Index n = 0; n < N; ++n) sums.head(width) += dlogits.row(n).segment(g0, width).transpose().array();
-      db.col(0).segment(g0, width).array() += sums.head(width);
-    }
+    add_column_sums(dlogits.data() + v0, dlogits.outerStride(), N, v1 - v0, db.col(0).segment(v0, v1 - v0));
   };
   if (dW.size() != 0 || db.size() != 0) run<Kernel::gemm>(dW_op, Plan{Split::rows, vocab_chunk, threaded}, db_sums);
   // run returns after every chunk is done, so dW has read h before dh is written: dh may be h itself.

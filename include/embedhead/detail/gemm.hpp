@@ -50,10 +50,12 @@
 // or CblasBackend when EMBEDHEAD_GEMM_CBLAS is defined (the CMake target embedhead::cblas, which
 // links a serial OpenBLAS or BLIS; docs/performance.md, "GEMM backends").
 // A backend provides
-//   template <Kernel, typename Scalar, Layout LA, Layout LB> static void multiply(const Op<...>&)
+//   template <Kernel, typename Scalar, Layout LA, Layout LB, ...> static void multiply(const Op<...>&)
 //       one chunk, Init included, on the calling thread, never threading by itself;
-//   template <typename Scalar, typename BStorage> static constexpr bool takes
-//       whether multiply accepts B stored as BStorage itself (else run widens tiles to Scalar).
+//   template <typename Scalar, typename BStorage, typename AStorage> static constexpr bool takes
+//       whether multiply accepts B stored as BStorage and A as AStorage themselves (else run
+//       widens B's tiles to Scalar; A below Scalar needs a backend that takes it);
+//   static bool usable()  whether it can run here (oneDNN's bf16 kernels need AVX-512; see gemm::usable).
 // The seam owns the chunking, so a new backend (CBLAS, oneDNN bf16, a hand-written kernel) only
 // has to compute a chunk; results then depend on the backend and the build, never on the threads.
 #ifndef EMBEDHEAD_DETAIL_GEMM_HPP
@@ -230,10 +232,10 @@ enum class Kernel { gemm, expression, decode };
 
 // C [M, N] (init) op(A) [M, K] op(B) [K, N]; see the top of this file. An aggregate:
 //   gemm::Op<float, Layout::row_major, Layout::col_major> op{N, V, d, h, ldh, W, ldw, logits, ldl};
-template <typename Scalar, Layout LA, Layout LB, typename BStorage = Scalar>
+template <typename Scalar, Layout LA, Layout LB, typename BStorage = Scalar, typename AStorage = Scalar>
 struct Op {
   Index M = 0, N = 0, K = 0;
-  const Scalar* a = nullptr;  // op(A) [M, K] in layout LA
+  const AStorage* a = nullptr;  // op(A) [M, K] in layout LA
   Index lda = 0;
   const BStorage* b = nullptr;  // op(B) [K, N] in layout LB
   Index ldb = 0;
@@ -258,16 +260,16 @@ T* offset(T* p, Index offset) {
 }
 
 // op restricted to rows [m0, m0 + rows) of C (and of op(A)).
-template <typename Scalar, Layout LA, Layout LB, typename BStorage>
-Op<Scalar, LA, LB, BStorage> rows_of(Op<Scalar, LA, LB, BStorage> op, Index m0, Index rows) {
+template <typename Scalar, Layout LA, Layout LB, typename BStorage, typename AStorage>
+Op<Scalar, LA, LB, BStorage, AStorage> rows_of(Op<Scalar, LA, LB, BStorage, AStorage> op, Index m0, Index rows) {
   op.a = offset(op.a, LA == Layout::row_major ? m0 * op.lda : m0);
   op.c = offset(op.c, m0 * op.ldc);
   op.M = rows;
   return op;
 }
 // op restricted to columns [n0, n0 + cols) of C (and of op(B), and of the bias).
-template <typename Scalar, Layout LA, Layout LB, typename BStorage>
-Op<Scalar, LA, LB, BStorage> cols_of(Op<Scalar, LA, LB, BStorage> op, Index n0, Index cols) {
+template <typename Scalar, Layout LA, Layout LB, typename BStorage, typename AStorage>
+Op<Scalar, LA, LB, BStorage, AStorage> cols_of(Op<Scalar, LA, LB, BStorage, AStorage> op, Index n0, Index cols) {
   op.b = offset(op.b, LB == Layout::row_major ? n0 : n0 * op.ldb);
   op.c = offset(op.c, n0);
   op.bias = offset(op.bias, n0 * op.bias_stride);
@@ -275,8 +277,8 @@ Op<Scalar, LA, LB, BStorage> cols_of(Op<Scalar, LA, LB, BStorage> op, Index n0, 
   return op;
 }
 // op restricted to the summation indices [k0, k0 + depth) (columns of op(A), rows of op(B)).
-template <typename Scalar, Layout LA, Layout LB, typename BStorage>
-Op<Scalar, LA, LB, BStorage> depth_of(Op<Scalar, LA, LB, BStorage> op, Index k0, Index depth) {
+template <typename Scalar, Layout LA, Layout LB, typename BStorage, typename AStorage>
+Op<Scalar, LA, LB, BStorage, AStorage> depth_of(Op<Scalar, LA, LB, BStorage, AStorage> op, Index k0, Index depth) {
   op.a = offset(op.a, LA == Layout::row_major ? k0 : k0 * op.lda);
   op.b = offset(op.b, LB == Layout::row_major ? k0 * op.ldb : k0);
   op.K = depth;
@@ -284,8 +286,8 @@ Op<Scalar, LA, LB, BStorage> depth_of(Op<Scalar, LA, LB, BStorage> op, Index k0,
 }
 
 // C = 0 or C = 1 b^T for Init::zero / Init::bias; nothing for Init::keep.
-template <typename Scalar, Layout LA, Layout LB, typename BStorage>
-void start(const Op<Scalar, LA, LB, BStorage>& op) {
+template <typename Scalar, Layout LA, Layout LB, typename BStorage, typename AStorage>
+void start(const Op<Scalar, LA, LB, BStorage, AStorage>& op) {
   if (op.init == Init::keep || op.M == 0 || op.N == 0) return;
   for (Index m = 0; m < op.M; ++m) {
     Scalar* row = op.c + m * op.ldc;
@@ -304,8 +306,9 @@ constexpr int eigen_order(Layout layout) { return layout == Layout::row_major ? 
 // Eigen), its expression products and the decode kernel, each on the calling thread. Packing
 // buffers go on the stack up to EIGEN_STACK_ALLOCATION_LIMIT and on the heap above, as in Eigen.
 struct EigenBackend {
-  template <typename Scalar, typename BStorage>
-  static constexpr bool takes = std::is_same_v<Scalar, BStorage>;
+  template <typename Scalar, typename BStorage, typename AStorage = Scalar>
+  static constexpr bool takes = std::conjunction_v<std::is_same<Scalar, BStorage>, std::is_same<Scalar, AStorage>>;
+  static bool usable() { return true; }
 
   // C += op(A) op(B) by Eigen's GEMM kernel, whatever the shape; no Init.
   template <typename Scalar, Layout LA, Layout LB>
@@ -389,8 +392,9 @@ struct EigenBackend {
 // (softmax rows, epilogues, lookups) still does. The same lock is taken for BLIS, whose serial
 // build's safety under concurrent calls was not established.
 struct CblasBackend {
-  template <typename Scalar, typename BStorage>
-  static constexpr bool takes = std::is_same_v<Scalar, BStorage>;
+  template <typename Scalar, typename BStorage, typename AStorage = Scalar>
+  static constexpr bool takes = std::conjunction_v<std::is_same<Scalar, BStorage>, std::is_same<Scalar, AStorage>>;
+  static bool usable() { return true; }
 
   // The leading dimension CBLAS is given for a row-major stored [rows, cols] operand: ld itself,
   // or cols for a single stored row (whose ld is never used, and may be anything in an Eigen view);
@@ -478,11 +482,13 @@ struct NoEpilogue {
 // the public functions check first. Nothing allocated but Eigen's packing buffers and, for mixed
 // precision, tiles' growth.
 template <Kernel kKernel, typename Backend = DefaultBackend, typename Scalar, Layout LA, Layout LB, typename BStorage,
-          typename Epilogue = NoEpilogue>
-void run(const Op<Scalar, LA, LB, BStorage>& op, const Plan& plan, const Epilogue& epilogue = {},
+          typename AStorage, typename Epilogue = NoEpilogue>
+void run(const Op<Scalar, LA, LB, BStorage, AStorage>& op, const Plan& plan, const Epilogue& epilogue = {},
          std::vector<float>* tiles = nullptr) {
   const Index extent = plan.split == Split::rows ? op.M : op.N;
-  constexpr bool widen = !std::is_same_v<Scalar, BStorage> && !Backend::template takes<Scalar, BStorage>;
+  constexpr bool widen = !std::is_same_v<Scalar, BStorage> && !Backend::template takes<Scalar, BStorage, AStorage>;
+  static_assert(std::is_same_v<Scalar, AStorage> || Backend::template takes<Scalar, BStorage, AStorage>,
+                "A stored below Scalar needs a backend that takes it (MixedBackend); only B is ever widened");
   float* scratch = nullptr;
   Index tile_floats = 0;
   if constexpr (widen) {
@@ -520,6 +526,32 @@ void multiply(const Op<Scalar, LA, LB>& op) {
   Backend::template multiply<kKernel>(op);
 }
 
+}  // namespace gemm
+}  // namespace detail
+}  // namespace embedhead
+
+#if defined(EMBEDHEAD_HAVE_ONEDNN)
+#include "gemm_onednn.hpp"
+#endif
+
+namespace embedhead {
+namespace detail {
+namespace gemm {
+// The backend of bf16 mixed-precision products (A and B stored in bf16, C float; the fused loss's
+// bf16 overloads): oneDNN when EMBEDHEAD_HAVE_ONEDNN is defined (the target embedhead::onednn),
+// else DefaultBackend, whose operands are then float holding bf16-rounded values (B widened in
+// tiles): the same products, at float GEMM speed.
+#if defined(EMBEDHEAD_HAVE_ONEDNN)
+using MixedBackend = OneDnnBackend;
+#else
+using MixedBackend = DefaultBackend;
+#endif
+// Whether T is one of the seam's backends (a type with takes<float, float, float> and usable()).
+template <typename T, typename = void>
+struct is_backend : std::false_type {};
+template <typename T>
+struct is_backend<T, std::void_t<decltype(T::template takes<float, float, float>), decltype(T::usable())>>
+    : std::true_type {};
 }  // namespace gemm
 }  // namespace detail
 }  // namespace embedhead
