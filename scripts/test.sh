@@ -83,7 +83,8 @@ configure build/release "${CXX_RELEASE:-g++}" \
   -DEMBEDHEAD_BUILD_EXAMPLES=ON \
   -DEMBEDHEAD_WITH_ONEDNN=ON
 # oneDNN is optional for users and found quietly; here its tests must be there.
-if ! ctest --test-dir build/release -N -R '^fused_head_loss_bf16_onednn_test$' | grep -q 'Total Tests: 1'; then
+onednn_listed="$(ctest --test-dir build/release -N -R '^fused_head_loss_bf16_onednn_test$')"
+if ! grep -q 'Total Tests: 1' <<< "$onednn_listed"; then
   echo "test.sh: error: build/release has no fused_head_loss_bf16_onednn_test (oneDNN or OpenMP not found?)" >&2
   exit 1
 fi

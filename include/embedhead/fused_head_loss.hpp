@@ -635,12 +635,14 @@ CrossEntropyResult fused_head_loss(const ConstMatrixRef<Scalar>& h, const ConstM
 // chunks and calls, never rounded. bf16(x) rounds to nearest even (8 significant bits). The
 // products run on gemm::MixedBackend: oneDNN's bf16 kernels (AMX or AVX512_BF16) when the program
 // links embedhead::onednn and oneDNN has native bf16 kernels on this CPU (OneDnnBackend::usable),
-// else the float GEMM on the rounded values (the same products within float rounding, no faster
-// than float); Backend names one explicitly (a detail::gemm backend). Plans, options, extras,
-// checks and thread-count invariance are the float call's. Memory: the rounded dz beside the
-// float logits (a token chunk is memory_budget / (6 C) tokens on oneDNN, / (8 C) otherwise),
-// the counted rows of h rounded (count d values, bf16 on oneDNN, else float) and their dh
-// (count d floats); in token chunks on oneDNN, also one [n, 1024] float buffer per thread.
+// else the float GEMM on the rounded values (the same products within float rounding, slower
+// than the float call: its rounded dz is held in float, so at GPT-2's V the default budget holds
+// 125 tokens and automatic takes the two-pass plan); Backend names one explicitly (a
+// detail::gemm backend). Plans, options, extras, checks and thread-count invariance are the
+// float call's. Memory: the rounded dz beside the float logits (a token chunk is memory_budget /
+// (6 C) tokens on oneDNN, / (8 C) otherwise), the counted rows of h rounded (count d values,
+// bf16 on oneDNN, else float) and their dh (count d floats); in token chunks, also one
+// [n, min(1024, C)] float buffer (and the widened tiles of W, without oneDNN) per thread.
 // Accuracy against the float head: bench/RESULTS.md and tests/fused_head_loss_bf16_test.cpp.
 
 // h [N, d], W [V, d] bf16, bias [V, 1] or empty, targets -> loss; dh [N, d] written, dW [V, d]

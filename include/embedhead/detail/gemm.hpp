@@ -55,7 +55,8 @@
 //   template <typename Scalar, typename BStorage, typename AStorage> static constexpr bool takes
 //       whether multiply accepts B stored as BStorage and A as AStorage themselves (else run
 //       widens B's tiles to Scalar; A below Scalar needs a backend that takes it);
-//   static bool usable()  whether it can run here (oneDNN's bf16 kernels need AVX-512; see gemm::usable).
+//   static bool usable()  whether it can run here (oneDNN's bf16 kernels need AVX-512; the bf16
+//                         entry points take DefaultBackend instead when it is false).
 // The seam owns the chunking, so a new backend (CBLAS, oneDNN bf16, a hand-written kernel) only
 // has to compute a chunk; results then depend on the backend and the build, never on the threads.
 #ifndef EMBEDHEAD_DETAIL_GEMM_HPP

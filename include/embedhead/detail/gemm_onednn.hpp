@@ -7,7 +7,7 @@
 // dst = C, every operand described in place by its strides (a col_major operand is the transpose
 // of a row-major one, never copied or reordered). Init::zero writes C; Init::keep adds to it
 // through a sum post-op; Init::bias starts C as 1 b^T (gemm::start) and adds the same way. On a
-// CPU with AMX, oneDNN 2.6 dispatches its AMX kernels (brg:avx512_core_amx), with AVX512_BF16 its
+// CPU with AMX, oneDNN 2.6 dispatches its AMX kernels (brg:avx512_core_amx_bf16), with AVX512_BF16 its
 // vdpbf16ps kernels; onednn_matmul_kernel() names the one it runs. Products in float (A and B
 // float) go to the Eigen backend: this backend exists for the bf16 ones.
 //
@@ -24,11 +24,15 @@
 // most kMaxPrimitives a thread (then the thread's cache starts over: the last token chunk's row
 // count varies with the batch); oneDNN also keeps its own process-wide cache of them.
 //
-// usable(): whether oneDNN runs bf16 products on native bf16 instructions here (its kernel for a
-// head-sized product names bf16: AMX's brg:avx512_core_amx_bf16 or AVX512_BF16's
-// brg:avx512_core_bf16); decided once per process. Where it does not (no AVX-512, or only
-// oneDNN's emulation), the library's bf16 entry points take the float GEMM on the rounded
-// values instead (gemm::usable), the same products at float speed, rather than throw mid-pass.
+// usable(): whether oneDNN runs bf16 products on native bf16 instructions here -- its kernels
+// for head-sized products in the three layouts the fused loss uses (logits: A row-major, B
+// transposed; dW: both row-major; dh: A transposed) all name bf16: AMX's
+// brg:avx512_core_amx_bf16 or AVX512_BF16's brg:avx512_core_bf16 -- decided once per process.
+// Where it does not (no AVX-512, or only oneDNN's emulation), the library's bf16 entry points
+// (fused_head_loss.hpp) take DefaultBackend instead: the float GEMM on the rounded values, the
+// same products within float rounding, slower than fp32, rather than throw mid-pass. A
+// dnnl::error after that (a primitive oneDNN cannot make for some other shape, or memory) is
+// thrown inside the seam's chunks, where OpenMP ends the program (detail/parallel.hpp).
 //
 // Compiled only with EMBEDHEAD_HAVE_ONEDNN (linking embedhead::onednn); detail/gemm.hpp includes
 // it then and makes it gemm::MixedBackend. Every translation unit of a program must agree.
@@ -65,7 +69,12 @@ struct OneDnnBackend {
   static bool usable() {
     static const bool native = [] {
       try {
-        return kernel_name().find("bf16") != std::string::npos;
+        OneThread one_thread;
+        const Index M = 256, N = 768, K = 1024;
+        for (const Key& key : {Key{M, K, N, N, N, K, true, false, false}, Key{K, N, M, M, N, N, true, true, true},
+                               Key{M, N, K, M, N, N, false, true, true}})
+          if (make_entry(key).name.find("bf16") == std::string::npos) return false;
+        return true;
       } catch (const dnnl::error&) {
         return false;
       }
@@ -107,8 +116,9 @@ struct OneDnnBackend {
     }
   }
 
-  // The implementation oneDNN picks for a bf16 product of this shape on this CPU (e.g.
-  // "brg:avx512_core_amx"); throws dnnl::error where it has none (a CPU without AVX-512).
+  // The implementation oneDNN picks for a bf16 product of this shape (A row-major, B transposed)
+  // on this CPU (e.g. "brg:avx512_core_amx_bf16"); throws dnnl::error where it has none (a CPU
+  // without AVX-512).
   static std::string kernel_name(Index M = 256, Index N = 1024, Index K = 768) {
     OneThread one_thread;
     return make_entry(Key{M, N, K, K, K, N, true, false, false}).name;
