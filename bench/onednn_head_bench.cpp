@@ -144,7 +144,8 @@ FusedSteps& fused_steps() {
 double bf16_step(Problem& p, FusedSteps& steps) {
   auto& weight = p.head.weight();
   auto& bias = *p.head.bias();
-  p.W_bf16 = embedhead::to_bf16(static_cast<const OutputProjection<float>&>(p.head).weight().value());
+  // Into the bf16 W made at construction: no allocation in the step.
+  embedhead::to_bf16(static_cast<const OutputProjection<float>&>(p.head).weight().value(), p.W_bf16);
   auto dW = weight.grad().dense_accumulator();
   auto db = bias.grad().dense_accumulator();
   const auto b = static_cast<const OutputProjection<float>&>(p.head).bias()->value();

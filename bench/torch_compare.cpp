@@ -558,13 +558,13 @@ int main(int argc, char** argv) {
 
 #ifdef EMBEDHEAD_HAVE_ONEDNN
   // The bf16 step, both sides casting the float master W each step as mixed precision does.
-  RowMatrix<embedhead::bfloat16> W_bf16;
+  RowMatrix<embedhead::bfloat16> W_bf16(kV, kD);  // rounded into in place each step: no allocation
   embedhead::FusedHeadLossWorkspace<float> bf16_workspace;
   RowMatrix<float> bf16_dh(kHeadTokens, kD);
   double bf16_loss = 0;
   const auto bf16_lm_step = [&](embedhead::FusedHeadLossWorkspace<float>& workspace) {
     head.zero_grad();
-    W_bf16 = embedhead::to_bf16(W_value);
+    embedhead::to_bf16(W_value, W_bf16);
     auto dW_acc = head.weight().grad().dense_accumulator();
     auto db_acc = head.bias()->grad().dense_accumulator();
     bf16_loss = embedhead::fused_head_loss_forward_backward(h, W_bf16, b_value, targets, bf16_dh, dW_acc, db_acc,

@@ -253,10 +253,6 @@ void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, I
 // the arithmetic is the single-process pass's, bit for bit (the rescale factor is exp(0) = 1).
 // \pre with a slice, the caller has agreed check_fused_head_loss across the ranks
 // (check_on_every_rank) before calling: the local checks here then cannot fail on one rank alone.
-template <typename T>
-struct same_type {
-  using type = T;
-};
 // p itself when Low is its type; otherwise (a mixed-precision operand, which the pass always
 // gathers into a buffer of its own) never called.
 template <typename Low, typename Scalar>
@@ -269,7 +265,7 @@ const Low* same_storage(const Scalar* p) {
 
 template <typename Scalar, typename Id, typename Storage = Scalar, typename Backend = gemm::DefaultBackend>
 CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
-                                        const ConstMatrixRef<typename same_type<Storage>::type>& W,
+                                        const ConstMatrixRef<typename non_deduced<Storage>::type>& W,
                                         const ConstMatrixRef<Scalar>& bias, const TypedTokenIds<Id>& targets,
                                         const ConstMatrixRef<Scalar>& weights, MatrixRef<Scalar>* dh,
                                         MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db, MatrixRef<Scalar>* lse,
