@@ -7,9 +7,12 @@
 // then a single row whose leading dimension is smaller than the row (what an Eigen view of one
 // row may carry), and Init::zero over a C full of NaN (C must not be read).
 #include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
 #include <embedhead/detail/gemm.hpp>
 #include <embedhead/gemm_backend.hpp>
 #include <limits>
+#include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -19,6 +22,7 @@
 namespace {
 
 using embedhead::Index;
+using embedhead::RowMatrix;
 namespace gemm = embedhead::detail::gemm;
 
 // X [rows, cols] in `layout` with leading dimension ld, as a flat buffer: element (i, j) is
@@ -63,7 +67,11 @@ void check_layouts(const char* backend) {
                                   {1, 13, 6, 5, {gemm::Split::cols, 5, false}},
                                   {6, 1, 9, 1, {gemm::Split::rows, 2, true}},
                                   {4, 6, 0, 0, {gemm::Split::cols, 4, true}},
-                                  {40, 33, 70, 3, {gemm::Split::cols, 16, true}}};
+                                  {40, 33, 70, 3, {gemm::Split::cols, 16, true}},
+                                  // Across the packed kernel's blocks (depth 256, 240 rows, 1024 columns),
+                                  // one chunk each.
+                                  {250, 21, 300, 1, {gemm::Split::rows, 250, false}},
+                                  {3, 1100, 260, 2, {gemm::Split::cols, 1100, false}}};
   for (const Shape& shape : shapes)
     for (gemm::Init init : {gemm::Init::zero, gemm::Init::keep, gemm::Init::bias}) {
       CAPTURE(backend, static_cast<int>(LA), static_cast<int>(LB), static_cast<int>(init), shape.M, shape.N, shape.K,
@@ -116,6 +124,7 @@ void check_backend(const char* name) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("gemm seam: every backend, layout pair and Init against a triple loop", "[gemm]", float, double) {
+  check_backend<gemm::PackedBackend, TestType>("packed");
   check_backend<gemm::EigenBackend, TestType>("Eigen");
 #if defined(EMBEDHEAD_GEMM_CBLAS)
   check_backend<gemm::CblasBackend, TestType>("CBLAS");
@@ -150,6 +159,7 @@ void check_single_row_and_nan(const char* backend) {
 }
 
 TEST_CASE("gemm seam: a single row with a short leading dimension, and Init::zero never reads C", "[gemm]") {
+  check_single_row_and_nan<gemm::PackedBackend>("packed");
   check_single_row_and_nan<gemm::EigenBackend>("Eigen");
 #if defined(EMBEDHEAD_GEMM_CBLAS)
   check_single_row_and_nan<gemm::CblasBackend>("CBLAS");
@@ -159,8 +169,10 @@ TEST_CASE("gemm seam: a single row with a short leading dimension, and Init::zer
 TEST_CASE("gemm seam: the default backend is the one the build asks for", "[gemm]") {
 #if defined(EMBEDHEAD_GEMM_CBLAS)
   CHECK(std::is_same_v<gemm::DefaultBackend, gemm::CblasBackend>);
-#else
+#elif defined(EMBEDHEAD_GEMM_EIGEN)
   CHECK(std::is_same_v<gemm::DefaultBackend, gemm::EigenBackend>);
+#else
+  CHECK(std::is_same_v<gemm::DefaultBackend, gemm::PackedBackend>);
 #endif
 }
 
@@ -172,13 +184,152 @@ TEST_CASE("gemm_backend names the backend and its kernels", "[gemm]") {
   CHECK(info.name.rfind("OpenBLAS", 0) == 0);
 #elif defined(EMBEDHEAD_GEMM_CBLAS) && defined(EMBEDHEAD_CBLAS_BLIS)
   CHECK(info.name == "BLIS");
-#elif !defined(EMBEDHEAD_GEMM_CBLAS)
+#elif defined(EMBEDHEAD_GEMM_EIGEN)
   CHECK(info.name == "Eigen " + std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
                          std::to_string(EIGEN_MINOR_VERSION));
   CHECK(info.kernels == Eigen::SimdInstructionSetsInUse());
+#else
+  CHECK(info.name == "embedhead packed kernel");
+  CHECK(info.kernels.find(Eigen::SimdInstructionSetsInUse()) != std::string::npos);
+  CHECK(info.kernels.find(gemm::packed_gemm_fuses() ? "fused multiply-add" : "multiply then add") != std::string::npos);
 #endif
 #if !defined(EMBEDHEAD_HAVE_ONEDNN)
   CHECK(std::is_same_v<gemm::MixedBackend, gemm::DefaultBackend>);
   CHECK(info.bf16 == "the float GEMM on bf16-rounded values");
 #endif
+}
+
+// ---- the packed kernel's arithmetic, bit for bit ----
+
+namespace {
+
+// a b + c as detail/gemm_packed.hpp defines it: one rounding where the build fuses the packet
+// multiply-add, a rounded product and a rounded sum otherwise.
+template <typename Scalar>
+Scalar reference_madd(Scalar a, Scalar b, Scalar c) {
+  if constexpr (gemm::packed_gemm_fuses()) return std::fma(a, b, c);
+  const Scalar product = a * b;
+  return product + c;
+}
+
+// C (init) op(A) op(B), each element by the sequence written at the top of
+// detail/gemm_packed.hpp: the sum over k in blocks of 256 from k = 0, each block a multiply-add
+// chain from zero in increasing k, the block sums added to C in order (the first one stored,
+// unless Init::keep), then the bias.
+template <typename Scalar, gemm::Layout LA, gemm::Layout LB, typename BStorage, typename AStorage>
+void reference_packed(const gemm::Op<Scalar, LA, LB, BStorage, AStorage>& op) {
+  constexpr Index kDepth = 256;
+  for (Index i = 0; i < op.M; ++i)
+    for (Index j = 0; j < op.N; ++j) {
+      Scalar& c = op.c[i * op.ldc + j];
+      if (op.K == 0 && op.init != gemm::Init::keep) c = Scalar(0);
+      for (Index k0 = 0; k0 < op.K; k0 += kDepth) {
+        Scalar s(0);
+        for (Index k = k0; k < std::min(op.K, k0 + kDepth); ++k) {
+          const Scalar a = static_cast<Scalar>(LA == gemm::Layout::row_major ? op.a[i * op.lda + k]
+                                                                             : op.a[i + k * op.lda]);
+          const Scalar b = static_cast<Scalar>(LB == gemm::Layout::row_major ? op.b[k * op.ldb + j]
+                                                                             : op.b[k + j * op.ldb]);
+          s = reference_madd(a, b, s);
+        }
+        c = k0 == 0 && op.init != gemm::Init::keep ? s : c + s;
+      }
+      if (op.init == gemm::Init::bias) c = c + op.bias[j * op.bias_stride];
+    }
+}
+
+template <typename Scalar, typename BStorage, typename AStorage, gemm::Layout LA, gemm::Layout LB>
+void check_packed_sequence(Index M, Index N, Index K, std::uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<double> dist(-1.0, 1.0);
+  auto fill = [&](auto& v, std::size_t size) {
+    v.resize(size);
+    for (auto& x : v) x = static_cast<std::decay_t<decltype(x)>>(dist(gen));
+  };
+  const Index pad = 3;
+  const Index lda = (LA == gemm::Layout::row_major ? K : M) + pad, ldb = (LB == gemm::Layout::row_major ? N : K) + pad;
+  const Index ldc = N + pad;
+  std::vector<Scalar> C, bias;
+  std::vector<AStorage> A;
+  std::vector<BStorage> B;
+  fill(A, static_cast<std::size_t>(std::max<Index>(1, (LA == gemm::Layout::row_major ? M : K) * lda)));
+  fill(B, static_cast<std::size_t>(std::max<Index>(1, (LB == gemm::Layout::row_major ? K : N) * ldb)));
+  fill(C, static_cast<std::size_t>(M * ldc));
+  fill(bias, static_cast<std::size_t>(2 * N));
+  for (gemm::Init init : {gemm::Init::zero, gemm::Init::keep, gemm::Init::bias}) {
+    CAPTURE(M, N, K, static_cast<int>(LA), static_cast<int>(LB), static_cast<int>(init));
+    std::vector<Scalar> expected = C, got = C;
+    gemm::Op<Scalar, LA, LB, BStorage, AStorage> op{M,   N,        K,           A.data(),
+                                                    lda, B.data(), ldb,         expected.data(),
+                                                    ldc, init,     bias.data(), 2};
+    reference_packed(op);
+    op.c = got.data();
+    // Two chunks along the columns on whatever threads there are: the chunking must not matter.
+    gemm::run<gemm::Kernel::gemm, gemm::PackedBackend>(op, gemm::Plan{gemm::Split::cols, std::max<Index>(1, N / 2 + 1),
+                                                                      true});
+    CHECK(std::memcmp(expected.data(), got.data(), expected.size() * sizeof(Scalar)) == 0);
+  }
+}
+
+template <typename Scalar, typename BStorage = Scalar, typename AStorage = Scalar>
+void check_packed_sequences() {
+  using gemm::Layout;
+  struct Shape {
+    Index M, N, K;
+  };
+  // Edges of the tiles (6 rows; 8 to 64 columns by build), of the depth block (256), of the row
+  // block (240) and of the column block (1024).
+  for (const Shape s : {Shape{1, 1, 1}, Shape{7, 65, 255}, Shape{13, 17, 256}, Shape{6, 64, 257}, Shape{2, 33, 700},
+                        Shape{245, 9, 40}, Shape{5, 1030, 20}, Shape{3, 5, 0}}) {
+    check_packed_sequence<Scalar, BStorage, AStorage, Layout::row_major, Layout::col_major>(s.M, s.N, s.K, 11);
+    check_packed_sequence<Scalar, BStorage, AStorage, Layout::row_major, Layout::row_major>(s.M, s.N, s.K, 12);
+    check_packed_sequence<Scalar, BStorage, AStorage, Layout::col_major, Layout::row_major>(s.M, s.N, s.K, 13);
+    check_packed_sequence<Scalar, BStorage, AStorage, Layout::col_major, Layout::col_major>(s.M, s.N, s.K, 14);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("packed kernel: the build's multiply-add is fused exactly when packed_gemm_fuses() says so", "[gemm]") {
+  using Packet = gemm::PackedTile<float>::Packet;
+  // (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24: a float product drops the 2^-24, a fused multiply-add keeps it.
+  const float a = 1.0f + std::ldexp(1.0f, -12), c = -(1.0f + std::ldexp(1.0f, -11));
+  const Packet result = gemm::packed_madd(Eigen::internal::pset1<Packet>(a), Eigen::internal::pset1<Packet>(a),
+                                          Eigen::internal::pset1<Packet>(c));
+  const float first = Eigen::internal::pfirst(result);
+  CHECK(first == (gemm::packed_gemm_fuses() ? std::ldexp(1.0f, -24) : 0.0f));
+}
+
+TEMPLATE_TEST_CASE("packed kernel: every element is the documented sequence, bit for bit", "[gemm]", float, double) {
+  check_packed_sequences<TestType>();
+}
+
+TEST_CASE("packed kernel: bf16 and fp16 operands widened while packed give the float sequence on the widened values",
+          "[gemm]") {
+  check_packed_sequences<float, Eigen::bfloat16>();
+  check_packed_sequences<float, Eigen::half>();
+  check_packed_sequences<float, Eigen::bfloat16, Eigen::bfloat16>();
+  check_packed_sequences<float, float, Eigen::half>();
+}
+
+TEST_CASE("packed kernel: a row of C does not depend on the batch it is computed in", "[gemm]") {
+  // logits = h W^T with h [64, 300], W [70, 300]: each row of h alone and in sub-batches of 2, 7,
+  // 8, 9 rows at every offset gives the same bits as in the whole batch.
+  const Index M = 64, N = 70, K = 300;
+  const RowMatrix<float> h = test_support::random_matrix<float>(M, K, 21),
+                         W = test_support::random_matrix<float>(N, K, 22);
+  auto logits_of = [&](Index r0, Index rows) {
+    RowMatrix<float> out(rows, N);
+    const gemm::Op<float, gemm::Layout::row_major, gemm::Layout::col_major> op{
+        rows, N, K, h.data() + r0 * K, K, W.data(), K, out.data(), N, gemm::Init::zero};
+    gemm::run<gemm::Kernel::gemm, gemm::PackedBackend>(op, gemm::Plan{gemm::Split::cols, 32, true});
+    return out;
+  };
+  const RowMatrix<float> whole = logits_of(0, M);
+  for (Index rows : {1, 2, 7, 8, 9})
+    for (Index r0 = 0; r0 + rows <= M; r0 += rows) {
+      CAPTURE(rows, r0);
+      const RowMatrix<float> part = logits_of(r0, rows);
+      CHECK(test_support::first_difference(part, whole.middleRows(r0, rows)) == "");
+    }
 }

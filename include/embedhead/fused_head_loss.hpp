@@ -483,8 +483,13 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
     auto db_sums = [&](Index p0, Index p1) {
       if (want_db) add_column_sums(dz + p0, ld, rows, p1 - p0, db->col(0).segment(v0 + p0, p1 - p0));
     };
-    const gemm::Plan row_pieces{gemm::Split::rows, vocab_piece, true};
-    const gemm::Plan dim_pieces{gemm::Split::cols, kFusedDimPiece, true};
+    // dW's pieces each pack all of hidden's rows, dh's all of W's: one piece per thread on a backend
+    // whose results do not depend on the chunking (gemm::per_thread_plan), else the fixed pieces.
+    const gemm::Plan row_pieces = gemm::per_thread_plan<Backend>(width, d, vocab_piece,
+                                                                 gemm::Plan{gemm::Split::rows, vocab_piece, true},
+                                                                 true);
+    const gemm::Plan dim_pieces = gemm::per_thread_plan<Backend>(rows, d, kHeadMinThreadRows,
+                                                                 gemm::Plan{gemm::Split::cols, kFusedDimPiece, true});
     Scalar* dW_rows = want_dW ? dW->data() + v0 * dW->outerStride() : nullptr;
     const Index ldW = want_dW ? dW->outerStride() : 0;
     const Low* h_rows = hidden.data() + r0 * hidden.outerStride();

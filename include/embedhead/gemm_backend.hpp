@@ -2,16 +2,19 @@
 // kernels the CPU is fastest with.
 //
 //   GemmBackendInfo info = embedhead::gemm_backend();
-//   info.name      "Eigen 3.4.0" or "OpenBLAS 0.3.21 ..." (its build configuration) or "BLIS"
-//   info.kernels   Eigen: the SIMD sets it was compiled for; OpenBLAS: the core whose kernels it
+//   info.name      "embedhead packed kernel", "Eigen 3.4.0", "OpenBLAS 0.3.21 ..." (its build
+//                  configuration) or "BLIS"
+//   info.kernels   the packed kernel: its tile, whether it fuses the multiply-add and the SIMD sets
+//                  it was compiled for; Eigen: those SIMD sets; OpenBLAS: the core whose kernels it
 //                  dispatched at load time (openblas_get_corename); BLIS: BLIS_ARCH_TYPE, if set
 //   info.warning   empty, or why the fast kernels are not in use and what to set
 //   info.bf16      what the bf16 mixed-precision products (the bf16 fused head loss) run on:
 //                  "oneDNN <version>: <its kernel>" with embedhead::onednn and native bf16 kernels
 //                  here, else "the float GEMM on bf16-rounded values" (and why, with oneDNN)
 //
-// The backend is fixed when the program is compiled (detail/gemm.hpp: Eigen by default, CBLAS
-// with the CMake target embedhead::cblas). A BLAS picks its kernels when it is loaded, from the
+// The backend is fixed when the program is compiled (detail/gemm.hpp: the library's own packed
+// kernel by default, Eigen's with EMBEDHEAD_GEMM_EIGEN defined, CBLAS with the CMake target
+// embedhead::cblas). A BLAS picks its kernels when it is loaded, from the
 // CPU and the environment; some misdetect recent Xeons and fall back to old kernels (issue 14 saw
 // Debian's threaded OpenBLAS 0.3.21 run its 'Prescott' SSE3 kernels on an Emerald Rapids Xeon, at
 // 17 % of the FMA peak; on the project's Xeon, Debian's serial BLIS 0.9 ran the GPT-2 head forward
@@ -100,13 +103,25 @@ inline GemmBackendInfo gemm_backend() {
   info.name = "CBLAS";
   info.kernels = "unknown (not OpenBLAS or BLIS)";
 #else
+#if defined(EMBEDHEAD_GEMM_EIGEN)
   info.name = "Eigen " + std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
               std::to_string(EIGEN_MINOR_VERSION);
   info.kernels = Eigen::SimdInstructionSetsInUse();
+#else
+  using Tile = detail::gemm::PackedTile<float>;
+  info.name = "embedhead packed kernel";
+  info.kernels = std::to_string(Tile::rows) + " x " + std::to_string(Tile::cols) + " float tiles, " +
+                 (detail::gemm::packed_gemm_fuses() ? "fused multiply-add, " : "multiply then add, ") +
+                 Eigen::SimdInstructionSetsInUse();
+#endif
   if (detail::cpu_has("avx512f") && info.kernels.find("AVX512") == std::string::npos)
     info.warning =
         "compiled without AVX-512 on a CPU that has it: -march=native (or -mavx512f -mfma) makes "
-        "Eigen's kernels twice as wide";
+        "the kernels twice as wide";
+  else if (detail::cpu_has("avx2") && info.kernels.find("AVX2") == std::string::npos)
+    info.warning =
+        "compiled without AVX2 and FMA on a CPU that has them: -march=native (or -mavx2 -mfma) makes "
+        "the kernels twice as wide";
 #endif
   info.bf16 = "the float GEMM on bf16-rounded values";
 #if defined(EMBEDHEAD_HAVE_ONEDNN)

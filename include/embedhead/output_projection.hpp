@@ -125,12 +125,20 @@ void head_backward_chunked(const ConstMatrixRef<Scalar>& h,
     }
     add_column_sums(dlogits.data() + v0, dlogits.outerStride(), N, v1 - v0, db.col(0).segment(v0, v1 - v0));
   };
-  if (dW.size() != 0 || db.size() != 0) run<Kernel::gemm>(dW_op, Plan{Split::rows, vocab_chunk, threaded}, db_sums);
+  // Each chunk of dW packs all of h, each chunk of dh all of W: on a backend whose results do not
+  // depend on the chunking, one chunk per thread (gemm::per_thread_plan), else the fixed chunks.
+  if (dW.size() != 0 || db.size() != 0)
+    run<Kernel::gemm>(dW_op,
+                      per_thread_plan<DefaultBackend>(V, d, vocab_chunk, Plan{Split::rows, vocab_chunk, threaded},
+                                                      true),
+                      db_sums);
   // run returns after every chunk is done, so dW has read h before dh is written: dh may be h itself.
   const Op<Scalar, Layout::row_major, Layout::row_major, WStorage> dh_op{
       N,         d, V, dlogits.data(), dlogits.outerStride(), W.data(), W.outerStride(), dh.data(), dh.outerStride(),
       Init::zero};
-  run<Kernel::gemm>(dh_op, Plan{Split::rows, token_chunk, threaded}, NoEpilogue{}, tiles);
+  run<Kernel::gemm>(dh_op,
+                    per_thread_plan<DefaultBackend>(N, d, kHeadMinThreadRows, Plan{Split::rows, token_chunk, threaded}),
+                    NoEpilogue{}, tiles);
 }
 
 // logits [N, V] = h W^T + b for 1 <= N <= kDecodeMaxTokens in one pass over W (Kernel::decode), by

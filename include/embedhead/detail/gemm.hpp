@@ -63,6 +63,8 @@
 #define EMBEDHEAD_DETAIL_GEMM_HPP
 
 #include "../types.hpp"
+#include "gemm_op.hpp"
+#include "gemm_packed.hpp"
 #include "parallel.hpp"
 
 #include <Eigen/Core>
@@ -94,6 +96,9 @@ namespace detail {
 // and below kHeadMinFlops (2 N V d) the chunks run on the calling thread.
 constexpr Index kHeadVocabChunk = 1024;
 constexpr Index kHeadTokenChunk = 256;
+// On a backend whose results do not depend on the chunking, dh's chunks are one per thread, along
+// its rows (tokens) when each thread gets at least kHeadMinThreadRows of them, else along d.
+constexpr Index kHeadMinThreadRows = 64;
 constexpr double kHeadMinFlops = 4.0e6;
 
 // The decode path (output_projection_decode) handles 1 to kDecodeMaxTokens tokens in one pass
@@ -226,81 +231,6 @@ void decode_rows(Index tokens, const Scalar* h, Index ldh, const Scalar* W, Inde
 
 namespace gemm {
 
-enum class Layout { row_major, col_major };
-enum class Init { zero, keep, bias };
-enum class Split { rows, cols };  // of C: rows = M, cols = N
-enum class Kernel { gemm, expression, decode };
-
-// C [M, N] (init) op(A) [M, K] op(B) [K, N]; see the top of this file. An aggregate:
-//   gemm::Op<float, Layout::row_major, Layout::col_major> op{N, V, d, h, ldh, W, ldw, logits, ldl};
-template <typename Scalar, Layout LA, Layout LB, typename BStorage = Scalar, typename AStorage = Scalar>
-struct Op {
-  Index M = 0, N = 0, K = 0;
-  const AStorage* a = nullptr;  // op(A) [M, K] in layout LA
-  Index lda = 0;
-  const BStorage* b = nullptr;  // op(B) [K, N] in layout LB
-  Index ldb = 0;
-  Scalar* c = nullptr;  // C [M, N] row-major; nullptr: no product, the epilogues alone
-  Index ldc = 0;
-  Init init = Init::keep;
-  const Scalar* bias = nullptr;  // Init::bias: b[n] = bias[n * bias_stride]
-  Index bias_stride = 1;
-};
-
-// Which dimension of C the chunks cut, how long a chunk is, whether the chunks may go to threads.
-struct Plan {
-  Split split = Split::cols;
-  Index chunk = 1;  // >= 1
-  bool threaded = false;
-};
-
-// p + offset, or p itself when it is null (the view of an empty operand; never dereferenced).
-template <typename T>
-T* offset(T* p, Index offset) {
-  return p ? p + offset : p;
-}
-
-// op restricted to rows [m0, m0 + rows) of C (and of op(A)).
-template <typename Scalar, Layout LA, Layout LB, typename BStorage, typename AStorage>
-Op<Scalar, LA, LB, BStorage, AStorage> rows_of(Op<Scalar, LA, LB, BStorage, AStorage> op, Index m0, Index rows) {
-  op.a = offset(op.a, LA == Layout::row_major ? m0 * op.lda : m0);
-  op.c = offset(op.c, m0 * op.ldc);
-  op.M = rows;
-  return op;
-}
-// op restricted to columns [n0, n0 + cols) of C (and of op(B), and of the bias).
-template <typename Scalar, Layout LA, Layout LB, typename BStorage, typename AStorage>
-Op<Scalar, LA, LB, BStorage, AStorage> cols_of(Op<Scalar, LA, LB, BStorage, AStorage> op, Index n0, Index cols) {
-  op.b = offset(op.b, LB == Layout::row_major ? n0 : n0 * op.ldb);
-  op.c = offset(op.c, n0);
-  op.bias = offset(op.bias, n0 * op.bias_stride);
-  op.N = cols;
-  return op;
-}
-// op restricted to the summation indices [k0, k0 + depth) (columns of op(A), rows of op(B)).
-template <typename Scalar, Layout LA, Layout LB, typename BStorage, typename AStorage>
-Op<Scalar, LA, LB, BStorage, AStorage> depth_of(Op<Scalar, LA, LB, BStorage, AStorage> op, Index k0, Index depth) {
-  op.a = offset(op.a, LA == Layout::row_major ? k0 : k0 * op.lda);
-  op.b = offset(op.b, LB == Layout::row_major ? k0 * op.ldb : k0);
-  op.K = depth;
-  return op;
-}
-
-// C = 0 or C = 1 b^T for Init::zero / Init::bias; nothing for Init::keep.
-template <typename Scalar, Layout LA, Layout LB, typename BStorage, typename AStorage>
-void start(const Op<Scalar, LA, LB, BStorage, AStorage>& op) {
-  if (op.init == Init::keep || op.M == 0 || op.N == 0) return;
-  for (Index m = 0; m < op.M; ++m) {
-    Scalar* row = op.c + m * op.ldc;
-    if (op.init == Init::bias && op.bias_stride == 1)
-      std::copy_n(op.bias, op.N, row);
-    else if (op.init == Init::bias)
-      for (Index n = 0; n < op.N; ++n) row[n] = op.bias[n * op.bias_stride];
-    else
-      std::fill(row, row + op.N, Scalar(0));
-  }
-}
-
 constexpr int eigen_order(Layout layout) { return layout == Layout::row_major ? Eigen::RowMajor : Eigen::ColMajor; }
 
 // The Eigen backend: Eigen 3.3/3.4's internal general_matrix_matrix_product (no API promise from
@@ -310,6 +240,7 @@ struct EigenBackend {
   template <typename Scalar, typename BStorage, typename AStorage = Scalar>
   static constexpr bool takes = std::conjunction_v<std::is_same<Scalar, BStorage>, std::is_same<Scalar, AStorage>>;
   static bool usable() { return true; }
+  static constexpr bool any_chunking = false;  // Eigen's blocking (the summation order) follows the chunk's shape
 
   // C += op(A) op(B) by Eigen's GEMM kernel, whatever the shape; no Init.
   template <typename Scalar, Layout LA, Layout LB>
@@ -396,6 +327,7 @@ struct CblasBackend {
   template <typename Scalar, typename BStorage, typename AStorage = Scalar>
   static constexpr bool takes = std::conjunction_v<std::is_same<Scalar, BStorage>, std::is_same<Scalar, AStorage>>;
   static bool usable() { return true; }
+  static constexpr bool any_chunking = false;  // the BLAS's blocking may follow the chunk's shape
 
   // The leading dimension CBLAS is given for a row-major stored [rows, cols] operand: ld itself,
   // or cols for a single stored row (whose ld is never used, and may be anything in an Eigen view);
@@ -436,9 +368,44 @@ struct CblasBackend {
       cblas_dgemm(CblasRowMajor, ta, tb, M, N, K, 1.0, op.a, lda, op.b, ldb, overwrite ? 0.0 : 1.0, op.c, ldc);
   }
 };
+#endif
+
+// The library's own kernel (detail/gemm_packed.hpp): every element of C by one fixed sequence of
+// fused multiply-adds that depends on K and its own operands only, so results are the same for any
+// batch, chunking and thread count. It takes A and B stored as bf16 / fp16 itself (widened while
+// packed), so the bf16 fused loss on it holds its rounded dz in bf16.
+// Kernel::gemm and Kernel::expression are the same on it; Kernel::decode is the decode kernel.
+struct PackedBackend {
+  // An operand stored as Scalar, or as bf16 / fp16 with Scalar float.
+  template <typename Scalar, typename Storage>
+  static constexpr bool widens = std::is_same_v<Scalar, Storage> ||
+                                 (std::is_same_v<Scalar, float> &&
+                                  (std::is_same_v<Storage, Eigen::bfloat16> || std::is_same_v<Storage, Eigen::half>));
+  template <typename Scalar, typename BStorage, typename AStorage = Scalar>
+  static constexpr bool takes = widens<Scalar, BStorage>&& widens<Scalar, AStorage>;
+  static bool usable() { return true; }
+  static constexpr bool any_chunking = true;  // an element's arithmetic depends on K and its operands only
+
+  template <Kernel kKernel, typename Scalar, Layout LA, Layout LB, typename BStorage, typename AStorage>
+  static void multiply(const Op<Scalar, LA, LB, BStorage, AStorage>& op) {
+    if constexpr (kKernel == Kernel::decode) {
+      static_assert(std::is_same_v<Scalar, BStorage> && std::is_same_v<Scalar, AStorage>, "decode: stored as Scalar");
+      EigenBackend::template multiply<kKernel>(op);
+    } else {
+      packed_gemm(op);
+    }
+  }
+};
+
+// The backend of every product unless the build chooses another: CBLAS when EMBEDHEAD_GEMM_CBLAS
+// is defined (the target embedhead::cblas), Eigen's kernel when EMBEDHEAD_GEMM_EIGEN is defined,
+// else the library's own kernel.
+#if defined(EMBEDHEAD_GEMM_CBLAS)
 using DefaultBackend = CblasBackend;
-#else
+#elif defined(EMBEDHEAD_GEMM_EIGEN)
 using DefaultBackend = EigenBackend;
+#else
+using DefaultBackend = PackedBackend;
 #endif
 
 // Mixed precision, one chunk: op's B widened kWidenTileRows stored rows at a time into tile
@@ -518,6 +485,27 @@ void run(const Op<Scalar, LA, LB, BStorage, AStorage>& op, const Plan& plan, con
     }
     epilogue(begin, end);
   });
+}
+
+// The plan of a product whose every chunk reads all of one operand (dh = dz W: a chunk of rows of
+// dh packs all of W; dW = dz^T h: a chunk of rows of dW packs all of h). On a backend whose results
+// do not depend on the chunking (any_chunking), one chunk per thread that run() would use: along
+// the rows of C when each thread gets at least min_rows of them, else along its columns; so the
+// shared operand is packed once per thread instead of once per fixed chunk. With rows_only (a
+// caller whose epilogue sums over rows of C), `fixed` where the rows are too few. On any other
+// backend, `fixed`, whose chunks are what keeps its results independent of the thread count.
+template <typename Backend>
+Plan per_thread_plan(Index M, Index N, Index min_rows, const Plan& fixed, bool rows_only = false) {
+  if constexpr (!Backend::any_chunking) {
+    (void)M, (void)N, (void)min_rows, (void)rows_only;
+    return fixed;
+  } else {
+    const Index threads = fixed.threaded ? chunk_threads(std::max<Index>(M, N), 1, true) : 1;
+    if (threads <= 1) return Plan{Split::rows, std::max<Index>(M, 1), false};
+    if (M >= threads * min_rows) return Plan{Split::rows, (M + threads - 1) / threads, true};
+    if (rows_only) return fixed;
+    return Plan{Split::cols, std::max<Index>(1, (N + threads - 1) / threads), true};
+  }
 }
 
 // One product on the calling thread, for a caller whose fixed chunks carry more than a product

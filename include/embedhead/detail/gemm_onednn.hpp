@@ -66,6 +66,7 @@ struct OneDnnBackend {
   static constexpr bool takes = std::conjunction_v<std::is_same<Scalar, float>, std::is_same<BStorage, Eigen::bfloat16>,
                                                    std::is_same<AStorage, Eigen::bfloat16>>;
 
+  static constexpr bool any_chunking = false;  // oneDNN picks its kernel and blocking by shape
   static bool usable() {
     static const bool native = [] {
       try {

@@ -1,0 +1,372 @@
+// embedhead internal: the library's own GEMM kernel, the default backend of the seam (gemm.hpp).
+// No API promise.
+//
+//   C [M, N] (init) op(A) [M, K] op(B) [K, N], every element by one fixed sequence of operations:
+//
+//     s_b      = fma(a[k_b + kc_b - 1] b[...], ... fma(a[k_b] b[k_b], 0))   k in block b, increasing
+//     C[i, j]  = s_0 (Init::zero, Init::bias) or C[i, j] + s_0 (Init::keep)
+//     C[i, j]  = C[i, j] + s_b                                               b = 1, 2, ... in order
+//     C[i, j]  = C[i, j] + bias[j]                                           Init::bias, last
+//
+//   with the summation index cut into blocks of kPackedDepth = 256 from k = 0 (the last one
+//   shorter) and fma the packet multiply-add of the build: one rounding where the target has FMA
+//   (EIGEN_VECTORIZE_FMA: x86 with -mfma / -march=haswell and later, AVX-512, NEON, ...), a
+//   product and a sum rounded apart otherwise (packed_gemm_fuses()).
+//
+// That sequence depends on K and the element's own operands only: not on M or N, not on where
+// the element falls in the kernel's tiles, not on the chunk or thread that computes it. So a row of
+// C (a token's logits, a row of dh) is bitwise the same whatever the batch it is computed in, any
+// chunking of the seam gives the same bits, and a scalar loop of std::fma written from the lines
+// above reproduces the kernel exactly (tests/gemm_test.cpp does).
+//
+// How (the BLIS / GotoBLAS structure, on Eigen's packet primitives so that one source serves
+// AVX-512, AVX2, SSE and NEON): op(B) is copied, kPackedDepth rows by up to kPackedCols columns at a
+// time, into panels of kPackedTile::cols columns stored k-major (the panel's row k is cols
+// consecutive values); op(A), kPackedRows rows at a time, into panels of kPackedTile::rows rows
+// stored k-major. The micro-kernel keeps a rows x cols tile of C in registers (rows x packets
+// accumulators), and for each k loads the panel's packets of B once, broadcasts each of the rows
+// values of A and multiply-adds: rows x packets FMAs per rows + packets loads. Tiles at the edges of
+// C (fewer rows or columns) run the same micro-kernel on zero-padded panels into a tile buffer, so
+// they follow the same sequence. An operand stored as bf16 / fp16 is widened (exactly) while it is
+// packed.
+//
+// Tile shape: 8 rows x 2 packets with 32 vector registers (AVX-512: 8 x 32 floats, 16 accumulators;
+// a B panel of 256 x 32 floats is 32 KiB, in L1), 6 x 2 packets with 16 (AVX2: 6 x 16 floats, 12
+// accumulators), 4 x 4 scalars without vectorisation. Tried on the project's AMD EPYC (Zen 5) at
+// GPT-2 shape, whole products: 8 x 32 and 8 x 48 ran at 178-183 GFLOP/s, 6 x 64 and 10 x 32 at
+// 171-175, 12 x 32 and 14 x 32 at 165-173 (bench/RESULTS.md, "Issue 14, third session").
+#ifndef EMBEDHEAD_DETAIL_GEMM_PACKED_HPP
+#define EMBEDHEAD_DETAIL_GEMM_PACKED_HPP
+
+#include "../types.hpp"
+#include "gemm_op.hpp"
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace embedhead {
+namespace detail {
+namespace gemm {
+
+// The summation block: part of the arithmetic above (changing it changes results).
+constexpr Index kPackedDepth = 256;
+// Cache blocking only (results do not depend on them): rows of op(A) a micro-kernel sweep reads from
+// L2 (240 x 256 floats = 240 KiB, a multiple of every tile's rows), rows of op(A) packed in one pass
+// (five such blocks: a pass reads up to 1200 consecutive values of each stored row of a
+// column-major A, such as dz^T in dW = dz^T h, instead of 240 from rows far apart), and columns of
+// op(B) packed at once (256 x 1024 floats = 1 MiB).
+constexpr Index kPackedRows = 240;
+constexpr Index kPackedPassRows = 5 * kPackedRows;
+constexpr Index kPackedCols = 1024;
+
+// Whether the build's packet multiply-add rounds once (a fused multiply-add).
+constexpr bool packed_gemm_fuses() {
+#if defined(EIGEN_VECTORIZE_FMA)
+  return true;
+#else
+  return false;
+#endif
+}
+
+template <typename Scalar>
+struct PackedTile {
+  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
+  static constexpr int lanes = Eigen::internal::unpacket_traits<Packet>::size;
+  static constexpr bool vectorised = lanes > 1;
+  static constexpr bool wide = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32;
+  static constexpr int rows = vectorised ? (wide ? 8 : 6) : 4;
+  static constexpr int packets = vectorised ? 2 : 4;
+  static constexpr int cols = packets * lanes;
+};
+
+// a b + c as the packet multiply-add of the build (one rounding where packed_gemm_fuses()).
+template <typename Packet>
+EIGEN_STRONG_INLINE Packet packed_madd(const Packet& a, const Packet& b, const Packet& c) {
+  if constexpr (std::is_floating_point_v<Packet>) {
+    if constexpr (packed_gemm_fuses())
+      return std::fma(a, b, c);
+    else
+      return a * b + c;
+  } else {
+    return Eigen::internal::pmadd(a, b, c);
+  }
+}
+
+// The value of stored element x as Scalar (exact for bf16 / fp16 to float).
+template <typename Scalar, typename Storage>
+EIGEN_STRONG_INLINE Scalar packed_value(const Storage& x) {
+  return static_cast<Scalar>(x);
+}
+
+// How a tile's accumulators are written to C: C = acc (store), C = C + acc (add); then, with a bias
+// panel (the last block of Init::bias), C = C + bias.
+enum class TileWrite { store, add };
+
+// The micro-kernel: the rows x cols tile of C at c (leading dimension ldc, every entry present)
+// written from the depth-kc products of panels a (kc x rows, k-major) and b (kc x cols, k-major).
+template <typename Scalar>
+EIGEN_ALWAYS_INLINE void packed_tile(Index kc, const Scalar* a, const Scalar* b, Scalar* c, Index ldc, TileWrite write,
+                                     const Scalar* bias) {
+  using Tile = PackedTile<Scalar>;
+  using Packet = typename Tile::Packet;
+  constexpr int R = Tile::rows, P = Tile::packets, L = Tile::lanes;
+  using namespace Eigen::internal;
+  // The tile of C is read and written after the loop; its lines are fetched meanwhile.
+  for (int i = 0; i < R; ++i)
+    for (int p = 0; p < P; p += std::max(1, 64 / int(L * sizeof(Scalar)))) prefetch(c + i * ldc + p * L);
+  Packet acc[R][P];
+  for (int i = 0; i < R; ++i)
+    for (int p = 0; p < P; ++p) acc[i][p] = pset1<Packet>(Scalar(0));
+  for (Index k = 0; k < kc; ++k) {
+    Packet bk[P];
+    for (int p = 0; p < P; ++p) bk[p] = ploadu<Packet>(b + p * L);
+    for (int i = 0; i < R; ++i) {
+      const Packet ai = pset1<Packet>(a[i]);
+      for (int p = 0; p < P; ++p) acc[i][p] = packed_madd(ai, bk[p], acc[i][p]);
+    }
+    a += R;
+    b += Tile::cols;
+  }
+  for (int i = 0; i < R; ++i)
+    for (int p = 0; p < P; ++p) {
+      Scalar* out = c + i * ldc + p * L;
+      Packet value = write == TileWrite::store ? acc[i][p] : padd(ploadu<Packet>(out), acc[i][p]);
+      if (bias) value = padd(value, ploadu<Packet>(bias + p * L));
+      pstoreu(out, value);
+    }
+}
+
+// Packs of op(A) and op(B). Where the values to copy are consecutive in memory (op(A) col_major,
+// op(B) row_major), a panel row is a short copy; where they are not (op(A) row_major: tokens' rows of
+// h or dz; op(B) col_major: rows of W), blocks of lanes x lanes values are transposed in registers
+// (Eigen's ptranspose) when the storage is Scalar and the panel width is a multiple of the lanes or
+// half of them; otherwise, and at the edges, value by value. Either way the panel holds the same
+// values: the packs change no arithmetic.
+
+// The rows x lanes values src[r * ld + k] (r < rows, k < lanes) -> dst[k * dst_ld + r], with rows
+// = lanes (the whole packet stored) or lanes / 2 (each half of the transposed packet to its own
+// destination: rows 0 .. lanes/2 - 1 to dst, the rest to dst_high).
+template <typename Scalar>
+EIGEN_ALWAYS_INLINE void transpose_lanes(const Scalar* src, Index ld, Scalar* dst, Scalar* dst_high, Index dst_ld) {
+  using Tile = PackedTile<Scalar>;
+  using Packet = typename Tile::Packet;
+  constexpr int L = Tile::lanes;
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+// Packet is a vector type (__m512, ...); GCC warns that its alignment attribute is dropped in the
+// template argument, as Eigen's own PacketBlock uses do (Eigen silences it inside its headers).
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+  Eigen::internal::PacketBlock<Packet, L> block;
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+  for (int r = 0; r < L; ++r) block.packet[r] = Eigen::internal::ploadu<Packet>(src + r * ld);
+  Eigen::internal::ptranspose(block);
+  for (int k = 0; k < L; ++k) {
+    if (dst_high == nullptr) {
+      Eigen::internal::pstoreu(dst + k * dst_ld, block.packet[k]);
+    } else {
+      alignas(64) Scalar lanes[L];
+      Eigen::internal::pstore(lanes, block.packet[k]);
+      std::copy_n(lanes, L / 2, dst + k * dst_ld);
+      std::copy_n(lanes + L / 2, L / 2, dst_high + k * dst_ld);
+    }
+  }
+}
+
+// op(A) rows [i0, i0 + mc), depth [k0, k0 + kc) -> panels of PackedTile::rows rows, k-major, the
+// last panel zero-padded.
+template <typename Scalar, Layout LA, typename AStorage>
+void pack_a(const AStorage* a, Index lda, Index i0, Index mc, Index k0, Index kc, Scalar* out) {
+  using Tile = PackedTile<Scalar>;
+  constexpr Index R = Tile::rows, L = Tile::lanes;
+  const Index panels = (mc + R - 1) / R;
+  if constexpr (LA == Layout::col_major) {
+    // op(A)[i, k] = a[i + k * lda]: panel row k is R consecutive values of stored row k0 + k. In
+    // groups of kRowGroup stored rows (in L1 while they are read) panel by panel, so that each
+    // panel is written kRowGroup * R consecutive values at a time.
+    constexpr Index kRowGroup = 16;
+    for (Index g0 = 0; g0 < kc; g0 += kRowGroup) {
+      const Index g1 = std::min(kc, g0 + kRowGroup);
+      for (Index p = 0; p < panels; ++p) {
+        const Index rows = std::min(R, mc - p * R);
+        for (Index k = g0; k < g1; ++k) {
+          const AStorage* src = a + (k0 + k) * lda + i0 + p * R;
+          Scalar* dst = out + p * kc * R + k * R;
+          if (rows == R) {
+            for (Index i = 0; i < R; ++i) dst[i] = packed_value<Scalar>(src[i]);  // a fixed-size copy
+            continue;
+          }
+          for (Index i = 0; i < rows; ++i) dst[i] = packed_value<Scalar>(src[i]);
+          for (Index i = rows; i < R; ++i) dst[i] = Scalar(0);
+        }
+      }
+    }
+  } else {
+    // op(A)[i, k] = a[i * lda + k]: panel column i is part of stored row i0 + i.
+    Index p = 0;
+    if constexpr (std::is_same_v<AStorage, Scalar> && Tile::vectorised && (R == L || 2 * R == L)) {
+      constexpr Index group = L / R;  // panels per block of L rows
+      const Index body = kc - kc % L;
+      for (; (p + group) * R <= mc; p += group) {
+        const Scalar* src = a + (i0 + p * R) * lda + k0;
+        Scalar* dst = out + p * kc * R;
+        for (Index k = 0; k < body; k += L)
+          transpose_lanes(src + k, lda, dst + k * R, group == 2 ? dst + kc * R + k * R : static_cast<Scalar*>(nullptr),
+                          R);
+        for (Index k = body; k < kc; ++k)
+          for (Index i = 0; i < group * R; ++i) dst[(i / R) * kc * R + k * R + i % R] = src[i * lda + k];
+      }
+    }
+    for (; p < panels; ++p) {
+      const Index rows = std::min(R, mc - p * R);
+      Scalar* dst = out + p * kc * R;
+      for (Index i = 0; i < rows; ++i) {
+        const AStorage* src = a + (i0 + p * R + i) * lda + k0;
+        for (Index k = 0; k < kc; ++k) dst[k * R + i] = packed_value<Scalar>(src[k]);
+      }
+      for (Index i = rows; i < R; ++i)
+        for (Index k = 0; k < kc; ++k) dst[k * R + i] = Scalar(0);
+    }
+  }
+}
+
+// op(B) depth [k0, k0 + kc), columns [j0, j0 + nc) -> panels of PackedTile::cols columns, k-major,
+// the last panel zero-padded.
+template <typename Scalar, Layout LB, typename BStorage>
+void pack_b(const BStorage* b, Index ldb, Index k0, Index kc, Index j0, Index nc, Scalar* out) {
+  using Tile = PackedTile<Scalar>;
+  constexpr Index C = Tile::cols, L = Tile::lanes;
+  const Index panels = (nc + C - 1) / C;
+  if constexpr (LB == Layout::row_major) {
+    // op(B)[k, j] = b[k * ldb + j]: panel row k is C consecutive values of stored row k0 + k.
+    for (Index k = 0; k < kc; ++k) {
+      const BStorage* src = b + (k0 + k) * ldb + j0;
+      for (Index q = 0; q < panels; ++q) {
+        Scalar* dst = out + q * kc * C + k * C;
+        const Index cols = std::min(C, nc - q * C);
+        if (cols == C) {
+          for (Index j = 0; j < C; ++j) dst[j] = packed_value<Scalar>(src[q * C + j]);  // a fixed-size copy
+          continue;
+        }
+        for (Index j = 0; j < cols; ++j) dst[j] = packed_value<Scalar>(src[q * C + j]);
+        for (Index j = cols; j < C; ++j) dst[j] = Scalar(0);
+      }
+    }
+  } else {
+    // op(B)[k, j] = b[k + j * ldb] (B = W^T): panel column j is part of stored row j0 + j. Whole
+    // groups of L stored rows are transposed L x L at a time, the rest value by value.
+    for (Index q = 0; q < panels; ++q) {
+      Scalar* dst = out + q * kc * C;
+      const Index cols = std::min(C, nc - q * C);
+      Index j = 0;
+      if constexpr (std::is_same_v<BStorage, Scalar> && Tile::vectorised) {
+        const Index body = kc - kc % L;
+        for (; j + L <= cols; j += L) {
+          const Scalar* src = b + (j0 + q * C + j) * ldb + k0;
+          for (Index k = 0; k < body; k += L)
+            transpose_lanes(src + k, ldb, dst + k * C + j, static_cast<Scalar*>(nullptr), C);
+          for (Index k = body; k < kc; ++k)
+            for (Index jj = 0; jj < L; ++jj) dst[k * C + j + jj] = src[jj * ldb + k];
+        }
+      }
+      for (; j < cols; ++j) {
+        const BStorage* src = b + (j0 + q * C + j) * ldb + k0;
+        for (Index k = 0; k < kc; ++k) dst[k * C + j] = packed_value<Scalar>(src[k]);
+      }
+      for (; j < C; ++j)
+        for (Index k = 0; k < kc; ++k) dst[k * C + j] = Scalar(0);
+    }
+  }
+}
+
+// The packing buffers of one thread, grown on first use and kept (thread_local).
+template <typename Scalar>
+struct PackBuffers {
+  std::vector<Scalar> a, b, bias;
+  static PackBuffers& of_this_thread() {
+    static thread_local PackBuffers buffers;
+    return buffers;
+  }
+};
+
+// One product on the calling thread (the seam's chunk), Init included; see the top of this file.
+// \pre the views cover their extents; C aliases neither A nor B.
+template <typename Scalar, Layout LA, Layout LB, typename BStorage, typename AStorage>
+void packed_gemm(const Op<Scalar, LA, LB, BStorage, AStorage>& op) {
+  using Tile = PackedTile<Scalar>;
+  constexpr Index R = Tile::rows, C = Tile::cols;
+  const Index M = op.M, N = op.N, K = op.K;
+  if (M == 0 || N == 0) return;
+  if (K == 0) return start(op);  // no sum: 0, the bias, or C as it is
+
+  PackBuffers<Scalar>& buffers = PackBuffers<Scalar>::of_this_thread();
+  const Index ma_max = std::min(kPackedPassRows, (M + R - 1) / R * R);
+  const Index nc_max = std::min(kPackedCols, (N + C - 1) / C * C);
+  const Index kc_max = std::min(kPackedDepth, K);
+  auto grow = [](std::vector<Scalar>& v, Index size) {
+    if (static_cast<Index>(v.size()) < size) v.resize(static_cast<std::size_t>(size));
+  };
+  grow(buffers.a, ma_max * kc_max);
+  grow(buffers.b, nc_max * kc_max);
+  if (op.init == Init::bias) grow(buffers.bias, nc_max);
+  Scalar* packed_a = buffers.a.data();
+  Scalar* packed_b = buffers.b.data();
+  Scalar edge[R * C] = {};  // a tile at the edge of C, computed whole
+
+  for (Index j0 = 0; j0 < N; j0 += kPackedCols) {
+    const Index nc = std::min(kPackedCols, N - j0);
+    const Scalar* bias = nullptr;
+    if (op.init == Init::bias) {
+      // The bias of these columns, contiguous and zero-padded to whole panels.
+      Scalar* packed_bias = buffers.bias.data();
+      for (Index j = 0; j < nc; ++j) packed_bias[j] = op.bias[(j0 + j) * op.bias_stride];
+      std::fill(packed_bias + nc, packed_bias + (nc + C - 1) / C * C, Scalar(0));
+      bias = packed_bias;
+    }
+    for (Index k0 = 0; k0 < K; k0 += kPackedDepth) {
+      const Index kc = std::min(kPackedDepth, K - k0);
+      const bool first = k0 == 0, last = k0 + kc == K;
+      const TileWrite write = first && op.init != Init::keep ? TileWrite::store : TileWrite::add;
+      pack_b<Scalar, LB>(op.b, op.ldb, k0, kc, j0, nc, packed_b);
+      for (Index a0 = 0; a0 < M; a0 += kPackedPassRows) {
+        const Index ma = std::min(kPackedPassRows, M - a0);
+        pack_a<Scalar, LA>(op.a, op.lda, a0, ma, k0, kc, packed_a);
+        for (Index i0 = 0; i0 < ma; i0 += kPackedRows) {
+          const Index mc = std::min(kPackedRows, ma - i0);
+          for (Index q0 = 0; q0 < nc; q0 += C) {
+            const Index cols = std::min(C, nc - q0);
+            const Scalar* b_panel = packed_b + (q0 / C) * kc * C;
+            const Scalar* bias_panel = bias && last ? bias + q0 : nullptr;
+            for (Index p0 = i0; p0 < i0 + mc; p0 += R) {
+              const Index rows = std::min(R, ma - p0);
+              const Scalar* a_panel = packed_a + (p0 / R) * kc * R;
+              Scalar* c = op.c + (a0 + p0) * op.ldc + j0 + q0;
+              if (rows == R && cols == C) {
+                packed_tile(kc, a_panel, b_panel, c, op.ldc, write, bias_panel);
+                continue;
+              }
+              // An edge tile: the same micro-kernel on the whole (zero-padded) panels, into edge.
+              if (write == TileWrite::add)
+                for (Index i = 0; i < rows; ++i) std::copy_n(c + i * op.ldc, cols, edge + i * C);
+              packed_tile(kc, a_panel, b_panel, edge, C, write, bias_panel);
+              for (Index i = 0; i < rows; ++i) std::copy_n(edge + i * C, cols, c + i * op.ldc);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace gemm
+}  // namespace detail
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_DETAIL_GEMM_PACKED_HPP
