@@ -362,9 +362,16 @@ TEMPLATE_TEST_CASE("fused head loss: the automatic plan is token chunks when the
            same_values(a.db, b.db);
   };
   using embedhead::FusedPlan;
-  // 127 rows hold fewer than min(150, 128) tokens: the two passes; 128 rows: chunks of 128 (and 22).
+  // 127 rows hold fewer than min(150, 128) tokens: the two passes; 128 rows: two chunks, of equal
+  // length (75 and 75, not 128 and 22).
   CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 127), 150, V, sizeof(Scalar)) == 0);
-  CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 128), 150, V, sizeof(Scalar)) == 128);
+  CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 128), 150, V, sizeof(Scalar)) == 75);
+  CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::token_chunks, 40), 150, V, sizeof(Scalar)) == 38);
+  // From 256 tokens a chunk is a multiple of 256 (the packed kernel's summation block); all the
+  // tokens when they fit.
+  CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 300), 1000, V, sizeof(Scalar)) == 256);
+  CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 999), 1000, V, sizeof(Scalar)) == 768);
+  CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 1000), 1000, V, sizeof(Scalar)) == 1000);
   CHECK(same(fused<Scalar>(p, true, with(FusedPlan::automatic, 127), no),
              fused<Scalar>(p, true, with(FusedPlan::vocab_blocks, 127), no)));
   CHECK(same(fused<Scalar>(p, true, with(FusedPlan::automatic, 128), no),
@@ -577,7 +584,7 @@ TEMPLATE_TEST_CASE("fused head loss rejects bad input and writes nothing", "[fus
                       Contains("vocab_block = -2 outside [0, inf) (0: automatic)"));
     CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
                            with([](FusedHeadLossOptions& o) { o.memory_budget = -1; })),
-                      Contains("memory_budget = -1 outside [0, inf) (0: 50331648 bytes)"));
+                      Contains("memory_budget = -1 outside [0, inf) (0: 67108864 bytes)"));
     // token_chunks must hold one token's logits: V = 7 scalars (5 with valid_vocab = 5).
     const Index row = 7 * static_cast<Index>(sizeof(Scalar));
     CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,

@@ -9,7 +9,7 @@
 // with dz = d loss / d logits: what OutputProjection::forward + cross_entropy_forward_backward +
 // OutputProjection::backward compute (the unfused path), without ever holding the [N, V] logits.
 // Two plans walk them (FusedPlan, chosen per call by FusedHeadLossOptions::plan):
-//   token_chunks  for each chunk of n tokens (n from memory_budget, default 48 MiB of logits):
+//   token_chunks  for each chunk of n tokens (n from memory_budget, default 64 MiB of logits):
 //                 logits [n, V] = h_chunk W^T (+ b), each row's max, sum of exponentials, target
 //                 logit and sum of logits (online over vocab_block columns at a time), lse and
 //                 loss, dz in place, then dW += dz^T h_chunk, db += sums of dz, dh_chunk = dz W.
@@ -96,8 +96,9 @@ struct FusedHeadLossOptions : CrossEntropyOptions {
   FusedPlan plan = FusedPlan::automatic;
   // Bytes the token-chunk plan may hold as logits: a chunk is n = memory_budget / (C sizeof(Scalar))
   // tokens (C: the classes; vocabulary-parallel, the most classes any shard holds), at most all the
-  // counted ones. 0: kFusedDefaultBudget (48 MiB: 250 tokens of GPT-2's V = 50,257 in float, 24 %
-  // of the logits of N = 1024). The chunk fixes dW's order of summation over tokens, so the result
+  // counted ones (see fused_token_chunk for how n is rounded). 0: kFusedDefaultBudget (64 MiB:
+  // 256 tokens of GPT-2's V = 50,257 in float, 25 % of the logits of N = 1024). The chunk fixes
+  // dW's order of summation over tokens, so the result
   // depends on it (within rounding), never on the thread count. It does not bound the two-pass
   // plan, whose buffer is N * vocab_block scalars (64 MiB at N = 4096, vocab_block = 4096).
   Index memory_budget = 0;
@@ -160,15 +161,23 @@ inline Index fused_memory_budget(const FusedHeadLossOptions& options) {
 }
 
 // The token-chunk plan's tokens per chunk for `count` counted tokens whose logits rows are
-// `columns` long (the classes; with a slice, the most classes any shard holds), or 0 for the two-pass plan:
-// as many as memory_budget holds, at most count; automatic takes it from kFusedMinTokenChunk
-// tokens (or all count of them). \pre check_fused_head_loss passed (token_chunks: at least one row fits).
+// `columns` long (the classes; with a slice, the most classes any shard holds), or 0 for the
+// two-pass plan; automatic takes token chunks when the budget holds kFusedMinTokenChunk tokens (or
+// all count of them). With `fits` tokens in memory_budget: all count of them if they fit; else a
+// multiple of kPackedDepth (256) tokens when fits is at least that, so that on the packed kernel
+// dW += dz^T h over the chunks sums the tokens in the same blocks as one unfused product does
+// (detail/gemm_packed.hpp); else chunks of equal length (count / chunks, rounded up), so that no
+// short last chunk streams W and dW for a few tokens. \pre check_fused_head_loss passed
+// (token_chunks: at least one row fits).
 inline Index fused_token_chunk(const FusedHeadLossOptions& options, Index count, Index columns, Index scalar_bytes) {
   if (options.plan == FusedPlan::vocab_blocks || count == 0) return 0;
   const Index row_bytes = std::max<Index>(columns, 1) * scalar_bytes;
-  const Index fits = std::min(count, fused_memory_budget(options) / row_bytes);
-  if (options.plan == FusedPlan::token_chunks) return std::max<Index>(fits, 1);
-  return fits >= std::min(count, kFusedMinTokenChunk) ? fits : 0;
+  const Index fits = std::max<Index>(std::min(count, fused_memory_budget(options) / row_bytes), 1);
+  if (options.plan == FusedPlan::automatic && fits < std::min(count, kFusedMinTokenChunk)) return 0;
+  if (fits == count) return count;
+  if (fits >= gemm::kPackedDepth) return fits / gemm::kPackedDepth * gemm::kPackedDepth;
+  const Index chunks = (count + fits - 1) / fits;
+  return (count + chunks - 1) / chunks;
 }
 
 // A vocabulary shard for fused_head_loss_pass: W holds rows [begin, begin + W.rows()) of the

@@ -117,7 +117,7 @@ constexpr Index kFusedDimPiece = 128;
 // chunk at which the automatic choice takes it over the two-pass vocabulary blocks (below that, dW
 // += dz^T h has too short a sum over tokens to run at GEMM speed).
 constexpr Index kFusedChunkPiece = 1024;
-constexpr Index kFusedDefaultBudget = Index{48} << 20;
+constexpr Index kFusedDefaultBudget = Index{64} << 20;
 constexpr Index kFusedMinTokenChunk = 128;
 
 // Mixed precision: stored rows of B widened per float tile. 256 x 768 floats = 768 KiB at
