@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Full embedhead check, in three parts:
+# Full embedhead check, in five parts:
 #   1. gcc Release build with -Werror (tests, tools, examples, benchmarks, standalone headers) and
 #      all its tests (the python interop tests, the browser test and the parallel tests under
 #      mpirun must be among them);
@@ -7,8 +7,10 @@
 #      bounded time;
 #   3. a clang ASan+UBSan build of the tests (the clang build of the test suite) and its ctest;
 #   4. a gcc Release build of the tests with every matrix product through the CBLAS backend
-#      (serial OpenBLAS: embedhead::cblas) and its ctest, so the suite runs against Eigen (parts
-#      1 and 3) and against a BLAS.
+#      (serial OpenBLAS: embedhead::cblas) and its ctest;
+#   5. a gcc Release build of the tests on Eigen's GEMM kernel (EMBEDHEAD_GEMM_EIGEN) and its
+#      ctest: the suite runs on the library's own packed kernel (parts 1 and 3, the default), on a
+#      BLAS and on Eigen's kernel.
 # The fuzzer is built in the clang ASan+UBSan tree, without -DNDEBUG: the tests at -O0 with line
 # tables (-gline-tables-only: file:line stacks), the fuzzer at -O1 -g (fuzz/CMakeLists.txt).
 #
@@ -16,6 +18,7 @@
 #   EMBEDHEAD_SKIP_ASAN=1       skip the sanitizer phase (fast local iteration)
 #   EMBEDHEAD_SKIP_FUZZ=1       skip the fuzz phase
 #   EMBEDHEAD_SKIP_CBLAS=1      skip the CBLAS-backend phase
+#   EMBEDHEAD_SKIP_EIGEN=1      skip the Eigen-GEMM-backend phase
 #   EMBEDHEAD_FUZZ_SECONDS=<s>  how long each fuzzing worker runs (default 30)
 #   EMBEDHEAD_FUZZ_WORKERS=<n>  how many fuzzing workers run side by side (default JOBS)
 #   EMBEDHEAD_CCACHE=0|1        compile through ccache (default: when installed and CI is unset)
@@ -31,6 +34,7 @@ jobs="${JOBS:-2}"
 skip_asan="${EMBEDHEAD_SKIP_ASAN:-0}"
 skip_fuzz="${EMBEDHEAD_SKIP_FUZZ:-0}"
 skip_cblas="${EMBEDHEAD_SKIP_CBLAS:-0}"
+skip_eigen="${EMBEDHEAD_SKIP_EIGEN:-0}"
 start_time=$SECONDS
 
 # The clang tree (build/asan): the sanitized tests unless skipped, the fuzzer unless skipped.
@@ -249,6 +253,29 @@ else
   unit_cblas="$(count_tests build/cblas unit)"
   if [ "${unit_cblas:-0}" -lt 20 ]; then
     echo "test.sh: error: expected the unit tests (label unit) in build/cblas, found ${unit_cblas:-0}" >&2
+    exit 1
+  fi
+fi
+
+if [ "$skip_eigen" = "1" ]; then
+  phase "Eigen GEMM backend: skipped (EMBEDHEAD_SKIP_EIGEN=1)"
+else
+  # The test suite once more on Eigen's GEMM kernel (EMBEDHEAD_GEMM_EIGEN), the backend the
+  # library ran on before its own packed kernel became the default: tests only, gcc Release.
+  phase "Eigen GEMM backend: configure and build (build/eigen, gcc, -DEMBEDHEAD_TEST_GEMM_EIGEN=ON)"
+  configure build/eigen "${CXX_RELEASE:-g++}" \
+    "${gcc_test_tree[@]}" \
+    -DEMBEDHEAD_BUILD_TOOLS=OFF \
+    -DEMBEDHEAD_CHECK_HEADERS=OFF \
+    -DEMBEDHEAD_BUILD_BENCHMARKS=OFF \
+    -DEMBEDHEAD_BUILD_EXAMPLES=OFF \
+    -DEMBEDHEAD_TEST_GEMM_EIGEN=ON
+  cmake --build build/eigen -j "$jobs"
+  phase "Eigen GEMM backend: ctest (excluding label 'cmake')"
+  ctest --test-dir build/eigen --output-on-failure -j "$jobs" -LE cmake
+  unit_eigen="$(count_tests build/eigen unit)"
+  if [ "${unit_eigen:-0}" -lt 20 ]; then
+    echo "test.sh: error: expected the unit tests (label unit) in build/eigen, found ${unit_eigen:-0}" >&2
     exit 1
   fi
 fi

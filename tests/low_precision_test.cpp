@@ -465,6 +465,12 @@ TEMPLATE_TEST_CASE("low precision: head backward", "[low_precision][head][backwa
       CHECK(worst_against_bound(dh, f_dh.template cast<double>(), gd.cwiseAbs() * Wd.cwiseAbs(), 2 * V) <= 1.0);
       CHECK(worst_against_bound(head.weight_grad().to_dense(), f_dW.template cast<double>(),
                                 gd.cwiseAbs().transpose() * hd.cwiseAbs(), 2 * N) <= 1.0);
+      // On the packed kernel (it widens W while packing it), dh and dW are the float head's sequence
+      // on float(W): the same bits.
+      if (embedhead::detail::gemm::DefaultBackend::template takes<float, Storage, float>) {
+        CHECK(first_difference(dh, f_dh) == "");
+        CHECK(first_difference(head.weight_grad().to_dense(), f_dW) == "");
+      }
 
       // A second call accumulates: exactly twice (x + x is exact) where the GEMM adds its finished
       // product to dW, as Eigen and OpenBLAS do for a sum over N = 4 tokens (longer sums are added

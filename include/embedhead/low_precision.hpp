@@ -10,16 +10,16 @@
 //
 // Storage is Eigen::bfloat16 or Eigen::half. Nothing here ever makes a float copy of the whole
 // table: the lookup converts the d values of each gathered row, and the head runs the float head's
-// fixed chunks (detail::head_forward_chunked / head_backward_chunked) through the GEMM seam's
-// mixed-precision path (detail/gemm.hpp): inside each chunk, W is converted kWidenTileRows = 256
-// rows at a time into a per-thread float tile (HeadTileWorkspace) and each tile is one float GEMM.
-// So the head is bit-identical for any thread count, like the float head; its forward and its dW
-// equal the float head's on float(W) bit for bit (N > 8: the float head decodes N <= 8), its db
-// adds each call's column sums once (a second call adds exactly the same), and its dh sums V in
-// tiles of 256 rows (within rounding of the float head's). Eigen's GEMM on bfloat16
-// scalars runs at a small fraction of its float rate (see bench/RESULTS.md), while converting W
-// costs V*d cheap conversions (a shift for bf16) per chunk against the chunk GEMM's flops (the
-// forward converts W once; dh once per chunk of 256 tokens).
+// chunks (detail::head_forward_chunked / head_backward_chunked) through the GEMM seam. On the
+// default backend, the library's packed kernel, W is widened (exactly) while the kernel packs it,
+// so the head computes the float head's sequence on float(W): its forward, dW and dh equal the
+// float head's on float(W) bit for bit (N > 8: the float head decodes N <= 8). On the Eigen and
+// CBLAS backends the seam's mixed-precision path (detail/gemm.hpp) converts W kWidenTileRows = 256
+// rows at a time into a per-thread float tile (HeadTileWorkspace) and each tile is one float GEMM:
+// forward and dW as the float head's, dh summing V in tiles of 256 rows (within rounding of the
+// float head's). Either way bit-identical for any thread count; db adds each call's column sums
+// once (a second call adds exactly the same). Converting W costs V*d cheap conversions (a shift
+// for bf16) per pack, against the products' flops.
 //
 // The lookup's optional sqrt(d) multiplier is rounded to Storage first, then applied in float, as
 // Gemma does with its bf16 normalizer: sqrt(2048) = 45.2548... becomes 45.25 in bf16 and in fp16
@@ -64,8 +64,9 @@ namespace embedhead {
 // is_low_precision_v<T> (parameter.hpp): true for the storage types this header accepts,
 // Eigen::bfloat16 and Eigen::half.
 
-// Scratch for the tiled head passes: one float tile of at most 256 x d values per thread
-// (detail::kWidenTileRows), reused across calls so the steady state allocates nothing. A
+// Scratch for the tiled head passes on a backend that does not widen W itself (Eigen, CBLAS): one
+// float tile of at most 256 x d values per thread (detail::kWidenTileRows), reused across calls so
+// the steady state allocates nothing; unused (left empty) on the default packed kernel. A
 // default-constructed one is always valid.
 struct HeadTileWorkspace {
   std::vector<float> tiles;
@@ -180,12 +181,12 @@ void embedding_forward(const ConstMatrixRef<Storage>& E, TokenIds ids, float sca
 
 // h float [N, d], W Storage [V, d], bias float [V, 1] or empty (no bias) -> logits float [N, V]
 // = h float(W)^T + b, by the float head's chunks of 1024 rows of W (over the OpenMP threads when
-// built with OpenMP); inside a chunk, W is converted 256 rows at a time into the thread's tile in
-// workspace.tiles and each tile is one float GEMM into logits' matching columns. Bit-identical for
-// any thread count, and equal to output_projection_forward<float> on float(W) for N > 8.
+// built with OpenMP); W widened while packed (the packed kernel) or 256 rows at a time into the
+// thread's tile in workspace.tiles (Eigen, CBLAS). Bit-identical for any thread count, and equal
+// to output_projection_forward<float> on float(W) for N > 8.
 // \pre logits aliases neither h nor W. \throws shape_error on any shape mismatch (nothing
 // written). Cost: 2 N V d flops plus V*d conversions; allocates only when the workspace is too
-// small (256 * d floats per thread), plus Eigen's GEMM packing buffers.
+// small (256 * d floats per thread, Eigen and CBLAS), plus the kernel's packing buffers.
 namespace detail {
 
 template <typename Storage, detail::enable_if_low_precision<Storage> = 0>
@@ -211,14 +212,14 @@ void output_projection_forward(const ConstMatrixRef<float>& h, const ConstMatrix
 }
 
 // h float [N, d], W Storage [V, d], dlogits float [N, V] -> dh float [N, d] = dlogits float(W)
-// (written, by chunks of 256 tokens; inside a chunk the sum over V runs in tiles of 256 converted
-// rows of W, in increasing v); dW float [V, d] += dlogits^T h and db float [V, 1] += column sums of
-// dlogits, each skipped when empty (0 rows: frozen weights, no bias): dW by the float head's code,
-// bit for bit; db as each chunk's column sums (token order from zero) added once. Bit-identical
-// for any thread count.
+// (written; on the packed kernel the float head's sequence on float(W), elsewhere the sum over V
+// in tiles of 256 converted rows of W, in increasing v); dW float [V, d] += dlogits^T h and db
+// float [V, 1] += column sums of dlogits, each skipped when empty (0 rows: frozen weights, no
+// bias): dW by the float head's code, bit for bit; db as each chunk's column sums (token order
+// from zero) added once. Bit-identical for any thread count.
 // \pre dh aliases neither W, dlogits nor dW; it may be h (dW is computed first).
 // \throws shape_error on any mismatch (nothing written). Cost: 4 N V d flops (2 N V d without
-// dW) plus V*d conversions per 256 tokens; allocation as output_projection_forward.
+// dW) plus V*d conversions per pack of W; allocation as output_projection_forward.
 namespace detail {
 
 template <typename Storage, detail::enable_if_low_precision<Storage> = 0>

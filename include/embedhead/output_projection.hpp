@@ -38,14 +38,17 @@ namespace embedhead {
 
 namespace detail {
 
-// The head's products through the GEMM seam (detail/gemm.hpp): fixed chunks, each one sequential
-// Eigen GEMM (Kernel::gemm), handed to OpenMP threads. Every output element is computed inside one
-// chunk whose bounds depend on the shapes and the chunk sizes only, so results are bit-identical
-// for any thread count and with or without OpenMP. The chunk sizes are parameters here so that
-// bench/threads_bench.cpp can tune them; the public functions pass kHeadVocabChunk and
-// kHeadTokenChunk. No checks: the public functions check first. WStorage is Scalar, or bf16 / fp16
-// for the low-precision head (low_precision.hpp): W is then widened a tile at a time inside each
-// chunk into `tiles` (the seam's mixed-precision path), so that head is thread-count independent too.
+// The head's products through the GEMM seam (detail/gemm.hpp): chunks of C, each one product on
+// one thread (Kernel::gemm), handed to OpenMP threads. On the default backend, the library's packed
+// kernel, every element's arithmetic depends on K and its own operands only, so the results do not
+// depend on the chunking at all, and dW and dh run one chunk per thread (gemm::per_thread_plan:
+// each chunk packs all of h or of W); on the Eigen and CBLAS backends the chunks are fixed by the
+// shapes and the chunk sizes only. Either way results are bit-identical for any thread count and
+// with or without OpenMP. The chunk sizes are parameters here so that bench/threads_bench.cpp can
+// tune them; the public functions pass kHeadVocabChunk and kHeadTokenChunk. No checks: the public
+// functions check first. WStorage is Scalar, or bf16 / fp16 for the low-precision head
+// (low_precision.hpp): the packed kernel widens W while it packs it; other backends widen it a
+// tile at a time inside each chunk into `tiles` (the seam's mixed-precision path).
 
 // T itself, in a context that template argument deduction skips (std::type_identity in C++20):
 // WStorage below defaults to Scalar instead of being deduced from a Ref-convertible argument.
@@ -162,11 +165,12 @@ void head_decode(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& 
 // N <= 8 (kDecodeMaxTokens) takes the decode path (output_projection_decode: one pass over W);
 // larger N runs one GEMM per chunk of 1024 rows of W, the chunks spread over the OpenMP threads
 // when built with OpenMP. The result is bit-identical for any thread count, with or without
-// OpenMP; it may differ in the last bits from a single Eigen product h * W^T, and a token's logits
-// from an N <= 8 call may differ in the last bits from the same token's in a larger batch.
+// OpenMP; on the default (packed) kernel a token's logits are also the same bits in any batch of
+// N > 8 tokens (detail/gemm_packed.hpp). A token's logits from an N <= 8 call (the decode kernel)
+// may differ in the last bits from the same token's in a larger batch.
 // \pre logits aliases neither h nor W. \throws shape_error on any shape mismatch (nothing written).
-// Cost: 2 N V d flops. Nothing of size N*V is allocated; Eigen's GEMM may allocate its packing
-// buffers (bounded by its cache blocking, independent of V) for large products.
+// Cost: 2 N V d flops. Nothing of size N*V is allocated; the packed kernel keeps per-thread packing
+// buffers (about 2 MiB a thread, grown on first use; Eigen's GEMM allocates its own per call).
 namespace detail {
 
 template <typename Scalar>

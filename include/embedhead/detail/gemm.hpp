@@ -8,7 +8,7 @@
 // there, given by pointer, leading dimension and Layout: Layout::row_major [rows, cols] is
 // X[i * ld + j], Layout::col_major is X[i + j * ld], i.e. the transpose of a row-major matrix --
 // so W^T for W [V, d] row-major is (W.data(), ld = d, col_major), a view, never a copy.
-// B may be stored in bf16 or fp16 with A and C in float (mixed precision, see below).
+// A and B may be stored in bf16 or fp16 with C in float (mixed precision, see below).
 //
 // run<Kernel>(op, plan) cuts C into fixed chunks along plan.split (rows M or columns N of C),
 // chunk k covering [k * plan.chunk, min((k + 1) * plan.chunk, extent)), and computes each chunk
@@ -22,33 +22,40 @@
 // the products and runs the epilogues alone (a frozen W's dW with db still wanted).
 //
 // Kernels (how one chunk is computed; a backend without the distinction uses its GEMM for all):
-//   Kernel::gemm        Eigen's GEMM kernel (general_matrix_matrix_product) for every chunk
-//                       whatever its shape, called with no parallel info: Eigen would otherwise
-//                       split a large product over its own threads, and its split and its cache
-//                       blocking (which fix the summation order) would depend on the thread count.
-//   Kernel::expression  what Eigen's `C.noalias() (+)= op(A) * op(B)` computes on one thread:
-//                       coefficient-wise below M + N + K = 20, matrix-vector when M or N is 1,
-//                       else the same GEMM kernel (never Eigen's threaded split).
+//   Kernel::gemm        Eigen backend: Eigen's GEMM kernel (general_matrix_matrix_product) for
+//                       every chunk whatever its shape, called with no parallel info (Eigen would
+//                       otherwise split a large product over its own threads, and its split and
+//                       cache blocking, which fix the summation order, would follow the threads).
+//   Kernel::expression  Eigen backend: what Eigen's `C.noalias() (+)= op(A) * op(B)` computes on
+//                       one thread: coefficient-wise below M + N + K = 20, matrix-vector when M or
+//                       N is 1, else the same GEMM kernel (never Eigen's threaded split).
 //   Kernel::decode      1 <= M <= kDecodeMaxTokens rows of A row-major, B = W^T (col_major): one
 //                       pass over W's rows, the M dot products of each row accumulated together in
 //                       SIMD registers (decode_tokens), the bias added to each finished sum.
 // The head and geometry use Kernel::gemm, the fused loss Kernel::expression, decoding
-// Kernel::decode: on the Eigen backend each keeps the arithmetic it had before this seam, bit for
-// bit. The CBLAS backend runs gemm and expression as one sgemm / dgemm a chunk, decode as Eigen's.
+// Kernel::decode. The packed backend (the default) runs gemm and expression alike, the CBLAS
+// backend as one sgemm / dgemm a chunk; both run decode as the Eigen backend does.
 //
-// Mixed precision (B stored as Eigen::bfloat16 / Eigen::half, A and C float): inside each chunk,
-// B is widened (exactly) kWidenTileRows of its stored rows at a time into a float tile, one tile
-// per thread, and each tile is one float product of the backend: with op(B) col_major (B = W^T,
-// W's rows are columns of C) a tile covers kWidenTileRows columns of the chunk; with op(B)
-// row_major (W's rows are the summation index k) a tile covers kWidenTileRows values of k and the
-// tiles are added into C in increasing k. Tile bounds are multiples of kWidenTileRows from the
-// chunk's start and the chunk bounds are fixed, so the result does not depend on the threads
-// either. Scratch: threads * kWidenTileRows * (K or the chunk's columns) floats in the caller's
-// vector, grown only when too small; never a float copy of B.
+// Backends are types chosen at compile time (run<Kernel, Backend>). DefaultBackend is
+// PackedBackend, the library's own kernel (detail/gemm_packed.hpp); EigenBackend when the program
+// defines EMBEDHEAD_GEMM_EIGEN; CblasBackend when it defines EMBEDHEAD_GEMM_CBLAS (the CMake target
+// embedhead::cblas, which links a serial OpenBLAS or BLIS; docs/performance.md, "GEMM backends").
+// Every translation unit of a program must agree. The packed kernel computes every element of C by
+// one fixed sequence of fused multiply-adds that depends on K and the element's own operands only,
+// so on it results do not depend on the chunking either: a row of logits is the same bits in any
+// batch (any_chunking below; tests/gemm_test.cpp checks the sequence bit for bit).
 //
-// Backends are types chosen at compile time (run<Kernel, Backend>); DefaultBackend is EigenBackend,
-// or CblasBackend when EMBEDHEAD_GEMM_CBLAS is defined (the CMake target embedhead::cblas, which
-// links a serial OpenBLAS or BLIS; docs/performance.md, "GEMM backends").
+// Mixed precision (B, and for backends that take it A, stored as Eigen::bfloat16 / Eigen::half, C
+// float): the packed backend widens them (exactly) while it packs them. On a backend that does not
+// take B's storage, inside each chunk B is widened kWidenTileRows of its stored rows at a time into
+// a float tile, one tile per thread, and each tile is one float product of the backend: with op(B)
+// col_major (B = W^T, W's rows are columns of C) a tile covers kWidenTileRows columns of the chunk;
+// with op(B) row_major (W's rows are the summation index k) a tile covers kWidenTileRows values of
+// k and the tiles are added into C in increasing k. Tile bounds are multiples of kWidenTileRows
+// from the chunk's start and the chunk bounds are fixed, so the result does not depend on the
+// threads either. Scratch: threads * kWidenTileRows * (K or the chunk's columns) floats in the
+// caller's vector, grown only when too small; never a float copy of B.
+//
 // A backend provides
 //   template <Kernel, typename Scalar, Layout LA, Layout LB, ...> static void multiply(const Op<...>&)
 //       one chunk, Init included, on the calling thread, never threading by itself;
@@ -56,7 +63,9 @@
 //       whether multiply accepts B stored as BStorage and A as AStorage themselves (else run
 //       widens B's tiles to Scalar; A below Scalar needs a backend that takes it);
 //   static bool usable()  whether it can run here (oneDNN's bf16 kernels need AVX-512; the bf16
-//                         entry points take DefaultBackend instead when it is false).
+//                         entry points take DefaultBackend instead when it is false);
+//   static constexpr bool any_chunking  whether its results are the same for any chunking of C
+//                         (then per_thread_plan may choose the chunks by the thread count).
 // The seam owns the chunking, so a new backend (CBLAS, oneDNN bf16, a hand-written kernel) only
 // has to compute a chunk; results then depend on the backend and the build, never on the threads.
 #ifndef EMBEDHEAD_DETAIL_GEMM_HPP
