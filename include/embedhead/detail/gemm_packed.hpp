@@ -63,6 +63,10 @@ constexpr Index kPackedDepth = 256;
 constexpr Index kPackedRows = 240;
 constexpr Index kPackedPassRows = 5 * kPackedRows;
 constexpr Index kPackedCols = 1024;
+// op(B) is packed whole depth at a time when that is at most this many scalars (4 MiB of floats:
+// K up to 1024 at 1024 columns, as the head's forward and dW are), so that C is swept once for
+// all the depth blocks instead of once per block; longer sums (dh = dz W over V) a block at a time.
+constexpr Index kPackedWholeB = Index{1} << 20;
 
 // Whether the build's packet multiply-add rounds once (a fused multiply-add).
 constexpr bool packed_gemm_fuses() {
@@ -310,56 +314,79 @@ void packed_gemm(const Op<Scalar, LA, LB, BStorage, AStorage>& op) {
   const Index ma_max = std::min(kPackedPassRows, (M + R - 1) / R * R);
   const Index nc_max = std::min(kPackedCols, (N + C - 1) / C * C);
   const Index kc_max = std::min(kPackedDepth, K);
+  // Whether all of op(B)'s depth for a block of columns fits kPackedWholeB scalars.
+  const bool whole_depth = K * nc_max <= kPackedWholeB;
   auto grow = [](std::vector<Scalar>& v, Index size) {
     if (static_cast<Index>(v.size()) < size) v.resize(static_cast<std::size_t>(size));
   };
   grow(buffers.a, ma_max * kc_max);
-  grow(buffers.b, nc_max * kc_max);
+  grow(buffers.b, nc_max * (whole_depth ? K : kc_max));
   if (op.init == Init::bias) grow(buffers.bias, nc_max);
   Scalar* packed_a = buffers.a.data();
   Scalar* packed_b = buffers.b.data();
   Scalar edge[R * C] = {};  // a tile at the edge of C, computed whole
 
+  // Rows [a0, a0 + ma) of C, depth block [k0, k0 + kc), from B's block packed at b_block: op(A)'s
+  // piece packed, then the micro-kernel over every tile (kPackedRows rows of A at a time, each
+  // swept across B's panels).
+  auto sweep = [&](Index a0, Index ma, Index j0, Index nc, Index k0, Index kc, const Scalar* b_block,
+                   const Scalar* bias) {
+    const bool first = k0 == 0, last = k0 + kc == K;
+    const TileWrite write = first && op.init != Init::keep ? TileWrite::store : TileWrite::add;
+    pack_a<Scalar, LA>(op.a, op.lda, a0, ma, k0, kc, packed_a);
+    for (Index i0 = 0; i0 < ma; i0 += kPackedRows) {
+      const Index mc = std::min(kPackedRows, ma - i0);
+      for (Index q0 = 0; q0 < nc; q0 += C) {
+        const Index cols = std::min(C, nc - q0);
+        const Scalar* b_panel = b_block + (q0 / C) * kc * C;
+        const Scalar* bias_panel = bias && last ? bias + q0 : nullptr;
+        for (Index p0 = i0; p0 < i0 + mc; p0 += R) {
+          const Index rows = std::min(R, ma - p0);
+          const Scalar* a_panel = packed_a + (p0 / R) * kc * R;
+          Scalar* c = op.c + (a0 + p0) * op.ldc + j0 + q0;
+          if (rows == R && cols == C) {
+            packed_tile(kc, a_panel, b_panel, c, op.ldc, write, bias_panel);
+            continue;
+          }
+          // An edge tile: the same micro-kernel on the whole (zero-padded) panels, into edge.
+          if (write == TileWrite::add)
+            for (Index i = 0; i < rows; ++i) std::copy_n(c + i * op.ldc, cols, edge + i * C);
+          packed_tile(kc, a_panel, b_panel, edge, C, write, bias_panel);
+          for (Index i = 0; i < rows; ++i) std::copy_n(edge + i * C, cols, c + i * op.ldc);
+        }
+      }
+    }
+  };
+
   for (Index j0 = 0; j0 < N; j0 += kPackedCols) {
     const Index nc = std::min(kPackedCols, N - j0);
+    const Index nc_padded = (nc + C - 1) / C * C;
     const Scalar* bias = nullptr;
     if (op.init == Init::bias) {
       // The bias of these columns, contiguous and zero-padded to whole panels.
       Scalar* packed_bias = buffers.bias.data();
       for (Index j = 0; j < nc; ++j) packed_bias[j] = op.bias[(j0 + j) * op.bias_stride];
-      std::fill(packed_bias + nc, packed_bias + (nc + C - 1) / C * C, Scalar(0));
+      std::fill(packed_bias + nc, packed_bias + nc_padded, Scalar(0));
       bias = packed_bias;
     }
-    for (Index k0 = 0; k0 < K; k0 += kPackedDepth) {
-      const Index kc = std::min(kPackedDepth, K - k0);
-      const bool first = k0 == 0, last = k0 + kc == K;
-      const TileWrite write = first && op.init != Init::keep ? TileWrite::store : TileWrite::add;
-      pack_b<Scalar, LB>(op.b, op.ldb, k0, kc, j0, nc, packed_b);
-      for (Index a0 = 0; a0 < M; a0 += kPackedPassRows) {
-        const Index ma = std::min(kPackedPassRows, M - a0);
-        pack_a<Scalar, LA>(op.a, op.lda, a0, ma, k0, kc, packed_a);
-        for (Index i0 = 0; i0 < ma; i0 += kPackedRows) {
-          const Index mc = std::min(kPackedRows, ma - i0);
-          for (Index q0 = 0; q0 < nc; q0 += C) {
-            const Index cols = std::min(C, nc - q0);
-            const Scalar* b_panel = packed_b + (q0 / C) * kc * C;
-            const Scalar* bias_panel = bias && last ? bias + q0 : nullptr;
-            for (Index p0 = i0; p0 < i0 + mc; p0 += R) {
-              const Index rows = std::min(R, ma - p0);
-              const Scalar* a_panel = packed_a + (p0 / R) * kc * R;
-              Scalar* c = op.c + (a0 + p0) * op.ldc + j0 + q0;
-              if (rows == R && cols == C) {
-                packed_tile(kc, a_panel, b_panel, c, op.ldc, write, bias_panel);
-                continue;
-              }
-              // An edge tile: the same micro-kernel on the whole (zero-padded) panels, into edge.
-              if (write == TileWrite::add)
-                for (Index i = 0; i < rows; ++i) std::copy_n(c + i * op.ldc, cols, edge + i * C);
-              packed_tile(kc, a_panel, b_panel, edge, C, write, bias_panel);
-              for (Index i = 0; i < rows; ++i) std::copy_n(edge + i * C, cols, c + i * op.ldc);
-            }
-          }
-        }
+    if (whole_depth) {
+      // All of op(B)'s depth for these columns packed first (block k0 at k0 * nc_padded), then C
+      // a pass of rows at a time through every depth block: the pass's rows of C stay in cache
+      // between the blocks (dW = dz^T h: rows of dW, instead of all of dW once per block).
+      for (Index k0 = 0; k0 < K; k0 += kPackedDepth)
+        pack_b<Scalar, LB>(op.b, op.ldb, k0, std::min(kPackedDepth, K - k0), j0, nc, packed_b + k0 * nc_padded);
+      for (Index a0 = 0; a0 < M; a0 += kPackedPassRows)
+        for (Index k0 = 0; k0 < K; k0 += kPackedDepth)
+          sweep(a0, std::min(kPackedPassRows, M - a0), j0, nc, k0, std::min(kPackedDepth, K - k0),
+                packed_b + k0 * nc_padded, bias);
+    } else {
+      // A long sum (dh = dz W over all of V): one depth block of op(B) at a time, C a pass of rows
+      // at a time through it.
+      for (Index k0 = 0; k0 < K; k0 += kPackedDepth) {
+        const Index kc = std::min(kPackedDepth, K - k0);
+        pack_b<Scalar, LB>(op.b, op.ldb, k0, kc, j0, nc, packed_b);
+        for (Index a0 = 0; a0 < M; a0 += kPackedPassRows)
+          sweep(a0, std::min(kPackedPassRows, M - a0), j0, nc, k0, kc, packed_b, bias);
       }
     }
   }
