@@ -6,9 +6,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -470,4 +474,50 @@ TEST_CASE("safetensors: writer errors and the atomic write", "[safetensors]") {
   CHECK(SafetensorsFile::open(path).read<float>("a") == a);
   CHECK(std::ifstream(path + ".tmp").good() == false);
   std::remove(path.c_str());
+}
+
+// Issue 15, class 3: open() on a named pipe blocked until a writer came (the regular-file check
+// came after a blocking open).
+TEST_CASE("safetensors: open refuses a named pipe, a directory or a device without blocking", "[safetensors][errors]") {
+  const std::string fifo = temp_path("pipe.safetensors");
+  bool blocked = test_support::blocks_on_fifo(fifo, [&] {
+    CHECK_THROWS_AS(SafetensorsFile::open(fifo), io_error);
+    CHECK_THROWS_WITH(SafetensorsFile::open(fifo),
+                      Catch::Contains("'" + fifo + "' is not a regular file") && Catch::Contains("named pipe"));
+  });
+  CHECK_FALSE(blocked);
+  CHECK_THROWS_WITH(SafetensorsFile::open("/tmp"), Catch::Contains("'/tmp' is not a regular file (a directory)"));
+  CHECK_THROWS_WITH(SafetensorsFile::open("/dev/null"),
+                    Catch::Contains("'/dev/null' is not a regular file (a character device)"));
+
+  // The writer's temporary: a named pipe at path.tmp is refused too, and nothing appears at path.
+  const std::string path = temp_path("pipe_target.safetensors");
+  RowMatrix<float> a = RowMatrix<float>::Ones(2, 2);
+  SafetensorsWriter writer;
+  writer.add<float>("a", a, DType::F32);
+  blocked = test_support::blocks_on_fifo(
+      path + ".tmp",
+      [&] {
+        CHECK_THROWS_AS(writer.write(path), io_error);
+        CHECK_THROWS_WITH(writer.write(path),
+                          Catch::Contains("'" + path + ".tmp' exists and is not a regular file (a named pipe)"));
+      },
+      /*call_writes=*/true);
+  CHECK_FALSE(blocked);
+  struct stat st {};
+  CHECK(::lstat(path.c_str(), &st) != 0);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("safetensors: a file the process may not read is an io_error naming it and the reason",
+          "[safetensors][errors]") {
+  const std::string path = test_support::unreadable_path(temp_path("unreadable.safetensors"));
+  if (path.empty()) {
+    WARN("skipped: no file here refuses reading to this process (neither mode 000 nor a write-only sysctl file)");
+    return;
+  }
+  REQUIRE_THROWS_AS(SafetensorsFile::open(path), io_error);
+  REQUIRE_THROWS_WITH(SafetensorsFile::open(path),
+                      Catch::Contains("cannot open '" + path + "'") && Catch::Contains(std::strerror(EACCES)));
+  ::unlink(temp_path("unreadable.safetensors").c_str());
 }

@@ -6,13 +6,13 @@
 //
 // Reading maps the file (mmap) and validates the whole header before anything is returned, so a
 // bad file is rejected before any model sees it; tensors are then converted straight from the
-// mapping into the destination (one copy of a 2 GB table, not two). The checks are those of the
-// format's reference implementation (huggingface/safetensors, lib.rs): the header fits in the
-// file and is at most 100 MB, is a JSON object beginning with '{', every tensor has a known dtype,
-// a shape of non-negative integers and offsets whose length is numel * dtype size, and the
-// tensors tile the data section exactly: no gap, no overlap, nothing after the last one. We also
-// reject duplicate names, unknown fields, nesting deeper than the format allows and
-// sizes that overflow 64 bits.
+// mapping into the destination (one copy of a 2 GB table, not two). Only a regular file is
+// opened (a named pipe would block the open). The checks are those of the format's reference
+// implementation (huggingface/safetensors, lib.rs): the header fits in the file and is at most
+// 100 MB, is a JSON object beginning with '{', every tensor has a known dtype, a shape of
+// non-negative integers and offsets whose length is numel * dtype size, and the tensors tile the
+// data section exactly: no gap, no overlap, nothing after the last one. We also reject duplicate
+// names, unknown fields, nesting deeper than the format allows and sizes that overflow 64 bits.
 //
 // Conversion to the layer's Scalar: F32, F64, F16 and BF16 (every F16/BF16/F32 value is exact in
 // float and double; F64 -> float rounds to nearest-even, as a C++ cast does). Writing float or
@@ -26,16 +26,13 @@
 #ifndef EMBEDHEAD_IO_SAFETENSORS_HPP
 #define EMBEDHEAD_IO_SAFETENSORS_HPP
 
-#include "../detail/atomic_file.hpp"
+#include "../detail/files.hpp"
 #include "../errors.hpp"
 #include "../types.hpp"
 
 #include <nlohmann/json.hpp>
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -43,7 +40,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
@@ -121,35 +117,25 @@ struct TensorInfo {
 // is read (through the mapping) when a tensor is converted. Move-only; cheap to move.
 class SafetensorsFile {
  public:
-  // Maps and validates the file at `path`.
-  // \throws io_error if it cannot be opened or mapped; format_error (naming the path, the tensor
-  // and the rule broken) if it is not a valid safetensors file. Cost: O(header) plus the mapping.
+  // Maps the file at `path` and validates it.
+  // \throws io_error naming the path and the reason if it cannot be opened or mapped, or is not a
+  // regular file (a directory, a named pipe, a device: refused before it is opened, so a pipe
+  // never blocks); format_error (naming the path, the tensor and the rule broken) if it is not a
+  // valid safetensors file. Cost: O(header) plus the mapping.
   static SafetensorsFile open(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw io_error("safetensors: cannot open '" + path + "': " + std::strerror(errno));
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      const int error = errno;
-      ::close(fd);
-      throw io_error("safetensors: cannot stat '" + path + "': " + std::strerror(error));
-    }
-    const auto size = static_cast<std::size_t>(st.st_size);
-    if (!S_ISREG(st.st_mode)) {
-      ::close(fd);
-      throw io_error("safetensors: '" + path + "' is not a regular file");
-    }
+    const detail::InputFile file(path, "safetensors");
+    if constexpr (sizeof(std::size_t) < sizeof(std::uint64_t))
+      if (file.size() > std::numeric_limits<std::size_t>::max())
+        throw io_error("safetensors: '" + path + "' is too large to address");
+    const auto size = static_cast<std::size_t>(file.size());
     std::shared_ptr<const unsigned char> bytes;
     if (size > 0) {
-      void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-      const int error = errno;
-      ::close(fd);
-      if (mapped == MAP_FAILED) throw io_error("safetensors: cannot map '" + path + "': " + std::strerror(error));
+      void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, file.descriptor(), 0);
+      if (mapped == MAP_FAILED) throw io_error("safetensors: cannot map '" + path + "': " + std::strerror(errno));
       bytes = std::shared_ptr<const unsigned char>(static_cast<const unsigned char*>(mapped),
                                                    [size](const unsigned char* p) {
                                                      ::munmap(const_cast<unsigned char*>(p), size);
                                                    });
-    } else {
-      ::close(fd);
     }
     return SafetensorsFile(std::move(bytes), size, path);
   }
@@ -263,6 +249,8 @@ class SafetensorsFile {
   }
 
   // Tensor `name` as a new [rows, cols] matrix (1-D tensors become [n, 1], scalars [1, 1]).
+  // \throws format_error if there is no such tensor or its dtype is not convertible; shape_error
+  // if it has more than 2 dimensions or a dimension beyond Index.
   template <typename Scalar>
   RowMatrix<Scalar> read(const std::string& name) const {
     const TensorInfo& t = at(name);
@@ -524,8 +512,10 @@ class SafetensorsWriter {
   }
 
   // Writes the file: to `path`.tmp first, then renamed over `path`, so a crash or a full disk
-  // never leaves a half-written file under the final name. \throws io_error (nothing at `path`
-  // changes then). Cost: one pass over the tensors, converted in rows.
+  // never leaves a half-written file under the final name. \throws io_error naming the path and
+  // the reason (`path.tmp` exists and is not a regular file, cannot be created or written, the
+  // rename fails); nothing at `path` changes then. Cost: one pass over the tensors, converted in
+  // rows.
   void write(const std::string& path) const {
     nlohmann::json header = nlohmann::json::object();
     if (!metadata_.empty()) header["__metadata__"] = metadata_;
@@ -539,12 +529,12 @@ class SafetensorsWriter {
     std::string text = header.dump();
     text.append((8 - text.size() % 8) % 8, ' ');
 
-    detail::write_file_atomically(path, "SafetensorsWriter::write", [&](std::ofstream& out) {
+    detail::write_file_atomically(path, "SafetensorsWriter::write", [&](detail::OutputFile& out) {
       unsigned char length[8];
       std::uint64_t n = text.size();
       for (int i = 0; i < 8; ++i, n >>= 8) length[i] = static_cast<unsigned char>(n & 0xff);
-      out.write(reinterpret_cast<const char*>(length), 8);
-      out.write(text.data(), static_cast<std::streamsize>(text.size()));
+      out.write(length, 8);
+      out.write(text.data(), text.size());
       // Rows are encoded into a buffer of about 4 MiB and written in one call each.
       std::vector<unsigned char> buffer;
       for (const auto& e : entries_) {
@@ -556,8 +546,7 @@ class SafetensorsWriter {
           const Index r1 = std::min(e.rows, r0 + rows_per_write);
           for (Index r = r0; r < r1; ++r)
             encode_row(e, r, buffer.data() + static_cast<std::size_t>(r - r0) * row_bytes);
-          out.write(reinterpret_cast<const char*>(buffer.data()),
-                    static_cast<std::streamsize>(static_cast<std::size_t>(r1 - r0) * row_bytes));
+          out.write(buffer.data(), static_cast<std::size_t>(r1 - r0) * row_bytes);
         }
       }
     });
