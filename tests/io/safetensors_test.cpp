@@ -476,6 +476,42 @@ TEST_CASE("safetensors: writer errors and the atomic write", "[safetensors]") {
   std::remove(path.c_str());
 }
 
+// Issue 15, class 2: read(t, out), first_non_finite(t) and raw(t) trusted a TensorInfo from
+// another file and read outside this file's data.
+TEST_CASE("safetensors: a TensorInfo of another file is refused, not read out of bounds", "[safetensors][errors]") {
+  const auto small = parse(file_bytes(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})",
+                                      le_bytes(std::vector<float>{1, 2, 3, 4})));
+  const std::string big_header = R"({"w":{"dtype":"F32","shape":[64,64],"data_offsets":[0,16384]}})";
+  const auto big = SafetensorsFile::from_bytes(file_bytes(big_header, std::string(16384, '\0')).data(),
+                                               8 + big_header.size() + 16384, "big");
+  RowMatrix<float> out = RowMatrix<float>::Constant(64, 64, 42.0f);
+  REQUIRE_THROWS_AS(small.read<float>(big.at("w"), out), value_error);
+  REQUIRE_THROWS_WITH(small.read<float>(big.at("w"), out),
+                      Catch::Contains("tensor 'w' F32 [64, 64] at data_offsets [0, 16384]") &&
+                          Catch::Contains("is not a tensor of 'test'"));
+  CHECK((out.array() == 42.0f).all());
+  REQUIRE_THROWS_AS(small.first_non_finite(big.at("w")), value_error);
+  REQUIRE_THROWS_AS(small.raw(big.at("w")), value_error);
+
+  // A description changed by hand is refused too, even under a name the file has.
+  embedhead::TensorInfo forged = small.at("w");
+  forged.begin = 8;
+  forged.end = 24;
+  RowMatrix<float> four = RowMatrix<float>::Constant(2, 2, 42.0f);
+  REQUIRE_THROWS_WITH(small.read<float>(forged, four), Catch::Contains("data_offsets [8, 24]"));
+  CHECK((four.array() == 42.0f).all());
+  embedhead::TensorInfo unknown = small.at("w");
+  unknown.name = "v";
+  REQUIRE_THROWS_AS(small.first_non_finite(unknown), value_error);
+
+  // The same description from a file with the same layout is this file's tensor: read from here.
+  const auto twin = parse(file_bytes(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})",
+                                     le_bytes(std::vector<float>{5, 6, 7, 8})));
+  small.read<float>(twin.at("w"), four);
+  CHECK(four(1, 1) == 4.0f);
+  CHECK(twin.first_non_finite(small.at("w")) == -1);
+}
+
 // Issue 15, class 3: open() on a named pipe blocked until a writer came (the regular-file check
 // came after a blocking open).
 TEST_CASE("safetensors: open refuses a named pipe, a directory or a device without blocking", "[safetensors][errors]") {

@@ -134,21 +134,19 @@ const TensorInfo& check_loadable(const SafetensorsFile& file, const std::string&
 
 // True when tensors a and b hold the same values once converted to Scalar; else the first
 // differing (row, col) in `where`.
+// \pre a and b are the file's tensors, of a convertible dtype, [rows, cols] with rows, cols >= 1.
 template <typename Scalar>
 bool same_values(const SafetensorsFile& file, const TensorInfo& a, const TensorInfo& b, Index rows, Index cols,
                  std::pair<Index, Index>& where) {
   RowMatrix<Scalar> row_a(1, cols), row_b(1, cols);
-  // Row r of each is read through a one-row view of the file, set up once (no allocation per row).
-  TensorInfo slice_a = a, slice_b = b;
-  slice_a.shape = {1, static_cast<std::uint64_t>(cols)};
-  slice_b.shape = slice_a.shape;
-  const std::uint64_t bytes_a = static_cast<std::uint64_t>(cols) * dtype_bytes(a.dtype);
-  const std::uint64_t bytes_b = static_cast<std::uint64_t>(cols) * dtype_bytes(b.dtype);
+  // Row r of each is converted from the file's bytes (no allocation per row).
+  const unsigned char* data_a = file.raw(a);
+  const unsigned char* data_b = file.raw(b);
+  const std::size_t bytes_a = static_cast<std::size_t>(cols) * dtype_bytes(a.dtype);
+  const std::size_t bytes_b = static_cast<std::size_t>(cols) * dtype_bytes(b.dtype);
   for (Index r = 0; r < rows; ++r) {
-    slice_a.begin = a.begin + static_cast<std::uint64_t>(r) * bytes_a;
-    slice_b.begin = b.begin + static_cast<std::uint64_t>(r) * bytes_b;
-    file.read<Scalar>(slice_a, row_a);
-    file.read<Scalar>(slice_b, row_b);
+    convert_stored_values<Scalar>(data_a + static_cast<std::size_t>(r) * bytes_a, a.dtype, row_a);
+    convert_stored_values<Scalar>(data_b + static_cast<std::size_t>(r) * bytes_b, b.dtype, row_b);
     for (Index c = 0; c < cols; ++c)
       if (!(row_a(0, c) == row_b(0, c))) {
         where = {r, c};

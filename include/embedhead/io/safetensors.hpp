@@ -7,12 +7,13 @@
 // Reading maps the file (mmap) and validates the whole header before anything is returned, so a
 // bad file is rejected before any model sees it; tensors are then converted straight from the
 // mapping into the destination (one copy of a 2 GB table, not two). Only a regular file is
-// opened (a named pipe would block the open). The checks are those of the format's reference
-// implementation (huggingface/safetensors, lib.rs): the header fits in the file and is at most
-// 100 MB, is a JSON object beginning with '{', every tensor has a known dtype, a shape of
-// non-negative integers and offsets whose length is numel * dtype size, and the tensors tile the
-// data section exactly: no gap, no overlap, nothing after the last one. We also reject duplicate
-// names, unknown fields, nesting deeper than the format allows and sizes that overflow 64 bits.
+// opened (a named pipe would block the open), and a TensorInfo is read only by the file it
+// describes. The checks are those of the format's reference implementation
+// (huggingface/safetensors, lib.rs): the header fits in the file and is at most 100 MB, is a
+// JSON object beginning with '{', every tensor has a known dtype, a shape of non-negative
+// integers and offsets whose length is numel * dtype size, and the tensors tile the data section
+// exactly: no gap, no overlap, nothing after the last one. We also reject duplicate names,
+// unknown fields, nesting deeper than the format allows and sizes that overflow 64 bits.
 //
 // Conversion to the layer's Scalar: F32, F64, F16 and BF16 (every F16/BF16/F32 value is exact in
 // float and double; F64 -> float rounds to nearest-even, as a C++ cast does). Writing float or
@@ -40,6 +41,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -80,6 +82,57 @@ inline const DTypeInfo& dtype_info(DType dtype) {
   for (const auto& info : kDTypes)
     if (info.dtype == dtype) return info;
   throw value_error("safetensors: unknown DType enumerator");  // unreachable with a valid enum
+}
+
+// The value at index i of little-endian data at p (not aligned in general).
+template <typename T>
+T load_le(const unsigned char* p, std::uint64_t i) {
+  T value;
+  std::memcpy(&value, p + i * sizeof(T), sizeof(T));
+  return value;
+}
+
+// out[r, c] = Scalar(widen(source element r * cols + c)), row by row (out may be strided).
+template <typename Source, typename Scalar, typename Widen>
+void convert_rows(const unsigned char* p, MatrixRef<Scalar>& out, Widen widen) {
+  const Index cols = out.cols();
+  for (Index r = 0; r < out.rows(); ++r) {
+    Scalar* dst = out.row(r).data();
+    const unsigned char* src = p + static_cast<std::size_t>(r) * static_cast<std::size_t>(cols) * sizeof(Source);
+    for (Index c = 0; c < cols; ++c)
+      dst[c] = static_cast<Scalar>(widen(load_le<Source>(src, static_cast<std::uint64_t>(c))));
+  }
+}
+
+// out.size() values of `dtype` (F32, F64, F16 or BF16), stored row-major from p on, into out.
+// \pre out is not empty (the rows of an empty matrix may have a null data(), which memcpy must
+// not be given, even for 0 bytes) and p holds out.size() values.
+template <typename Scalar>
+void convert_stored_values(const unsigned char* p, DType dtype, MatrixRef<Scalar> out) {
+  switch (dtype) {
+    case DType::F32:
+      if constexpr (std::is_same_v<Scalar, float>) {
+        const auto row_bytes = static_cast<std::size_t>(out.cols()) * sizeof(float);
+        for (Index r = 0; r < out.rows(); ++r)
+          std::memcpy(out.row(r).data(), p + static_cast<std::size_t>(r) * row_bytes, row_bytes);
+      } else {
+        convert_rows<float>(p, out, [](float x) { return x; });
+      }
+      break;
+    case DType::F64: convert_rows<double>(p, out, [](double x) { return x; }); break;
+    case DType::F16:
+      convert_rows<std::uint16_t>(p, out, [](std::uint16_t x) {
+        return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(x));
+      });
+      break;
+    case DType::BF16:
+      // bfloat16 is the top half of a float: a shift, which vectorises.
+      convert_rows<std::uint16_t>(p, out, [](std::uint16_t x) {
+        return Eigen::numext::bit_cast<float>(static_cast<std::uint32_t>(x) << 16);
+      });
+      break;
+    default: break;  // the callers check is_convertible first
+  }
 }
 
 }  // namespace detail
@@ -170,7 +223,11 @@ class SafetensorsFile {
     throw format_error(message.str());
   }
   // The raw little-endian bytes of tensor t (end - begin of them; not aligned in general).
-  const unsigned char* raw(const TensorInfo& t) const { return data_ + t.begin; }
+  // \throws value_error if t is not one of this file's tensors (see read).
+  const unsigned char* raw(const TensorInfo& t) const {
+    check_own(t, "raw");
+    return data_ + t.begin;
+  }
 
   // Checks that `name` can be read as a [rows, cols] table: convertible dtype and a shape of
   // [rows, cols], or [rows] when cols == 1 (a bias). \throws format_error (missing, dtype) or
@@ -194,8 +251,10 @@ class SafetensorsFile {
   }
 
   // The first non-finite value (NaN or +-inf) of tensor t as a flat index, or -1 if all are finite
-  // (or the dtype is not a float). O(numel); reads the mapping only.
+  // (or the dtype is not a float). \throws value_error if t is not one of this file's tensors (see
+  // read). O(numel); reads the file's bytes only.
   std::int64_t first_non_finite(const TensorInfo& t) const {
+    check_own(t, "first_non_finite");
     // NaN and +-inf are exactly the values whose exponent field is all ones.
     switch (t.dtype) {
       case DType::F32: return first_all_ones<std::uint32_t>(t, 0x7F800000u);
@@ -206,11 +265,16 @@ class SafetensorsFile {
     }
   }
 
-  // Tensor t, converted element by element into out (row-major, numel entries).
-  // \pre out.size() == t.numel() and the dtype is convertible (checked: format_error / shape_error).
+  // Tensor t, converted element by element into out (row-major, numel entries). t must describe
+  // one of this file's tensors: a reference from tensors(), find(), at() or expect(), or a copy of
+  // one (equal name, dtype, shape and offsets) -- a TensorInfo of another file is refused, never
+  // read outside this file's data.
+  // \throws value_error if t is not one of this file's tensors; format_error if its dtype is not
+  // convertible; shape_error if out.size() != t.numel(). `out` is unchanged on throw.
   template <typename Scalar>
   void read(const TensorInfo& t, MatrixRef<Scalar> out) const {
     static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+    check_own(t, "read");
     check_convertible(t);
     if (static_cast<std::uint64_t>(out.size()) != t.numel()) {
       std::ostringstream message;
@@ -221,31 +285,7 @@ class SafetensorsFile {
     // Nothing to convert. Also required: the rows of an empty matrix ([3, 0]) have a null data(),
     // which must not reach memcpy (its arguments are declared non-null even for 0 bytes).
     if (out.size() == 0) return;
-    const unsigned char* p = raw(t);
-    switch (t.dtype) {
-      case DType::F32:
-        if constexpr (std::is_same_v<Scalar, float>) {
-          const auto row_bytes = static_cast<std::size_t>(out.cols()) * sizeof(float);
-          for (Index r = 0; r < out.rows(); ++r)
-            std::memcpy(out.row(r).data(), p + static_cast<std::size_t>(r) * row_bytes, row_bytes);
-        } else {
-          convert_rows<float>(p, out, [](float x) { return x; });
-        }
-        break;
-      case DType::F64: convert_rows<double>(p, out, [](double x) { return x; }); break;
-      case DType::F16:
-        convert_rows<std::uint16_t>(p, out, [](std::uint16_t x) {
-          return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(x));
-        });
-        break;
-      case DType::BF16:
-        // bfloat16 is the top half of a float: a shift, which vectorises.
-        convert_rows<std::uint16_t>(p, out, [](std::uint16_t x) {
-          return Eigen::numext::bit_cast<float>(static_cast<std::uint32_t>(x) << 16);
-        });
-        break;
-      default: break;  // excluded by check_convertible
-    }
+    detail::convert_stored_values<Scalar>(data_ + t.begin, t.dtype, out);
   }
 
   // Tensor `name` as a new [rows, cols] matrix (1-D tensors become [n, 1], scalars [1, 1]).
@@ -289,36 +329,35 @@ class SafetensorsFile {
   template <typename Bits>
   std::int64_t first_all_ones(const TensorInfo& t, Bits mask) const {
     const std::uint64_t n = t.numel();
-    const unsigned char* p = raw(t);
+    const unsigned char* p = data_ + t.begin;
     constexpr std::uint64_t kBlock = 4096;
     for (std::uint64_t begin = 0; begin < n; begin += kBlock) {
       const std::uint64_t end = std::min(n, begin + kBlock);
       unsigned hit = 0;
-      for (std::uint64_t i = begin; i < end; ++i) hit |= static_cast<unsigned>((load<Bits>(p, i) & mask) == mask);
+      for (std::uint64_t i = begin; i < end; ++i)
+        hit |= static_cast<unsigned>((detail::load_le<Bits>(p, i) & mask) == mask);
       if (hit)
         for (std::uint64_t i = begin; i < end; ++i)
-          if ((load<Bits>(p, i) & mask) == mask) return static_cast<std::int64_t>(i);
+          if ((detail::load_le<Bits>(p, i) & mask) == mask) return static_cast<std::int64_t>(i);
     }
     return -1;
   }
 
-  // out[r, c] = Scalar(widen(source element r * cols + c)), row by row (out may be strided).
-  template <typename Source, typename Scalar, typename Widen>
-  static void convert_rows(const unsigned char* p, MatrixRef<Scalar>& out, Widen widen) {
-    const Index cols = out.cols();
-    for (Index r = 0; r < out.rows(); ++r) {
-      Scalar* dst = out.row(r).data();
-      const unsigned char* src = p + static_cast<std::size_t>(r) * static_cast<std::size_t>(cols) * sizeof(Source);
-      for (Index c = 0; c < cols; ++c)
-        dst[c] = static_cast<Scalar>(widen(load<Source>(src, static_cast<std::uint64_t>(c))));
-    }
-  }
-
-  template <typename T>
-  static T load(const unsigned char* p, std::uint64_t i) {
-    T value;
-    std::memcpy(&value, p + i * sizeof(T), sizeof(T));  // the data need not be aligned
-    return value;
+  // t is one of this file's tensors: an element of tensors_, or equal to the one of its name.
+  void check_own(const TensorInfo& t, const char* where) const {
+    const std::less<const TensorInfo*> before;
+    if (!tensors_.empty() && !before(&t, tensors_.data()) && before(&t, tensors_.data() + tensors_.size())) return;
+    const TensorInfo* own = find(t.name);
+    if (own && own->dtype == t.dtype && own->shape == t.shape && own->begin == t.begin && own->end == t.end) return;
+    std::ostringstream message;
+    message << "SafetensorsFile::" << where << ": tensor '" << t.name << "' " << dtype_name(t.dtype) << " "
+            << t.shape_string() << " at data_offsets [" << t.begin << ", " << t.end << "] is not a tensor of '" << path_
+            << "'";
+    if (own)
+      message << " (its '" << t.name << "' is " << dtype_name(own->dtype) << " " << own->shape_string()
+              << " at data_offsets [" << own->begin << ", " << own->end << "])";
+    message << "; pass a TensorInfo of this file (tensors(), find(), at())";
+    throw value_error(message.str());
   }
 
   SafetensorsFile(std::shared_ptr<const unsigned char> bytes, std::size_t size, std::string path)
