@@ -557,3 +557,69 @@ TEST_CASE("safetensors: a file the process may not read is an io_error naming it
                       Catch::Contains("cannot open '" + path + "'") && Catch::Contains(std::strerror(EACCES)));
   ::unlink(temp_path("unreadable.safetensors").c_str());
 }
+
+namespace {
+
+// Runs body() in a child process and returns its wait status: a test of what kills a process.
+template <typename Body>
+int status_of_child(Body&& body) {
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    int code = 3;
+    try {
+      code = body();
+    } catch (...) {
+      code = 4;
+    }
+    ::_exit(code);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return status;
+}
+
+}  // namespace
+
+// Issue 15, class 4: a file truncated by another process while it is mapped killed the process with
+// SIGBUS on the next read. ReadMode::copy reads and validates a copy, which nothing outside can
+// change; ReadMode::map (the default) keeps the mapping and its documented risk.
+TEST_CASE("safetensors: ReadMode::copy is immune to the file being truncated or rewritten after open",
+          "[safetensors][errors]") {
+  const std::string path = temp_path("truncated_later.safetensors");
+  const RowMatrix<float> table = RowMatrix<float>::Random(512, 64);  // 128 KiB: many pages
+  SafetensorsWriter().add<float>("t", table, DType::F32).write(path);
+
+  // In a child, so that a regression (SIGBUS) fails this test instead of ending the test program.
+  const int status = status_of_child([&] {
+    const auto file = SafetensorsFile::open(path, embedhead::ReadMode::copy);
+    if (::truncate(path.c_str(), 16) != 0) return 5;
+    test_support::write_bytes(path, "rewritten");
+    return file.read<float>("t") == table && file.first_non_finite(file.at("t")) == -1 ? 0 : 6;
+  });
+  const int signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+  CHECK(signal == 0);  // (7, SIGBUS, when the copy was a mapping)
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  // (A file that shrinks while open() copies it is an io_error: detail::InputFile::read_at, tested
+  // in tests/io/npy_test.cpp.)
+  std::remove(path.c_str());
+}
+
+TEST_CASE("safetensors: ReadMode::map, the default, ends the process with SIGBUS when the mapped file is truncated",
+          "[safetensors]") {
+  // What the documentation of ReadMode::map says happens, shown in a child process.
+  const std::string path = temp_path("truncated_mapped.safetensors");
+  const RowMatrix<float> table = RowMatrix<float>::Random(512, 64);
+  SafetensorsWriter().add<float>("t", table, DType::F32).write(path);
+  const int status = status_of_child([&] {
+    std::signal(SIGBUS, SIG_DFL);  // the default action, also under a sanitizer's handler
+    const auto file = SafetensorsFile::open(path);
+    if (::truncate(path.c_str(), 16) != 0) return 5;
+    const RowMatrix<float> back = file.read<float>("t");
+    return back.size() > 0 ? 0 : 6;  // not reached
+  });
+  CHECK(WIFSIGNALED(status));
+  if (WIFSIGNALED(status)) CHECK(WTERMSIG(status) == SIGBUS);
+  std::remove(path.c_str());
+}

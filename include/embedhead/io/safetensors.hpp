@@ -4,8 +4,9 @@
 //   header = { "<name>": {"dtype": "F32", "shape": [V, d], "data_offsets": [begin, end]}, ...,
 //              "__metadata__": {"<key>": "<string>", ...} }          (offsets relative to data)
 //
-// Reading maps the file (mmap) and validates the whole header before anything is returned, so a
-// bad file is rejected before any model sees it; tensors are then converted straight from the
+// Reading maps the file (mmap; or copies it into memory, ReadMode::copy, which nothing another
+// process does can fault) and validates the whole header before anything is returned, so a bad
+// file is rejected before any model sees it; tensors are then converted straight from the
 // mapping into the destination (one copy of a 2 GB table, not two). Only a regular file is
 // opened (a named pipe would block the open), and a TensorInfo is read only by the file it
 // describes. The checks are those of the format's reference implementation
@@ -166,36 +167,55 @@ struct TensorInfo {
   }
 };
 
+// How SafetensorsFile::open reads a file.
+//   map   (the default) maps it read-only (mmap, MAP_PRIVATE): pages are read when they are used,
+//         and tensors are converted straight from the page cache into their destination, with no
+//         memory beyond it. The mapping is not a snapshot: if another process writes the file in
+//         place, later reads see the new bytes (the header was validated once, at open), and if it
+//         truncates the file, the next access to a page past the new end raises SIGBUS, which
+//         ends the process unless it handles that signal. A writer that renames a new file over
+//         the old one, as this library's and the reference implementation's do, never does either.
+//   copy  reads the whole file into memory the SafetensorsFile owns, then validates that copy: it
+//         costs the file's size in memory and one read, and nothing another process does to the
+//         file afterwards can change what is read or fault the process (a file truncated while it
+//         is being read is an io_error).
+enum class ReadMode { map, copy };
+
 // A validated, read-only safetensors file. Opening reads and checks the header only; tensor data
-// is read (through the mapping) when a tensor is converted. Move-only; cheap to move.
+// is read (through the mapping, or from the copy) when a tensor is converted. Move-only; cheap to
+// move.
 class SafetensorsFile {
  public:
-  // Maps the file at `path` and validates it.
-  // \throws io_error naming the path and the reason if it cannot be opened or mapped, or is not a
-  // regular file (a directory, a named pipe, a device: refused before it is opened, so a pipe
-  // never blocks); format_error (naming the path, the tensor and the rule broken) if it is not a
-  // valid safetensors file. Cost: O(header) plus the mapping.
-  static SafetensorsFile open(const std::string& path) {
+  // Opens the file at `path` (mapped, or read into memory: see ReadMode) and validates it.
+  // \throws io_error naming the path and the reason if it cannot be opened, mapped or read, or is
+  // not a regular file (a directory, a named pipe, a device: refused before it is opened, so a
+  // pipe never blocks); format_error (naming the path, the tensor and the rule broken) if it is
+  // not a valid safetensors file. Cost: O(header) plus the mapping, or one read of the file.
+  static SafetensorsFile open(const std::string& path, ReadMode mode = ReadMode::map) {
     const detail::InputFile file(path, "safetensors");
     if constexpr (sizeof(std::size_t) < sizeof(std::uint64_t))
       if (file.size() > std::numeric_limits<std::size_t>::max())
         throw io_error("safetensors: '" + path + "' is too large to address");
     const auto size = static_cast<std::size_t>(file.size());
     std::shared_ptr<const unsigned char> bytes;
-    if (size > 0) {
+    if (size > 0 && mode == ReadMode::map) {
       void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, file.descriptor(), 0);
       if (mapped == MAP_FAILED) throw io_error("safetensors: cannot map '" + path + "': " + std::strerror(errno));
       bytes = std::shared_ptr<const unsigned char>(static_cast<const unsigned char*>(mapped),
                                                    [size](const unsigned char* p) {
                                                      ::munmap(const_cast<unsigned char*>(p), size);
                                                    });
+    } else if (size > 0) {
+      std::shared_ptr<unsigned char> copy = owned_bytes(size);
+      file.read_at(0, copy.get(), size);
+      bytes = std::move(copy);
     }
     return SafetensorsFile(std::move(bytes), size, path);
   }
 
   // Validates a file held in memory (a copy is kept). For tests and fuzzing. \throws format_error.
   static SafetensorsFile from_bytes(const void* data, std::size_t size, const std::string& label = "<memory>") {
-    std::shared_ptr<unsigned char> copy(new unsigned char[size > 0 ? size : 1], std::default_delete<unsigned char[]>());
+    std::shared_ptr<unsigned char> copy = owned_bytes(size);
     if (size > 0) std::memcpy(copy.get(), data, size);
     return SafetensorsFile(std::shared_ptr<const unsigned char>(copy), size, label);
   }
@@ -341,6 +361,12 @@ class SafetensorsFile {
           if ((detail::load_le<Bits>(p, i) & mask) == mask) return static_cast<std::int64_t>(i);
     }
     return -1;
+  }
+
+  // A buffer of `size` bytes (at least one), not initialised.
+  static std::shared_ptr<unsigned char> owned_bytes(std::size_t size) {
+    return std::shared_ptr<unsigned char>(new unsigned char[size > 0 ? size : 1],
+                                          std::default_delete<unsigned char[]>());
   }
 
   // t is one of this file's tensors: an element of tensors_, or equal to the one of its name.
