@@ -586,3 +586,81 @@ TEST_CASE("checkpoint: guess_model_family and from_pretrained refuse what they c
   CHECK_THROWS_AS(embedhead::from_pretrained<float>(SafetensorsFile::open(path), custom), shape_error);
   std::remove(path.c_str());
 }
+
+namespace {
+
+// Allocates and fills blocks of many sizes, so that memory freed earlier is handed out again and
+// overwritten: a writer still reading it would see -12345 (without ASan; ASan reports the read).
+void overwrite_freed_memory() {
+  std::vector<std::vector<float>> blocks;
+  for (std::size_t size = 1; size <= 512; ++size) blocks.emplace_back(size, -12345.0f);
+}
+
+}  // namespace
+
+// Issue 15, class 1: add_checkpoint stored pointers into the layers' storage, which dangled when
+// the layers went (or a parameter was resized) before write().
+TEST_CASE("checkpoint: add_checkpoint shares the layers' parameters until write(), which writes them as they are",
+          "[checkpoint][lifetime]") {
+  const Index V = 12, d = 4;
+  const auto names = embedhead::hugging_face_names(ModelFamily::llama);
+  const std::string path = temp_path("lifetime.safetensors");
+  SafetensorsWriter writer;
+  RowMatrix<float> table_values, head_values, bias_values;
+  std::shared_ptr<embedhead::Parameter<float>> kept_bias;
+  {
+    auto e = table(V, d, 131);
+    auto h = untied_head(V, d, 132, /*bias=*/true);
+    embedhead::add_checkpoint<float>(writer, names, e, &h);
+    // Written as they are when write() runs: a change after add_checkpoint is in the file ...
+    e.weight().value()(0, 0) = 7.5f;
+    table_values = e.weight().value();
+    head_values = h.weight().value();
+    // ... and so is a resize (the old storage is freed by it).
+    kept_bias = h.bias_ptr();
+    kept_bias->resize_rows(V + 4);
+    kept_bias->value().bottomRows(4).setConstant(2.0f);
+    bias_values = kept_bias->value();
+  }  // the layers are gone; the writer still holds their parameters
+  overwrite_freed_memory();
+  writer.write(path);
+  const auto file = SafetensorsFile::open(path);
+  CHECK(file.read<float>(names.token_embedding) == table_values);
+  CHECK(file.read<float>(names.head_weight) == head_values);
+  CHECK(file.read<float>(names.head_bias) == bias_values);
+  CHECK(file.at(names.head_bias).shape_string() == "[16]");
+  std::remove(path.c_str());
+}
+
+// Issue 15, class 9 and the strong guarantee: add_optimizer_state let nlohmann's type_error out for
+// a parameter name that is not UTF-8, and both add_* functions could leave the writer half-filled.
+TEST_CASE("checkpoint: add_checkpoint and add_optimizer_state add all or nothing", "[checkpoint][errors]") {
+  const Index V = 5, d = 2;
+  auto e = table(V, d, 151);
+  auto h = untied_head(V, d, 152);
+  auto names = embedhead::hugging_face_names(ModelFamily::llama);
+  RowMatrix<float> other = RowMatrix<float>::Ones(1, 1);
+  SafetensorsWriter writer;
+  writer.add<float>("other", other, DType::F32);
+  names.head_weight = names.token_embedding;  // the second tensor's name is taken by the first
+  REQUIRE_THROWS_AS(embedhead::add_checkpoint<float>(writer, names, e, &h), value_error);
+  REQUIRE_THROWS_WITH(embedhead::add_checkpoint<float>(writer, names, e, &h),
+                      Catch::Contains("'model.embed_tokens.weight' was added before"));
+  CHECK_FALSE(writer.contains("model.embed_tokens.weight"));
+
+  auto bad_name = std::make_shared<embedhead::Parameter<float>>(2, 2, "emb\xff");
+  AdamW<float> adam(embedhead::AdamOptions{}, {e.weight_ptr(), bad_name});
+  bad_name->grad().dense_accumulator().setOnes();
+  e.weight().grad().dense_accumulator().setOnes();
+  adam.step();
+  REQUIRE_THROWS_AS(embedhead::add_optimizer_state(writer, adam.state()), value_error);
+  REQUIRE_THROWS_WITH(embedhead::add_optimizer_state(writer, adam.state()),
+                      Catch::Contains("add_optimizer_state: parameter 1's name 'emb\\xff' is not valid UTF-8"));
+  CHECK_FALSE(writer.contains("optimizer.0.exp_avg"));
+  const std::string path = temp_path("all_or_nothing.safetensors");
+  writer.write(path);
+  const auto file = SafetensorsFile::open(path);
+  CHECK(file.tensors().size() == 1);
+  CHECK(file.metadata().empty());
+  std::remove(path.c_str());
+}

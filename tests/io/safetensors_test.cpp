@@ -476,6 +476,58 @@ TEST_CASE("safetensors: writer errors and the atomic write", "[safetensors]") {
   std::remove(path.c_str());
 }
 
+namespace {
+
+// Allocates and fills blocks of many sizes, so that memory freed earlier is handed out again and
+// overwritten: a writer still reading it would see -12345 (without ASan; ASan reports the read).
+void overwrite_freed_memory() {
+  std::vector<std::vector<float>> blocks;
+  for (std::size_t size = 1; size <= 256; ++size) blocks.emplace_back(size, -12345.0f);
+}
+
+}  // namespace
+
+// Issue 15, class 1: add() kept values.data(), and for an argument that is not a contiguous
+// row-major float / double matrix the Ref is a temporary copy, freed when add() returns.
+TEST_CASE("safetensors: the writer keeps every table it is given, whatever its layout", "[safetensors][lifetime]") {
+  RowMatrix<float> R(3, 4);
+  for (Index i = 0; i < R.size(); ++i) R.data()[i] = static_cast<float>(i + 1);
+  const Eigen::MatrixXf column_major = R;  // the same values, column-major storage
+  float storage[24];
+  for (int i = 0; i < 24; ++i) storage[i] = i % 2 ? -1.0f : static_cast<float>(i / 2 + 1);
+  // Row r, column c at storage[8 r + 2 c] = 4 r + c + 1 = R(r, c): an inner stride of 2.
+  const Eigen::Map<const RowMatrix<float>, 0, Eigen::Stride<8, 2>> strided(storage, 3, 4);
+  RowMatrix<double> later = R.cast<double>();
+
+  const std::string path = temp_path("views.safetensors");
+  SafetensorsWriter writer;
+  writer.add<float>("column_major", column_major, DType::F32)
+      .add<float>("transpose", R.transpose(), DType::F32)
+      .add<float>("inner_strided", strided, DType::BF16)
+      .add<float>("row_major_column", R.col(1), DType::F16, /*as_vector=*/true)
+      .add<double>("expression", R.cast<double>() * 2.0, DType::F64)
+      .add<double>("later", later, DType::F64);
+  {
+    const RowMatrix<float> local = R;  // gone before write()
+    writer.add<float>("local", local, DType::F32);
+  }
+  later.setZero();  // after add(): the file has the values add() was given
+  overwrite_freed_memory();
+  writer.write(path);
+
+  const auto file = SafetensorsFile::open(path);
+  CHECK(file.read<float>("column_major") == R);
+  const RowMatrix<float> transposed = R.transpose();
+  CHECK(file.read<float>("transpose") == transposed);
+  CHECK(file.read<float>("inner_strided") == R);  // small integers: exact in bf16
+  CHECK(file.read<float>("row_major_column") == R.col(1));
+  CHECK(file.at("row_major_column").shape_string() == "[3]");
+  CHECK(file.read<double>("expression") == 2.0 * R.cast<double>());
+  CHECK(file.read<double>("later") == R.cast<double>());
+  CHECK(file.read<float>("local") == R);
+  std::remove(path.c_str());
+}
+
 // Issue 15, class 2: read(t, out), first_non_finite(t) and raw(t) trusted a TensorInfo from
 // another file and read outside this file's data.
 TEST_CASE("safetensors: a TensorInfo of another file is refused, not read out of bounds", "[safetensors][errors]") {
@@ -556,6 +608,35 @@ TEST_CASE("safetensors: a file the process may not read is an io_error naming it
   REQUIRE_THROWS_WITH(SafetensorsFile::open(path),
                       Catch::Contains("cannot open '" + path + "'") && Catch::Contains(std::strerror(EACCES)));
   ::unlink(temp_path("unreadable.safetensors").c_str());
+}
+
+// Issue 15, class 9: a tensor name or metadata that is not UTF-8 let nlohmann's type_error escape
+// write(); it is refused when it is given, and the writer is unchanged.
+TEST_CASE("safetensors: names and metadata that are not UTF-8 are refused by add and set_metadata",
+          "[safetensors][errors]") {
+  RowMatrix<float> a = RowMatrix<float>::Ones(2, 2);
+  const std::string bad = "emb\xff\xfe";
+  SafetensorsWriter writer;
+  writer.add<float>("a", a, DType::F32);
+  REQUIRE_THROWS_AS(writer.add<float>(bad, a, DType::F32), value_error);
+  REQUIRE_THROWS_WITH(writer.add<float>(bad, a, DType::F32),
+                      Catch::Contains("SafetensorsWriter::add: tensor name 'emb\\xff\\xfe'") &&
+                          Catch::Contains("is not valid UTF-8 (at byte 3)"));
+  CHECK_FALSE(writer.contains(bad));
+  REQUIRE_THROWS_AS(writer.set_metadata(bad, "v"), value_error);
+  REQUIRE_THROWS_WITH(writer.set_metadata("k", "\xc3"),
+                      Catch::Contains("SafetensorsWriter::set_metadata: the value of 'k'") &&
+                          Catch::Contains("is not valid UTF-8 (at byte 0)"));
+  REQUIRE_THROWS_AS(writer.set_metadata("overlong", "\xc0\xaf"), value_error);       // '/' in two bytes
+  REQUIRE_THROWS_AS(writer.set_metadata("surrogate", "\xed\xa0\x80"), value_error);  // U+D800
+  writer.set_metadata("ok", "\xc3\xa9\xe4\xb8\xad\xf0\x9f\x98\x80");                 // é 中 😀
+  const std::string path = temp_path("utf8.safetensors");
+  writer.write(path);
+  const auto file = SafetensorsFile::open(path);
+  CHECK(file.tensors().size() == 1);
+  CHECK(file.metadata().size() == 1);
+  CHECK(file.metadata().at("ok") == "\xc3\xa9\xe4\xb8\xad\xf0\x9f\x98\x80");
+  std::remove(path.c_str());
 }
 
 namespace {

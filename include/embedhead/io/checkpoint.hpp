@@ -300,24 +300,28 @@ PretrainedLayers<Scalar> from_pretrained(const SafetensorsFile& file, const Chec
 // Adds the layers to `writer` under `names`: the table, the positions if given, and the head's W
 // only when it is untied (head->is_tied_to(embedding) is false: a tied head is the table; writing
 // it twice would make the file look untied to tools that do not compare), and its bias if it has
-// one. Metadata {"format": "pt"} as transformers writes, and
-// "embedhead.tied". `dtype` is the stored type (F32, F64, F16 or BF16). The layers must outlive
-// writer.write(). \throws value_error for positions with a layout that has no position name.
+// one. Metadata {"format": "pt"} as transformers writes, and "embedhead.tied". `dtype` is the
+// stored type (F32, F64, F16 or BF16). The writer shares the layers' Parameters (no copy; they
+// stay alive as long as the writer does) and writes their values as they are when write() runs.
+// \throws value_error for positions with a layout that has no position name, and as
+// SafetensorsWriter::add (a name added before, or not UTF-8); the writer is unchanged on throw.
 template <typename Scalar>
 void add_checkpoint(SafetensorsWriter& writer, const CheckpointNames& names, const TokenEmbedding<Scalar>& embedding,
                     const OutputProjection<Scalar>* head = nullptr,
                     const LearnedPositionEmbedding<Scalar>* positions = nullptr, DType dtype = DType::F32) {
   if (positions && names.position_embedding.empty())
     throw value_error("save_checkpoint: a position table was given but this layout has no position tensor name");
-  writer.set_metadata("format", "pt");
-  writer.add<Scalar>(names.token_embedding, embedding.weight().value(), dtype);
-  if (positions) writer.add<Scalar>(names.position_embedding, positions->weight().value(), dtype);
+  SafetensorsWriter staged = writer;  // all or nothing: the entries are added to a copy, then swapped in
+  staged.set_metadata("format", "pt");
+  staged.add<Scalar>(names.token_embedding, embedding.weight_ptr(), dtype);
+  if (positions) staged.add<Scalar>(names.position_embedding, positions->weight_ptr(), dtype);
   const bool tied = head && head->is_tied_to(embedding);
-  if (head && !tied) writer.add<Scalar>(names.head_weight, head->weight().value(), dtype);
+  if (head && !tied) staged.add<Scalar>(names.head_weight, head->weight_ptr(), dtype);
   // A bias is the head's own even when W is shared (load_checkpoint asks for it exactly when the
   // head has one).
-  if (head && head->bias()) writer.add<Scalar>(names.head_bias, head->bias()->value(), dtype, /*as_vector=*/true);
-  writer.set_metadata("embedhead.tied", tied ? "true" : "false");
+  if (head && head->bias()) staged.add<Scalar>(names.head_bias, head->bias_ptr(), dtype, /*as_vector=*/true);
+  staged.set_metadata("embedhead.tied", tied ? "true" : "false");
+  writer = std::move(staged);
 }
 
 // add_checkpoint into a new file at `path` (written atomically, see SafetensorsWriter::write).

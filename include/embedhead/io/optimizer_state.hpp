@@ -19,20 +19,28 @@ namespace embedhead {
 
 // Adds an optimizer's state to `writer`: tensors "optimizer.<i>.<buffer>" for parameter i (in
 // registration order) and metadata "optimizer" (kind), "optimizer.step", "optimizer.parameters"
-// (a JSON list of [name, rows, cols]). Stored in Scalar's own dtype, so a restore is exact.
+// (a JSON list of [name, rows, cols]). Stored in Scalar's own dtype, so a restore is exact. The
+// buffers are moved into the writer: pass optimizer.state() directly (no copy), or a named state,
+// which is copied once.
+// \throws value_error if a parameter's name is not valid UTF-8 (a safetensors header is JSON), or
+// as SafetensorsWriter::add (a tensor name added before); the writer is unchanged on throw.
 template <typename Scalar>
-void add_optimizer_state(SafetensorsWriter& writer, const OptimizerState<Scalar>& state) {
+void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state) {
   const DType dtype = std::is_same_v<Scalar, float> ? DType::F32 : DType::F64;
+  for (std::size_t i = 0; i < state.parameters.size(); ++i)
+    detail::check_utf8(state.parameters[i].name, "add_optimizer_state: parameter " + std::to_string(i) + "'s name");
+  SafetensorsWriter staged = writer;  // all or nothing: the entries are added to a copy, then swapped in
   nlohmann::json parameters = nlohmann::json::array();
   for (std::size_t i = 0; i < state.parameters.size(); ++i) {
-    const auto& entry = state.parameters[i];
+    auto& entry = state.parameters[i];
     parameters.push_back({entry.name, entry.rows, entry.cols});
-    for (const auto& [key, buffer] : entry.buffers)
-      writer.add<Scalar>("optimizer." + std::to_string(i) + "." + key, buffer, dtype);
+    for (auto& [key, buffer] : entry.buffers)
+      staged.add<Scalar>("optimizer." + std::to_string(i) + "." + key, std::move(buffer), dtype);
   }
-  writer.set_metadata("optimizer", state.optimizer);
-  writer.set_metadata("optimizer.step", std::to_string(state.step));
-  writer.set_metadata("optimizer.parameters", parameters.dump());
+  staged.set_metadata("optimizer", state.optimizer);
+  staged.set_metadata("optimizer.step", std::to_string(state.step));
+  staged.set_metadata("optimizer.parameters", parameters.dump());
+  writer = std::move(staged);
 }
 
 // The optimizer state stored by add_optimizer_state, to pass to Optimizer::load_state (which

@@ -18,9 +18,10 @@
 //
 // Conversion to the layer's Scalar: F32, F64, F16 and BF16 (every F16/BF16/F32 value is exact in
 // float and double; F64 -> float rounds to nearest-even, as a C++ cast does). Writing float or
-// double to F16/BF16 rounds to nearest-even (Eigen::half / Eigen::bfloat16). The other dtypes of
-// the format (integers, bool, F8) are read and validated but not converted: reading one as a
-// table throws, naming the tensor and its dtype.
+// double to F16/BF16 rounds to nearest-even (Eigen::half / Eigen::bfloat16). The writer owns or
+// shares everything it writes (a copy, or a Parameter's shared_ptr). The other dtypes of the
+// format (integers, bool, F8) are read and validated but not converted: reading one as a table
+// throws, naming the tensor and its dtype.
 //
 // Needs nlohmann/json (Debian: nlohmann-json3-dev) and POSIX mmap; not part of the umbrella
 // header so that the core layers keep no dependency beyond Eigen. CMake target:
@@ -30,6 +31,7 @@
 
 #include "../detail/files.hpp"
 #include "../errors.hpp"
+#include "../parameter.hpp"
 #include "../types.hpp"
 
 #include <nlohmann/json.hpp>
@@ -134,6 +136,67 @@ void convert_stored_values(const unsigned char* p, DType dtype, MatrixRef<Scalar
       break;
     default: break;  // the callers check is_convertible first
   }
+}
+
+// The byte at which `s` stops being valid UTF-8 (RFC 3629: no overlong forms, no surrogates,
+// nothing above U+10FFFF, no truncated sequence), or std::string::npos if it is valid.
+inline std::size_t invalid_utf8_at(const std::string& s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const std::size_t n = s.size();
+  std::size_t i = 0;
+  while (i < n) {
+    const unsigned c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    std::size_t length = 0;
+    unsigned lo = 0x80, hi = 0xBF;  // the range of the second byte
+    if (c >= 0xC2 && c <= 0xDF) {
+      length = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      length = 3;
+      if (c == 0xE0) lo = 0xA0;  // overlong
+      if (c == 0xED) hi = 0x9F;  // surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      length = 4;
+      if (c == 0xF0) lo = 0x90;  // overlong
+      if (c == 0xF4) hi = 0x8F;  // above U+10FFFF
+    } else {
+      return i;
+    }
+    if (n - i < length || p[i + 1] < lo || p[i + 1] > hi) return i;
+    for (std::size_t k = 2; k < length; ++k)
+      if (p[i + k] < 0x80 || p[i + k] > 0xBF) return i;
+    i += length;
+  }
+  return std::string::npos;
+}
+
+// `s` for a message: bytes outside printable ASCII (and backslashes) written as \xHH.
+inline std::string escaped(const std::string& s) {
+  static const char digits[] = "0123456789abcdef";
+  std::string out;
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c < 0x7F && c != '\\') {
+      out.push_back(ch);
+    } else {
+      out += "\\x";
+      out.push_back(digits[c >> 4]);
+      out.push_back(digits[c & 15]);
+    }
+  }
+  return out;
+}
+
+// A safetensors header is JSON, which is UTF-8. \throws value_error "<what> '<s>' is not valid
+// UTF-8 (at byte i)" unless s is.
+inline void check_utf8(const std::string& s, const std::string& what) {
+  const std::size_t at = invalid_utf8_at(s);
+  if (at != std::string::npos)
+    throw value_error(what + " '" + escaped(s) + "' is not valid UTF-8 (at byte " + std::to_string(at) +
+                      "); a safetensors header is JSON, which is UTF-8");
 }
 
 }  // namespace detail
@@ -533,42 +596,60 @@ class SafetensorsFile {
 
 // ---- writing ----
 
-// Collects tensors (as views: the sources must outlive write()) and writes one safetensors file.
-// Tensors are written in the order they were added; the header is padded with spaces to a
-// multiple of 8 bytes so the data section is 8-byte aligned, as the reference writer does.
+// Collects tensors and writes one safetensors file. Tensors are written in the order they were
+// added; the header is padded with spaces to a multiple of 8 bytes so the data section is 8-byte
+// aligned, as the reference writer does.
+//
+// Nothing the writer holds can dangle: add(name, values) keeps its own copy of the values (or
+// takes an rvalue RowMatrix over, without a copy), and add(name, parameter) shares the Parameter
+// (std::shared_ptr) and writes its value as it is when write() runs -- the zero-copy way to write
+// a large table, which add_checkpoint takes. A copyable value type: copies share what was added.
 class SafetensorsWriter {
  public:
-  // Adds `values` [rows, cols] as tensor `name` stored as `dtype` (F32, F64, F16 or BF16), with
-  // shape [rows, cols], or [rows] when `as_vector` (a bias). \throws value_error for an empty or
-  // "__metadata__" name, a name added before, or a dtype that is not a float dtype.
+  // Adds a copy of `values` [rows, cols] as tensor `name` stored as `dtype` (F32, F64, F16 or BF16),
+  // with shape [rows, cols], or [rows] when `as_vector` (a bias). Any float / double matrix,
+  // block, map or expression is accepted; its values are copied now (rows * cols Scalars), so a
+  // later change to the source is not written.
+  // \throws value_error for an empty or "__metadata__" name, a name that is not valid UTF-8, a name
+  // added before, or a dtype that is not a float dtype; shape_error for `as_vector` with more than
+  // one column. The writer is unchanged on throw.
   template <typename Scalar>
   SafetensorsWriter& add(const std::string& name, const Eigen::Ref<const RowMatrix<Scalar>>& values, DType dtype,
                          bool as_vector = false) {
-    static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>, "float or double tables");
-    check_name(name);
-    if (!is_convertible(dtype))
-      throw value_error(std::string("SafetensorsWriter::add: tensor '") + name + "' dtype " + dtype_name(dtype) +
-                        " is not F32, F64, F16 or BF16");
-    if (as_vector && values.cols() != 1)
-      throw shape_error("SafetensorsWriter::add: tensor '" + name + "' as a vector needs one column, it has " +
-                        std::to_string(values.cols()));
-    Entry entry;
-    entry.name = name;
-    entry.dtype = dtype;
-    entry.shape = as_vector ? std::vector<std::uint64_t>{static_cast<std::uint64_t>(values.rows())}
-                            : std::vector<std::uint64_t>{static_cast<std::uint64_t>(values.rows()),
-                                                         static_cast<std::uint64_t>(values.cols())};
-    entry.rows = values.rows();
-    entry.cols = values.cols();
-    entry.stride = values.outerStride();
-    if constexpr (std::is_same_v<Scalar, float>)
-      entry.f32 = values.data();
-    else
-      entry.f64 = values.data();
+    check_entry<Scalar>(name, dtype, as_vector, values.cols(), "add");
+    Entry entry = make_entry(name, dtype, as_vector);
+    holder<Scalar>(entry).matrix = std::make_shared<const RowMatrix<Scalar>>(values);
     entries_.push_back(std::move(entry));
     return *this;
   }
+  // The same for an rvalue RowMatrix<Scalar>, which is moved into the writer (no copy).
+  template <typename Scalar, typename Matrix, std::enable_if_t<std::is_same_v<Matrix, RowMatrix<Scalar>>, int> = 0>
+  SafetensorsWriter& add(const std::string& name, Matrix&& values, DType dtype, bool as_vector = false) {
+    check_entry<Scalar>(name, dtype, as_vector, values.cols(), "add");
+    Entry entry = make_entry(name, dtype, as_vector);
+    holder<Scalar>(entry).matrix = std::make_shared<const RowMatrix<Scalar>>(std::move(values));
+    entries_.push_back(std::move(entry));
+    return *this;
+  }
+  // Adds a Parameter's value [rows, cols] as tensor `name`, shared, not copied: write() writes the
+  // value (and the shape) the parameter has then, and the parameter lives as long as the writer
+  // needs it. \throws as above, and value_error for a null parameter.
+  template <typename Scalar>
+  SafetensorsWriter& add(const std::string& name, std::shared_ptr<const Parameter<Scalar>> parameter, DType dtype,
+                         bool as_vector = false) {
+    if (!parameter)
+      throw value_error("SafetensorsWriter::add: tensor '" + detail::escaped(name) + "' is a null Parameter");
+    check_entry<Scalar>(name, dtype, as_vector, parameter->cols(), "add");
+    Entry entry = make_entry(name, dtype, as_vector);
+    holder<Scalar>(entry).parameter = std::move(parameter);
+    entries_.push_back(std::move(entry));
+    return *this;
+  }
+  // Sets a "__metadata__" entry (replacing one of the same key).
+  // \throws value_error if the key or the value is not valid UTF-8; the writer is unchanged then.
   SafetensorsWriter& set_metadata(const std::string& key, const std::string& value) {
+    detail::check_utf8(key, "SafetensorsWriter::set_metadata: the key");
+    detail::check_utf8(value, "SafetensorsWriter::set_metadata: the value of '" + detail::escaped(key) + "'");
     metadata_[key] = value;
     return *this;
   }
@@ -586,12 +667,16 @@ class SafetensorsWriter {
     if (!metadata_.empty()) header["__metadata__"] = metadata_;
     std::uint64_t offset = 0;
     for (const auto& e : entries_) {
-      const std::uint64_t bytes = static_cast<std::uint64_t>(e.rows) * static_cast<std::uint64_t>(e.cols) *
+      const View v = view(e);
+      const std::uint64_t bytes = static_cast<std::uint64_t>(v.rows) * static_cast<std::uint64_t>(v.cols) *
                                   dtype_bytes(e.dtype);
-      header[e.name] = {{"dtype", dtype_name(e.dtype)}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
+      const auto shape = e.as_vector ? std::vector<std::uint64_t>{static_cast<std::uint64_t>(v.rows)}
+                                     : std::vector<std::uint64_t>{static_cast<std::uint64_t>(v.rows),
+                                                                  static_cast<std::uint64_t>(v.cols)};
+      header[e.name] = {{"dtype", dtype_name(e.dtype)}, {"shape", shape}, {"data_offsets", {offset, offset + bytes}}};
       offset += bytes;
     }
-    std::string text = header.dump();
+    std::string text = header.dump();  // names and metadata were checked to be UTF-8: cannot throw
     text.append((8 - text.size() % 8) % 8, ' ');
 
     detail::write_file_atomically(path, "SafetensorsWriter::write", [&](detail::OutputFile& out) {
@@ -603,14 +688,15 @@ class SafetensorsWriter {
       // Rows are encoded into a buffer of about 4 MiB and written in one call each.
       std::vector<unsigned char> buffer;
       for (const auto& e : entries_) {
-        const auto row_bytes = static_cast<std::size_t>(e.cols) * static_cast<std::size_t>(dtype_bytes(e.dtype));
+        const View v = view(e);
+        const auto row_bytes = static_cast<std::size_t>(v.cols) * static_cast<std::size_t>(dtype_bytes(e.dtype));
         const Index rows_per_write = std::max<Index>(1, static_cast<Index>((std::size_t{4} << 20) /
                                                                            std::max<std::size_t>(row_bytes, 1)));
-        buffer.resize(row_bytes * static_cast<std::size_t>(std::min(rows_per_write, std::max<Index>(e.rows, 1))));
-        for (Index r0 = 0; r0 < e.rows; r0 += rows_per_write) {
-          const Index r1 = std::min(e.rows, r0 + rows_per_write);
+        buffer.resize(row_bytes * static_cast<std::size_t>(std::min(rows_per_write, std::max<Index>(v.rows, 1))));
+        for (Index r0 = 0; r0 < v.rows; r0 += rows_per_write) {
+          const Index r1 = std::min(v.rows, r0 + rows_per_write);
           for (Index r = r0; r < r1; ++r)
-            encode_row(e, r, buffer.data() + static_cast<std::size_t>(r - r0) * row_bytes);
+            encode_row(v, e.dtype, r, buffer.data() + static_cast<std::size_t>(r - r0) * row_bytes);
           out.write(buffer.data(), static_cast<std::size_t>(r1 - r0) * row_bytes);
         }
       }
@@ -618,19 +704,74 @@ class SafetensorsWriter {
   }
 
  private:
+  // Where a tensor's values are: a matrix the writer owns, or a Parameter it shares.
+  template <typename Scalar>
+  struct Holder {
+    std::shared_ptr<const RowMatrix<Scalar>> matrix;
+    std::shared_ptr<const Parameter<Scalar>> parameter;
+  };
   struct Entry {
     std::string name;
     DType dtype = DType::F32;
-    std::vector<std::uint64_t> shape;
-    Index rows = 0, cols = 0, stride = 0;
+    bool as_vector = false;
+    Holder<float> f32;
+    Holder<double> f64;
+  };
+  // The values of an entry as they are now: contiguous, row-major.
+  struct View {
     const float* f32 = nullptr;
     const double* f64 = nullptr;
+    Index rows = 0, cols = 0;
   };
 
-  void check_name(const std::string& name) const {
+  template <typename Scalar>
+  static Holder<Scalar>& holder(Entry& e) {
+    if constexpr (std::is_same_v<Scalar, float>)
+      return e.f32;
+    else
+      return e.f64;
+  }
+  static Entry make_entry(const std::string& name, DType dtype, bool as_vector) {
+    Entry entry;
+    entry.name = name;
+    entry.dtype = dtype;
+    entry.as_vector = as_vector;
+    return entry;
+  }
+  template <typename Scalar>
+  static void view_of(const Holder<Scalar>& s, const Scalar*& data, Index& rows, Index& cols) {
+    if (s.parameter) {
+      const auto values = s.parameter->value();
+      data = values.data();
+      rows = values.rows();
+      cols = values.cols();
+    } else if (s.matrix) {
+      data = s.matrix->data();
+      rows = s.matrix->rows();
+      cols = s.matrix->cols();
+    }
+  }
+  static View view(const Entry& e) {
+    View v;
+    if (e.f32.matrix || e.f32.parameter)
+      view_of(e.f32, v.f32, v.rows, v.cols);
+    else
+      view_of(e.f64, v.f64, v.rows, v.cols);
+    return v;
+  }
+
+  template <typename Scalar>
+  void check_entry(const std::string& name, DType dtype, bool as_vector, Index cols, const char* where) const {
+    static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>, "float or double tables");
+    const std::string prefix = std::string("SafetensorsWriter::") + where + ": ";
     if (name.empty() || name == "__metadata__")
-      throw value_error("SafetensorsWriter::add: tensor name '" + name + "' is reserved or empty");
-    if (contains(name)) throw value_error("SafetensorsWriter::add: tensor '" + name + "' was added before");
+      throw value_error(prefix + "tensor name '" + name + "' is reserved or empty");
+    detail::check_utf8(name, prefix + "tensor name");
+    if (contains(name)) throw value_error(prefix + "tensor '" + name + "' was added before");
+    if (!is_convertible(dtype))
+      throw value_error(prefix + "tensor '" + name + "' dtype " + dtype_name(dtype) + " is not F32, F64, F16 or BF16");
+    if (as_vector && cols != 1)
+      throw shape_error(prefix + "tensor '" + name + "' as a vector needs one column, it has " + std::to_string(cols));
   }
 
   template <typename T>
@@ -650,14 +791,14 @@ class SafetensorsWriter {
     return f;
   }
 
-  // Row r of e's values, stored as e.dtype at dst. Eigen rounds to F16/BF16 from float; a double
-  // goes through float rounded to odd first, which makes the two roundings equal one direct
-  // rounding to nearest-even (float has >= 2 more bits than either).
-  static void encode_row(const Entry& e, Index r, unsigned char* dst) {
-    if (e.f32)
-      encode_values(e.f32 + r * e.stride, e.cols, e.dtype, dst, [](float x) { return x; });
+  // Row r of v, stored as dtype at dst. Eigen rounds to F16/BF16 from float; a double goes through
+  // float rounded to odd first, which makes the two roundings equal one direct rounding to
+  // nearest-even (float has >= 2 more bits than either).
+  static void encode_row(const View& v, DType dtype, Index r, unsigned char* dst) {
+    if (v.f32)
+      encode_values(v.f32 + r * v.cols, v.cols, dtype, dst, [](float x) { return x; });
     else
-      encode_values(e.f64 + r * e.stride, e.cols, e.dtype, dst, float_round_to_odd);
+      encode_values(v.f64 + r * v.cols, v.cols, dtype, dst, float_round_to_odd);
   }
 
   template <typename Source, typename ToFloatForHalf>
