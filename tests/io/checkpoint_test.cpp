@@ -632,6 +632,37 @@ TEST_CASE("checkpoint: add_checkpoint shares the layers' parameters until write(
   std::remove(path.c_str());
 }
 
+// Issue 15, class 6: save_checkpoint as F16 stored a finite 1e5 as +inf (BF16: 3.4e38) without an
+// error, and load_checkpoint then refused the file for its non-finite value.
+TEST_CASE("checkpoint: save_checkpoint refuses a value its dtype cannot hold, naming the tensor; nothing written",
+          "[checkpoint][errors]") {
+  const Index V = 6, d = 3;
+  const auto names = embedhead::hugging_face_names(ModelFamily::llama);
+  const std::string path = temp_path("overflow.safetensors");
+  auto e = table(V, d, 141);
+  auto h = untied_head(V, d, 142);
+  embedhead::save_checkpoint<float>(path, names, e, &h, nullptr, DType::F16);
+  const std::string before = read_bytes(path);
+  h.weight().value()(4, 2) = 1e5f;
+  REQUIRE_THROWS_AS(embedhead::save_checkpoint<float>(path, names, e, &h, nullptr, DType::F16), value_error);
+  REQUIRE_THROWS_WITH(embedhead::save_checkpoint<float>(path, names, e, &h, nullptr, DType::F16),
+                      Catch::Contains("tensor 'lm_head.weight'") &&
+                          Catch::Contains("value 100000 at (4, 2) overflows F16 (largest finite 65504)"));
+  CHECK(read_bytes(path) == before);
+  // The same value as BF16 fits; 3.4e38 does not.
+  embedhead::save_checkpoint<float>(path, names, e, &h, nullptr, DType::BF16);
+  CHECK(embedhead::from_pretrained<float>(SafetensorsFile::open(path), names).head.weight().value()(4, 2) == 99840.0f);
+  e.weight().value()(1, 0) = -3.4e38f;
+  REQUIRE_THROWS_WITH(embedhead::save_checkpoint<float>(path, names, e, &h, nullptr, DType::BF16),
+                      Catch::Contains("tensor 'model.embed_tokens.weight'") &&
+                          Catch::Contains("value -3.4e+38 at (1, 0) overflows BF16"));
+  // F32 holds every float: the file loads back exactly.
+  embedhead::save_checkpoint<float>(path, names, e, &h, nullptr, DType::F32);
+  CHECK(embedhead::from_pretrained<float>(SafetensorsFile::open(path), names).token_embedding.weight().value() ==
+        e.weight().value());
+  std::remove(path.c_str());
+}
+
 // Issue 15, class 9 and the strong guarantee: add_optimizer_state let nlohmann's type_error out for
 // a parameter name that is not UTF-8, and both add_* functions could leave the writer half-filled.
 TEST_CASE("checkpoint: add_checkpoint and add_optimizer_state add all or nothing", "[checkpoint][errors]") {

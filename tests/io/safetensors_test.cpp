@@ -3,6 +3,7 @@
 // independent references (half and bfloat16 decoded bit by bit here; nearest-value search for
 // rounding), the writer's layout and atomic write, and the errors of both.
 #include <embedhead/io/safetensors.hpp>
+#include <embedhead/low_precision.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -221,14 +222,20 @@ TEST_CASE("safetensors: writing rounds to nearest-even, from float and from doub
   x(1, 0) = 1.0 + std::ldexp(1.0, -11) + std::ldexp(1.0, -40);  // the same for half
   x(2, 0) = 1.0 + std::ldexp(1.0, -8);                          // an exact bfloat16 tie -> 1
   x(3, 0) = 1.0 + 3 * std::ldexp(1.0, -8);                      // an exact tie -> up to even
-  x(4, 0) = 65520.0;                                            // half overflow boundary -> inf
+  x(4, 0) = 65519.0;                                            // just below half's overflow boundary -> 65504
   x(5, 0) = 65519.99;                                           // -> 65504
   const RowMatrix<float> x_float = x.cast<float>();
+  // F16 gets the values it can hold (|x| < 65520; beyond is a value_error, tested below): the
+  // larger ones scaled down by 2^-8, to the top binades of half.
+  RowMatrix<double> x_half = x;
+  for (Index i = 0; i < n; ++i)
+    if (std::abs(static_cast<float>(x_half(i, 0))) >= 65520.0f) x_half(i, 0) = std::ldexp(x_half(i, 0), -8);
+  const RowMatrix<float> x_half_float = x_half.cast<float>();
 
   const std::string path = temp_path("rounding.safetensors");
   SafetensorsWriter writer;
-  writer.add<double>("h64", x, DType::F16).add<double>("b64", x, DType::BF16);
-  writer.add<float>("h32", x_float, DType::F16).add<float>("b32", x_float, DType::BF16);
+  writer.add<double>("h64", x_half, DType::F16).add<double>("b64", x, DType::BF16);
+  writer.add<float>("h32", x_half_float, DType::F16).add<float>("b32", x_float, DType::BF16);
   writer.add<double>("f64to32", x, DType::F32);
   writer.write(path);
   const auto file = SafetensorsFile::open(path);
@@ -240,9 +247,9 @@ TEST_CASE("safetensors: writing rounds to nearest-even, from float and from doub
   Index mismatches = 0;
   for (Index i = 0; i < n; ++i) {
     const double xf = static_cast<double>(x_float(i, 0));
-    mismatches += h64(i, 0) != nearest(half_values, x(i, 0));
+    mismatches += h64(i, 0) != nearest(half_values, x_half(i, 0));
     mismatches += b64(i, 0) != nearest(bf16_values, x(i, 0));
-    mismatches += h32(i, 0) != nearest(half_values, xf);
+    mismatches += h32(i, 0) != nearest(half_values, static_cast<double>(x_half_float(i, 0)));
     mismatches += b32(i, 0) != nearest(bf16_values, xf);
     mismatches += f32(i, 0) != x_float(i, 0);
   }
@@ -251,7 +258,7 @@ TEST_CASE("safetensors: writing rounds to nearest-even, from float and from doub
   CHECK(h64(1, 0) == 1.0 + std::ldexp(1.0, -10));
   CHECK(b64(2, 0) == 1.0);
   CHECK(b64(3, 0) == 1.0 + std::ldexp(1.0, -6));
-  CHECK(std::isinf(h64(4, 0)));
+  CHECK(h64(4, 0) == 65504.0);
   CHECK(h64(5, 0) == 65504.0);
 }
 
@@ -608,6 +615,108 @@ TEST_CASE("safetensors: a file the process may not read is an io_error naming it
   REQUIRE_THROWS_WITH(SafetensorsFile::open(path),
                       Catch::Contains("cannot open '" + path + "'") && Catch::Contains(std::strerror(EACCES)));
   ::unlink(temp_path("unreadable.safetensors").c_str());
+}
+
+// Issue 15, class 6: F16 stored a finite 1e5 as +inf (BF16: 3.4e38) without an error, while
+// convert_table throws for the same value, and the library's own loader refuses the file.
+TEST_CASE("safetensors: a finite value that overflows its storage type is a value_error; nothing is written",
+          "[safetensors][errors]") {
+  const std::string path = temp_path("overflow.safetensors");
+  write_bytes(path, "old contents");
+  struct Case {
+    const char* what;
+    double value;
+    bool is_double;
+    DType dtype;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"float 1e5 as F16", 1e5, false, DType::F16, "value 100000 at (1, 2) overflows F16 (largest finite 65504)"},
+      {"float -65520 as F16 (the tie rounds to -inf)", -65520.0, false, DType::F16, "value -65520 at (1, 2)"},
+      {"double 65520 as F16", 65520.0, true, DType::F16, "overflows F16"},
+      {"float 3.4e38 as BF16", 3.4e38, false, DType::BF16,
+       "value 3.4e+38 at (1, 2) overflows BF16 (largest finite 3.38953e+38)"},
+      {"double 1e300 as BF16", 1e300, true, DType::BF16, "overflows BF16"},
+      {"double 1e300 as F32", 1e300, true, DType::F32,
+       "value 1e+300 at (1, 2) overflows F32 (largest finite 3.40282e+38)"},
+      {"double -1e39 as F16", -1e39, true, DType::F16, "value -1e+39 at (1, 2) overflows F16"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.what);
+    RowMatrix<double> values = RowMatrix<double>::Ones(2, 3);
+    values(1, 2) = c.value;
+    const RowMatrix<float> float_values = values.cast<float>(), fine = RowMatrix<float>::Ones(2, 2);
+    SafetensorsWriter writer;
+    writer.add<float>("fine", fine, DType::F16);
+    if (c.is_double)
+      writer.add<double>("table", values, c.dtype);
+    else
+      writer.add<float>("table", float_values, c.dtype);
+    REQUIRE_THROWS_AS(writer.write(path), value_error);
+    REQUIRE_THROWS_WITH(writer.write(path),
+                        Catch::Contains("SafetensorsWriter::write: tensor 'table'") && Catch::Contains(c.message));
+    CHECK(read_bytes(path) == "old contents");
+    CHECK_FALSE(std::ifstream(path + ".tmp").good());
+  }
+
+  // The largest values that round to a finite one are written; NaN and infinities are kept as they
+  // are (they are not an overflow, as in convert_table).
+  RowMatrix<float> edge(1, 5);
+  edge << 65519.99f, -65519.99f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(), 1.0f;
+  RowMatrix<float> bf16_edge(1, 2);
+  bf16_edge << 3.3961e38f, std::numeric_limits<float>::max();
+  const RowMatrix<double> edge64 = edge.cast<double>();
+  SafetensorsWriter writer;
+  writer.add<float>("edge", edge, DType::F16).add<double>("edge64", edge64, DType::F16);
+  writer.add<float>("float_max", bf16_edge.leftCols(1), DType::BF16);
+  writer.write(path);
+  const auto file = SafetensorsFile::open(path);
+  const RowMatrix<float> back = file.read<float>("edge");
+  CHECK(back(0, 0) == 65504.0f);
+  CHECK(back(0, 1) == -65504.0f);
+  CHECK(std::isinf(back(0, 2)));
+  CHECK(std::isnan(back(0, 3)));
+  CHECK(file.read<float>("edge64")(0, 0) == 65504.0f);
+  CHECK(file.read<float>("float_max")(0, 0) == static_cast<float>(Eigen::NumTraits<Eigen::bfloat16>::highest()));
+  SafetensorsWriter too_large;
+  too_large.add<float>("float_max", bf16_edge, DType::BF16);
+  REQUIRE_THROWS_WITH(too_large.write(path), Catch::Contains("at (0, 1) overflows BF16"));
+
+  // The same policy as convert_table: at the boundaries and around them, the writer refuses a value
+  // exactly when convert_table does, from float and from double.
+  const float half_bound = 65520.0f, bf16_bound = std::ldexp(511.0f, 119);
+  for (const float x : {half_bound, std::nextafter(half_bound, 0.0f), std::nextafter(half_bound, 1e30f), bf16_bound,
+                        std::nextafter(bf16_bound, 0.0f),
+                        std::nextafter(bf16_bound, std::numeric_limits<float>::infinity()), 1e5f, 1e38f}) {
+    for (const float sign : {1.0f, -1.0f}) {
+      const RowMatrix<float> one = RowMatrix<float>::Constant(1, 1, sign * x);
+      const RowMatrix<double> one64 = one.cast<double>();
+      const auto refused = [&](auto table_convert, DType dtype) {
+        bool by_table = false, by_writer = false, by_writer64 = false;
+        try {
+          table_convert(one);
+        } catch (const value_error&) {
+          by_table = true;
+        }
+        try {
+          SafetensorsWriter().add<float>("x", one, dtype).write(path);
+        } catch (const value_error&) {
+          by_writer = true;
+        }
+        try {
+          SafetensorsWriter().add<double>("x", one64, dtype).write(path);
+        } catch (const value_error&) {
+          by_writer64 = true;
+        }
+        INFO("x = " << sign * x << " as " << embedhead::dtype_name(dtype));
+        CHECK(by_writer == by_table);
+        CHECK(by_writer64 == by_table);
+      };
+      refused([](const RowMatrix<float>& m) { embedhead::convert_table<Eigen::half>(m); }, DType::F16);
+      refused([](const RowMatrix<float>& m) { embedhead::convert_table<Eigen::bfloat16>(m); }, DType::BF16);
+    }
+  }
+  std::remove(path.c_str());
 }
 
 // Issue 15, class 9: a tensor name or metadata that is not UTF-8 let nlohmann's type_error escape

@@ -305,6 +305,7 @@ PretrainedLayers<Scalar> from_pretrained(const SafetensorsFile& file, const Chec
 // stay alive as long as the writer does) and writes their values as they are when write() runs.
 // \throws value_error for positions with a layout that has no position name, and as
 // SafetensorsWriter::add (a name added before, or not UTF-8); the writer is unchanged on throw.
+// write() throws value_error for a value that `dtype` cannot hold (e.g. 1e5 as F16).
 template <typename Scalar>
 void add_checkpoint(SafetensorsWriter& writer, const CheckpointNames& names, const TokenEmbedding<Scalar>& embedding,
                     const OutputProjection<Scalar>* head = nullptr,
@@ -325,7 +326,8 @@ void add_checkpoint(SafetensorsWriter& writer, const CheckpointNames& names, con
 }
 
 // add_checkpoint into a new file at `path` (written atomically, see SafetensorsWriter::write).
-// \throws as add_checkpoint, and io_error.
+// \throws as add_checkpoint, value_error for a value that `dtype` cannot hold (naming the tensor,
+// the value and its (row, col)), and io_error; nothing at `path` changes on throw.
 template <typename Scalar>
 void save_checkpoint(const std::string& path, const CheckpointNames& names, const TokenEmbedding<Scalar>& embedding,
                      const OutputProjection<Scalar>* head = nullptr,

@@ -18,10 +18,11 @@
 //
 // Conversion to the layer's Scalar: F32, F64, F16 and BF16 (every F16/BF16/F32 value is exact in
 // float and double; F64 -> float rounds to nearest-even, as a C++ cast does). Writing float or
-// double to F16/BF16 rounds to nearest-even (Eigen::half / Eigen::bfloat16). The writer owns or
-// shares everything it writes (a copy, or a Parameter's shared_ptr). The other dtypes of the
-// format (integers, bool, F8) are read and validated but not converted: reading one as a table
-// throws, naming the tensor and its dtype.
+// double to F16/BF16 rounds to nearest-even (Eigen::half / Eigen::bfloat16); a finite value that
+// would round to +-inf there (or in F32, from double) is refused, as convert_table refuses it. The
+// writer owns or shares everything it writes (a copy, or a Parameter's shared_ptr). The other
+// dtypes of the format (integers, bool, F8) are read and validated but not converted: reading one
+// as a table throws, naming the tensor and its dtype.
 //
 // Needs nlohmann/json (Debian: nlohmann-json3-dev) and POSIX mmap; not part of the umbrella
 // header so that the core layers keep no dependency beyond Eigen. CMake target:
@@ -658,11 +659,16 @@ class SafetensorsWriter {
   }
 
   // Writes the file: to `path`.tmp first, then renamed over `path`, so a crash or a full disk
-  // never leaves a half-written file under the final name. \throws io_error naming the path and
-  // the reason (`path.tmp` exists and is not a regular file, cannot be created or written, the
-  // rename fails); nothing at `path` changes then. Cost: one pass over the tensors, converted in
-  // rows.
+  // never leaves a half-written file under the final name. Every value is checked first: a finite
+  // value that its dtype cannot hold -- it would round to +-inf, which load_checkpoint refuses --
+  // is an error, as in convert_table (F16: |x| >= 65520; BF16: |x| >= 2^128 - 2^119 ~ 3.3962e38;
+  // F32 from double: beyond float's range). NaN and +-inf are written as they are.
+  // \throws value_error naming the tensor, the value, its (row, col) and the dtype's largest
+  // finite value, before the file is opened; io_error naming the path and the reason (`path.tmp`
+  // exists and is not a regular file, cannot be created or written, the rename fails). Nothing at
+  // `path` changes on throw. Cost: two passes over the tensors (check, then convert in rows).
   void write(const std::string& path) const {
+    for (const auto& e : entries_) check_values(e);
     nlohmann::json header = nlohmann::json::object();
     if (!metadata_.empty()) header["__metadata__"] = metadata_;
     std::uint64_t offset = 0;
@@ -772,6 +778,68 @@ class SafetensorsWriter {
       throw value_error(prefix + "tensor '" + name + "' dtype " + dtype_name(dtype) + " is not F32, F64, F16 or BF16");
     if (as_vector && cols != 1)
       throw shape_error(prefix + "tensor '" + name + "' as a vector needs one column, it has " + std::to_string(cols));
+  }
+
+  // value_error for the first finite value of e that its dtype cannot hold (see write).
+  static void check_values(const Entry& e) {
+    const View v = view(e);
+    if (v.f32)
+      check_values(e, v.f32, v.rows, v.cols);
+    else
+      check_values(e, v.f64, v.rows, v.cols);
+  }
+  // A finite x rounds to +-inf in F16 exactly when |x| >= 65520 (half-way from 65504 to 2^16) and
+  // in BF16 when |x| >= 511 * 2^119 (half-way from its largest, 255 * 2^120, to 2^128); both
+  // bounds are even floats, so a double first rounded to odd (encode_row) crosses them exactly
+  // when it does. F32 from double: when static_cast<float> does.
+  template <typename Source>
+  static void check_values(const Entry& e, const Source* values, Index rows, Index cols) {
+    const auto beyond = [&](Source bound) {
+      return first_where(values, rows * cols, [bound](Source x) {
+        const Source a = std::abs(x);
+        return a >= bound && a <= std::numeric_limits<Source>::max();  // NaN and +-inf are kept
+      });
+    };
+    Index bad = -1;
+    double largest = 0;
+    switch (e.dtype) {
+      case DType::F32:
+        if constexpr (std::is_same_v<Source, double>)
+          bad = first_where(values, rows * cols,
+                            [](double x) { return std::isfinite(x) && !std::isfinite(static_cast<float>(x)); });
+        largest = std::numeric_limits<float>::max();
+        break;
+      case DType::F16:
+        bad = beyond(Source(65520));
+        largest = static_cast<float>(Eigen::NumTraits<Eigen::half>::highest());
+        break;
+      case DType::BF16:
+        bad = beyond(static_cast<Source>(std::ldexp(511.0f, 119)));
+        largest = static_cast<float>(Eigen::NumTraits<Eigen::bfloat16>::highest());
+        break;
+      default: break;  // F64 holds every float and double
+    }
+    if (bad < 0) return;
+    std::ostringstream message;
+    message << "SafetensorsWriter::write: tensor '" << e.name << "': value " << values[bad] << " at (" << bad / cols
+            << ", " << bad % cols << ") overflows " << dtype_name(e.dtype) << " (largest finite " << largest
+            << "); nothing was written";
+    throw value_error(message.str());
+  }
+  // The first i < n with hit(values[i]), or -1. Blocks are scanned branch-free (vectorised); only a
+  // block with a hit is searched again for its position.
+  template <typename Source, typename Hit>
+  static Index first_where(const Source* values, Index n, Hit hit) {
+    constexpr Index kBlock = 4096;
+    for (Index begin = 0; begin < n; begin += kBlock) {
+      const Index end = std::min(n, begin + kBlock);
+      bool any = false;
+      for (Index i = begin; i < end; ++i) any |= hit(values[i]);
+      if (any)
+        for (Index i = begin; i < end; ++i)
+          if (hit(values[i])) return i;
+    }
+    return -1;
   }
 
   template <typename T>
