@@ -494,7 +494,7 @@ TEST_CASE("checkpoint: optimizer state saved beside the model resumes training b
 
 // fuzz/corpus/safetensors/crash-review-optimizer-*: read_optimizer_state allocated the buffer at
 // the metadata's size before checking the tensor's shape (std::bad_alloc for 2^62 rows) and cast
-// sizes beyond Index to negative ones (Eigen abort). Now: format_error / shape_error, no allocation.
+// sizes beyond Index to negative ones (Eigen abort). Now: format_error, no allocation.
 TEST_CASE("checkpoint: forged optimizer sizes in the metadata are refused before any allocation",
           "[checkpoint][fuzz]") {
   const std::string path = temp_path("forged_optimizer.safetensors");
@@ -509,7 +509,7 @@ TEST_CASE("checkpoint: forged optimizer sizes in the metadata are refused before
     return SafetensorsFile::open(path);
   };
   const auto huge = with_sizes(R"([["w",4611686018427387904,2]])");
-  CHECK_THROWS_AS(embedhead::read_optimizer_state<float>(huge), shape_error);
+  CHECK_THROWS_AS(embedhead::read_optimizer_state<float>(huge), format_error);
   CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(huge),
                     Catch::Contains("optimizer.0.m") && Catch::Contains("[4611686018427387904, 2]"));
   const auto beyond = with_sizes(R"([["w",9223372036854775808,0]])");
@@ -693,5 +693,26 @@ TEST_CASE("checkpoint: add_checkpoint and add_optimizer_state add all or nothing
   const auto file = SafetensorsFile::open(path);
   CHECK(file.tensors().size() == 1);
   CHECK(file.metadata().empty());
+  std::remove(path.c_str());
+}
+
+// Issue 15, class 9: a buffer whose shape disagrees with the metadata's [rows, cols] was a
+// shape_error; read_optimizer_state documents format_error (malformed optimizer state).
+TEST_CASE("checkpoint: read_optimizer_state reports buffers that disagree with the metadata as format_error",
+          "[checkpoint][errors]") {
+  const std::string path = temp_path("optimizer_shapes.safetensors");
+  const RowMatrix<float> m = RowMatrix<float>::Ones(2, 3);
+  SafetensorsWriter writer;
+  writer.add<float>("optimizer.0.exp_avg", m, DType::F32)
+      .set_metadata("optimizer", "AdamW")
+      .set_metadata("optimizer.step", "1")
+      .set_metadata("optimizer.parameters", R"([["E",3,2]])");
+  writer.write(path);
+  const auto file = SafetensorsFile::open(path);
+  REQUIRE_THROWS_AS(embedhead::read_optimizer_state<float>(file), format_error);
+  REQUIRE_THROWS_WITH(embedhead::read_optimizer_state<float>(file),
+                      Catch::Contains("read_optimizer_state: '" + path + "'") &&
+                          Catch::Contains("'optimizer.0.exp_avg' is [2, 3]") &&
+                          Catch::Contains("parameter 0 ('E') is [3, 2]"));
   std::remove(path.c_str());
 }

@@ -44,7 +44,9 @@ void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state
 }
 
 // The optimizer state stored by add_optimizer_state, to pass to Optimizer::load_state (which
-// checks it against the optimizer). \throws format_error naming what is missing or malformed.
+// checks it against the optimizer). \throws format_error naming what is missing or malformed: the
+// metadata, or a buffer whose dtype is not a float dtype or whose shape is not the [rows, cols]
+// the metadata gives its parameter. Sizes are trusted only once a tensor of that shape exists.
 template <typename Scalar>
 OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
   const auto& metadata = file.metadata();
@@ -83,7 +85,17 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
       const std::string key = t.name.substr(prefix.size());
       // The shape check first: the metadata's sizes are only trusted once a tensor of that shape,
       // backed by data in the file, exists; allocating before it let a forged size ask for 2^62.
-      file.expect(t.name, entry.rows, entry.cols, "optimizer buffer '" + key + "' of '" + entry.name + "'");
+      if (!is_convertible(t.dtype))
+        fail("tensor '" + t.name + "' has dtype " + dtype_name(t.dtype) +
+             "; optimizer buffers are F32, F64, F16 or BF16");
+      const bool matrix = t.shape.size() == 2 && t.shape[0] == static_cast<std::uint64_t>(entry.rows) &&
+                          t.shape[1] == static_cast<std::uint64_t>(entry.cols);
+      const bool vector = entry.cols == 1 && t.shape.size() == 1 &&
+                          t.shape[0] == static_cast<std::uint64_t>(entry.rows);
+      if (!matrix && !vector)
+        fail("tensor '" + t.name + "' is " + t.shape_string() + " but parameter " + std::to_string(i) + " ('" +
+             entry.name + "') is [" + std::to_string(entry.rows) + ", " + std::to_string(entry.cols) +
+             "] in metadata 'optimizer.parameters'");
       RowMatrix<Scalar> buffer(entry.rows, entry.cols);
       file.read<Scalar>(t, buffer);
       entry.buffers.emplace(key, std::move(buffer));
