@@ -1,13 +1,17 @@
 #!/usr/bin/python3
-"""Writes the seed corpus of safetensors_fuzz into fuzz/corpus/safetensors/.
+"""Writes the seed corpora of safetensors_fuzz and npy_fuzz into fuzz/corpus/safetensors/ and
+fuzz/corpus/npy/.
 
 Standard library only (struct, json): each file is built from the format's definition,
-    u64 little-endian header length N | N bytes of JSON header | data
-so that the seeds do not depend on the writer under test. The seeds cover each dtype, metadata,
-the Hugging Face layouts read by from_pretrained, optimizer state, edge cases that are valid
-(empty file, zero-sized tensors, scalars, unaligned data) and a few malformed files, each small
-(libFuzzer runs with -max_len=4096). Files named crash-* (inputs that once crashed the target,
-kept as regression seeds) are left alone. Run: /usr/bin/python3 fuzz/make_corpus.py
+    safetensors: u64 little-endian header length N | N bytes of JSON header | data
+    .npy:        "\x93NUMPY" | major, minor | header length (u16, or u32 from 2.0) | dict | data
+so that the seeds do not depend on the writer under test. The safetensors seeds cover each dtype,
+metadata, the Hugging Face layouts read by from_pretrained, optimizer state, edge cases that are
+valid (empty file, zero-sized tensors, scalars, unaligned data) and a few malformed files; the
+.npy seeds each format version, both dtypes, 1-D and 2-D, empty arrays, the header spellings
+numpy.load accepts, special values, and files broken in one way each. All are small (libFuzzer
+runs with -max_len=4096). Files named crash-* (inputs that once crashed a target, kept as
+regression seeds) are left alone. Run: /usr/bin/python3 fuzz/make_corpus.py
 """
 import json
 import os
@@ -16,6 +20,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus", "safetensors")
+OUT_NPY = os.path.join(HERE, "corpus", "npy")
 
 SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
          "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -142,17 +147,82 @@ def seeds():
     return s
 
 
-def main():
-    os.makedirs(OUT, exist_ok=True)
-    for name in os.listdir(OUT):
+def npy(header_text, data=b"", major=1, pad=True, length=None):
+    """An .npy file: magic, version, header length, the dict text (padded with spaces and ended
+    with a newline so that the data starts at a multiple of 64, as numpy writes it), data."""
+    preamble = 10 if major == 1 else 12
+    text = header_text.encode("latin-1")
+    if pad:
+        text += b" " * ((64 - (preamble + len(text) + 1) % 64) % 64)
+    text += b"\n"
+    n = len(text) if length is None else length
+    size = struct.pack("<H", n) if major == 1 else struct.pack("<I", n)
+    return b"\x93NUMPY" + bytes([major, 0]) + size + text + data
+
+
+def npy_dict(descr="<f4", fortran="False", shape="(2, 3)"):
+    return "{'descr': '%s', 'fortran_order': %s, 'shape': %s, }" % (descr, fortran, shape)
+
+
+def npy_seeds():
+    inf, nan = float("inf"), float("nan")
+    s = {}
+    six = f32(1.5, -0.0, 3.0e38, 1e-45, -2.25, 7.0)
+    # Valid files, as numpy.save writes them and as numpy.load also accepts them.
+    s["f4_2d"] = npy(npy_dict(), six)
+    s["f8_2d"] = npy(npy_dict("<f8", shape="(3, 2)"), f64(0.1, -1e300, 1e-300, 2.5, 1e39, -7.0))
+    s["f4_1d"] = npy(npy_dict(shape="(4,)"), f32(1, 2, 3, 4))
+    s["f8_1d_specials"] = npy(npy_dict("<f8", shape="(4,)"), f64(inf, -inf, nan, 1.0 + 2.0 ** -24))
+    s["f4_specials"] = npy(npy_dict(shape="(1, 4)"), f32(inf, -inf, nan, -0.0))
+    s["f4_empty_rows"] = npy(npy_dict(shape="(0, 3)"))
+    s["f8_empty_cols"] = npy(npy_dict("<f8", shape="(4, 0)"))
+    s["f4_empty_1d"] = npy(npy_dict(shape="(0,)"))
+    s["version_2"] = npy(npy_dict(shape="(2, 1)"), f32(1, 2), major=2)
+    s["version_3"] = npy(npy_dict("<f8", shape="(1, 1)"), f64(2.5), major=3)
+    s["double_quotes_spacing_unpadded"] = npy('{ "shape" : (2 , 1) , "descr":"<f4","fortran_order":False}',
+                                              f32(1, 2), pad=False)
+    s["no_trailing_comma"] = npy("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 1)}", f32(3))
+    s["wide_header"] = npy(npy_dict(shape="(1, 300)"), f32(*range(300)))
+    # Files load_npy refuses, each for one reason (broken, or outside what it reads: 0-D, 3-D, ...).
+    s["bad_empty"] = b""
+    s["bad_short"] = b"\x93NUMPY\x01"
+    s["bad_magic"] = b"\x93NUMPZ" + npy(npy_dict(), six)[6:]
+    s["bad_version"] = b"\x93NUMPY\x04\x00" + npy(npy_dict(), six)[8:]
+    s["bad_header_past_end"] = npy(npy_dict(), six, length=4000)
+    s["bad_header_over_limit"] = npy(npy_dict(), six, length=10001)
+    s["bad_truncated_data"] = npy(npy_dict(), six[:20])
+    s["bad_trailing_data"] = npy(npy_dict(), six + b"xx")
+    s["bad_dtype_int"] = npy(npy_dict("<i4"), six)
+    s["bad_dtype_big_endian"] = npy(npy_dict(">f4"), six)
+    s["bad_fortran"] = npy(npy_dict(fortran="True"), six)
+    s["bad_3d"] = npy(npy_dict(shape="(1, 2, 3)"), six)
+    s["bad_0d"] = npy(npy_dict(shape="()"), six[:4])
+    s["bad_too_large"] = npy(npy_dict(shape="(4611686018427387904, 4)"), six)
+    s["bad_shape_overflow"] = npy(npy_dict(shape="(18446744073709551616, 1)"), six)
+    s["bad_negative_dim"] = npy(npy_dict(shape="(-2, 3)"), six)
+    s["bad_missing_key"] = npy("{'descr': '<f4', 'shape': (2, 3), }", six)
+    s["bad_repeated_key"] = npy("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }", six)
+    s["bad_not_dict"] = npy("['descr', '<f4']", six)
+    s["bad_unterminated"] = npy("{'descr: '<f4}", six)
+    s["bad_escape"] = npy("{'descr': '<f\\4', 'fortran_order': False, 'shape': (2, 3), }", six)
+    return s
+
+
+def write_corpus(directory, corpus, suffix):
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):
         if not name.startswith("crash-"):
-            os.remove(os.path.join(OUT, name))
-    corpus = seeds()
+            os.remove(os.path.join(directory, name))
     for name, data in sorted(corpus.items()):
         assert len(data) <= 4096, name
-        with open(os.path.join(OUT, name + ".safetensors"), "wb") as f:
+        with open(os.path.join(directory, name + suffix), "wb") as f:
             f.write(data)
-    print("make_corpus: wrote %d seeds to %s" % (len(corpus), OUT))
+    print("make_corpus: wrote %d seeds to %s" % (len(corpus), directory))
+
+
+def main():
+    write_corpus(OUT, seeds(), ".safetensors")
+    write_corpus(OUT_NPY, npy_seeds(), ".npy")
     return 0
 
 

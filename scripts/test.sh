@@ -3,23 +3,23 @@
 #   1. gcc Release build with -Werror (tests, tools, examples, benchmarks, standalone headers) and
 #      all its tests (the python interop tests, the browser test and the parallel tests under
 #      mpirun must be among them);
-#   2. a clang libFuzzer build that replays the corpus and fuzzes the safetensors reader for a
-#      bounded time;
+#   2. a clang libFuzzer build that replays the corpora and fuzzes the safetensors and .npy
+#      readers, each for a bounded time;
 #   3. a clang ASan+UBSan build of the tests (the clang build of the test suite) and its ctest;
 #   4. a gcc Release build of the tests with every matrix product through the CBLAS backend
 #      (serial OpenBLAS: embedhead::cblas) and its ctest;
 #   5. a gcc Release build of the tests on Eigen's GEMM kernel (EMBEDHEAD_GEMM_EIGEN) and its
 #      ctest: the suite runs on the library's own packed kernel (parts 1 and 3, the default), on a
 #      BLAS and on Eigen's kernel.
-# The fuzzer is built in the clang ASan+UBSan tree, without -DNDEBUG: the tests at -O0 with line
-# tables (-gline-tables-only: file:line stacks), the fuzzer at -O1 -g (fuzz/CMakeLists.txt).
+# The fuzzers are built in the clang ASan+UBSan tree, without -DNDEBUG: the tests at -O0 with line
+# tables (-gline-tables-only: file:line stacks), the fuzzers at -O1 -g (fuzz/CMakeLists.txt).
 #
 # Environment:
 #   EMBEDHEAD_SKIP_ASAN=1       skip the sanitizer phase (fast local iteration)
 #   EMBEDHEAD_SKIP_FUZZ=1       skip the fuzz phase
 #   EMBEDHEAD_SKIP_CBLAS=1      skip the CBLAS-backend phase
 #   EMBEDHEAD_SKIP_EIGEN=1      skip the Eigen-GEMM-backend phase
-#   EMBEDHEAD_FUZZ_SECONDS=<s>  how long each fuzzing worker runs (default 30)
+#   EMBEDHEAD_FUZZ_SECONDS=<s>  how long each fuzzing worker of each fuzzer runs (default 30)
 #   EMBEDHEAD_FUZZ_WORKERS=<n>  how many fuzzing workers run side by side (default JOBS)
 #   EMBEDHEAD_CCACHE=0|1        compile through ccache (default: when installed and CI is unset)
 #   JOBS=<n>                    parallelism for build and ctest (default 2)
@@ -47,12 +47,11 @@ asan_tests=ON
 fuzzers=ON
 [ "$skip_fuzz" = "1" ] && fuzzers=OFF
 
-# The background fuzz run and the background Release ctest, if any, end with the script.
-fuzz_pid=""
+# The background Release ctest, if any, ends with the script.
 release_ctest_pid=""
 stop_background() {
   local pid
-  for pid in $fuzz_pid $release_ctest_pid; do
+  for pid in $release_ctest_pid; do
     kill "$pid" 2> /dev/null || true
   done
 }
@@ -167,46 +166,47 @@ if [ "${mpi_tests:-0}" -lt 16 ]; then
 fi
 
 fuzz_work="build/asan/fuzz/run"
-if [ "$skip_fuzz" != "1" ]; then
-  phase "Fuzz: build safetensors_fuzz (build/asan, clang, -fsanitize=fuzzer,address,undefined)"
-  cmake --build build/asan -j "$jobs" --target safetensors_fuzz
+# The fuzzers, each with its corpus (fuzz/corpus/<corpus>) and dictionary (fuzz/<corpus>.dict).
+fuzzers_and_corpora=(safetensors_fuzz:safetensors npy_fuzz:npy)
+if [ "$skip_fuzz" = "1" ]; then
+  phase "Fuzz: skipped (EMBEDHEAD_SKIP_FUZZ=1)"
+else
+  phase "Fuzz: build ${fuzzers_and_corpora[*]%%:*} (build/asan, clang, -fsanitize=fuzzer,address,undefined)"
+  cmake --build build/asan -j "$jobs" --target safetensors_fuzz npy_fuzz
 
-  # Fuzz a scratch copy of the corpus, so fuzz/corpus is never modified, with one libFuzzer worker
-  # per core (-jobs/-workers: each worker a process of its own, its log in fuzz-<n>.log, all of
-  # them adding to the one corpus), alone: beside the Release ctest one worker made about a fifth
-  # of its executions (269,079 against 1.24 million in 60 s). Two workers for 30 s ran 667,887
-  # inputs, one worker for 60 s 474,000 to 507,000 (the runs of the previous CI).
+  # Each fuzzer fuzzes a scratch copy of its corpus, so fuzz/corpus is never modified, with one
+  # libFuzzer worker per core (-jobs/-workers: each worker a process of its own, its log in
+  # <fuzzer>/fuzz-<n>.log, all of them adding to the one corpus), alone, one fuzzer after the
+  # other: beside the Release ctest one worker made about a fifth of its executions (269,079
+  # against 1.24 million in 60 s). Two workers for 30 s ran 667,887 inputs of the safetensors
+  # fuzzer, one worker for 60 s 474,000 to 507,000 (the runs of the previous CI).
   fuzz_seconds="${EMBEDHEAD_FUZZ_SECONDS:-30}"
   fuzz_workers="${EMBEDHEAD_FUZZ_WORKERS:-$jobs}"
   if ! [[ "$fuzz_workers" =~ ^[1-9][0-9]*$ ]]; then
     echo "test.sh: error: EMBEDHEAD_FUZZ_WORKERS must be a whole number >= 1, got '$fuzz_workers'" >&2
     exit 1
   fi
-  phase "Fuzz: safetensors_fuzz, $fuzz_workers workers for ${fuzz_seconds} s (logs: $fuzz_work/fuzz-*.log)"
   rm -rf "$fuzz_work"
-  mkdir -p "$fuzz_work/corpus" "$fuzz_work/artifacts"
-  cp fuzz/corpus/safetensors/* "$fuzz_work/corpus/"
-  (cd "$fuzz_work" && exec "$repo_root/build/asan/fuzz/safetensors_fuzz" corpus \
-    -dict="$repo_root/fuzz/safetensors.dict" -max_len=4096 -max_total_time="$fuzz_seconds" \
-    -jobs="$fuzz_workers" -workers="$fuzz_workers" \
-    -artifact_prefix=artifacts/ -print_final_stats=1 > fuzz.log 2>&1) &
-  fuzz_pid=$!
-fi
-
-if [ "$skip_fuzz" = "1" ]; then
-  phase "Fuzz: skipped (EMBEDHEAD_SKIP_FUZZ=1)"
-else
-  phase "Fuzz: safetensors_fuzz result"
-  fuzz_status=0
-  wait "$fuzz_pid" || fuzz_status=$?
-  fuzz_pid=""
-  if [ "$fuzz_status" -ne 0 ]; then
-    tail -n 60 "$fuzz_work"/fuzz-*.log
-    echo "test.sh: error: safetensors_fuzz failed (status $fuzz_status); failing inputs: $(ls "$fuzz_work/artifacts")" >&2
-    echo "test.sh: reproduce with build/asan/fuzz/safetensors_fuzz $fuzz_work/artifacts/<file>; see fuzz/README.md" >&2
-    exit 1
-  fi
-  grep -E '^(#[0-9]+[[:space:]]+INITED|Done [0-9]+ runs|stat::)' "$fuzz_work"/fuzz-*.log
+  for fuzzer_and_corpus in "${fuzzers_and_corpora[@]}"; do
+    fuzzer="${fuzzer_and_corpus%%:*}"
+    corpus="${fuzzer_and_corpus#*:}"
+    run="$fuzz_work/$fuzzer"
+    phase "Fuzz: $fuzzer, $fuzz_workers workers for ${fuzz_seconds} s (logs: $run/fuzz-*.log)"
+    mkdir -p "$run/corpus" "$run/artifacts"
+    cp "fuzz/corpus/$corpus"/* "$run/corpus/"
+    fuzz_status=0
+    (cd "$run" && exec "$repo_root/build/asan/fuzz/$fuzzer" corpus \
+      -dict="$repo_root/fuzz/$corpus.dict" -max_len=4096 -max_total_time="$fuzz_seconds" \
+      -jobs="$fuzz_workers" -workers="$fuzz_workers" \
+      -artifact_prefix=artifacts/ -print_final_stats=1 > fuzz.log 2>&1) || fuzz_status=$?
+    if [ "$fuzz_status" -ne 0 ]; then
+      tail -n 60 "$run"/fuzz-*.log
+      echo "test.sh: error: $fuzzer failed (status $fuzz_status); failing inputs: $(ls "$run/artifacts")" >&2
+      echo "test.sh: reproduce with build/asan/fuzz/$fuzzer $run/artifacts/<file>; see fuzz/README.md" >&2
+      exit 1
+    fi
+    grep -E '^(#[0-9]+[[:space:]]+INITED|Done [0-9]+ runs|stat::)' "$run"/fuzz-*.log
+  done
 fi
 
 if [ "$clang_tree" = "1" ]; then
@@ -225,8 +225,8 @@ if [ "$clang_tree" = "1" ]; then
   fi
   if [ "$skip_fuzz" != "1" ]; then
     fuzz_tests="$(count_tests build/asan fuzz)"
-    if [ "${fuzz_tests:-0}" -lt 1 ]; then
-      echo "test.sh: error: expected the fuzz corpus replay (safetensors_fuzz_replay) in build/asan, found ${fuzz_tests:-0}" >&2
+    if [ "${fuzz_tests:-0}" -lt 2 ]; then
+      echo "test.sh: error: expected the fuzz corpus replays (safetensors_fuzz_replay, npy_fuzz_replay) in build/asan, found ${fuzz_tests:-0}" >&2
       exit 1
     fi
   fi

@@ -105,6 +105,32 @@ TEST_CASE("quantized embedding: error bound |dequant - E| <= scale_v / 2 on rand
   }
 }
 
+// Issue 15, class 6: a finite row with +-FLT_MAX got scale = FLT_MAX / 127 rounded up, so
+// 127 * scale overflowed and the row dequantized to +-inf. Finite input gives finite output.
+TEST_CASE("quantized embedding: rows up to +-FLT_MAX dequantize to finite values within the bound", "[quantized]") {
+  const float big = std::numeric_limits<float>::max();
+  RowMatrix<float> E(4, 3);
+  E << big, -big, 1.0f,                                      // both signs at the largest float
+      -big, 0.5f * big, -1e30f,                              // the absmax negative
+      std::nextafter(big, 0.0f), 3e38f, 0.0f,                // just below
+      std::numeric_limits<float>::denorm_min(), 0.0f, 0.0f;  // the other end: a subnormal absmax
+  const QuantizedEmbedding q(E);
+  CHECK(q.dequantize().allFinite());
+  CHECK(lookup_all(q).allFinite());
+  CHECK(q.scales().allFinite());
+  // The bound of check_error_bound, in double, for the three large rows (their scale is amax / 127
+  // rounded down where rounding up would overflow, so it is not compared with amax / 127 here).
+  const RowMatrix<float> back = lookup_all(q);
+  for (Index v = 0; v < 3; ++v)
+    for (Index j = 0; j < 3; ++j) {
+      INFO("(" << v << ", " << j << ")");
+      const double scale = q.scales()(v, 0), x = E(v, j);
+      CHECK(std::abs(static_cast<double>(back(v, j)) - x) <= scale / 2 * (1 + 1e-5) + 4 * std::ldexp(std::abs(x), -24));
+    }
+  CHECK(std::abs(q.values()(0, 0)) == 127);
+  CHECK(back(0, 1) == -back(0, 0));
+}
+
 TEST_CASE("quantized embedding: representable rows come back exactly", "[quantized]") {
   // Row v = k * 2^-e with integer k, max |k| = 127: the scale is exactly 2^-e, so the codes are k.
   std::mt19937_64 gen(9);

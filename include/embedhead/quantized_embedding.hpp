@@ -1,7 +1,9 @@
 // embedhead: an int8 token table with one float scale per row, for inference lookup.
 //
 //   build    scale_v = max_j |E[v, j]| / 127,  Q[v, j] = round(E[v, j] / scale_v) clamped to
-//            [-127, 127]  (an all-zero row gets scale 0 and Q = 0)
+//            [-127, 127]  (an all-zero row gets scale 0 and Q = 0; where 127 * scale_v would
+//            overflow, for max_j |E[v, j]| near FLT_MAX, scale_v is the float just below, so every
+//            dequantized value of a finite table is finite)
 //   lookup   out[b*T + t] = scale_v * float(Q[v])  with v = ids(b, t)
 //
 // Symmetric per-row ("per-channel") absmax quantization: a row dequantizes with an error of at
@@ -78,7 +80,11 @@ class QuantizedEmbedding {
       : values_((check(E), RowMatrix<std::int8_t>(E.rows(), E.cols()))), scales_(E.rows(), 1) {
     for (Index v = 0; v < E.rows(); ++v) {
       const float amax = E.row(v).cwiseAbs().maxCoeff();
-      const float scale = amax / 127.0f;
+      float scale = amax / 127.0f;
+      // Every code's value scale * q (|q| <= 127) must be finite: amax / 127 rounded up makes
+      // 127 * scale overflow for amax near FLT_MAX (FLT_MAX / 127 * 127 = +inf in float). The
+      // float below it gives 127 * scale < amax, so a finite row never dequantizes to +-inf.
+      if (!std::isfinite(127.0f * scale)) scale = std::nextafter(scale, 0.0f);
       scales_(v, 0) = scale;
       for (Index j = 0; j < E.cols(); ++j) {
         // round() of x / scale, not x * (1 / scale): one rounding fewer. |x| <= amax, so the

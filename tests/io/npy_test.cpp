@@ -7,8 +7,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <cerrno>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -238,5 +241,111 @@ TEST_CASE("npy: save_npy failures throw io_error and leave what is at the path",
   save_npy(path, other);
   CHECK(read_bytes(path) != before);
   CHECK(load_npy<double>(path) == other);
+  std::remove(path.c_str());
+}
+
+// Issue 15, classes 3 and 9: load_npy of a named pipe blocked until a writer came, and of a
+// directory threw format_error ("fewer than the 10 bytes") instead of io_error. Anything but a
+// regular file is refused before it is opened.
+TEST_CASE("npy: load_npy refuses a named pipe, a directory or a device without blocking, as io_error",
+          "[npy][errors]") {
+  const std::string fifo = temp_path("pipe.npy");
+  RowMatrix<float> out = RowMatrix<float>::Constant(2, 3, 42.0f);
+  bool blocked = test_support::blocks_on_fifo(fifo, [&] {
+    CHECK_THROWS_AS(load_npy<float>(fifo), io_error);
+    CHECK_THROWS_WITH(load_npy(fifo, out), Contains("load_npy: '" + fifo + "' is not a regular file (a named pipe)"));
+  });
+  CHECK_FALSE(blocked);
+  CHECK((out.array() == 42.0f).all());
+
+  const std::string dir = temp_path("dir_to_load.npy");
+  REQUIRE(::mkdir(dir.c_str(), 0700) == 0);
+  CHECK_THROWS_AS(load_npy<double>(dir), io_error);
+  CHECK_THROWS_WITH(load_npy<double>(dir), Contains("'" + dir + "' is not a regular file (a directory)"));
+  ::rmdir(dir.c_str());
+  CHECK_THROWS_WITH(load_npy<float>("/dev/zero"), Contains("'/dev/zero' is not a regular file (a character device)"));
+
+  // save_npy's temporary: a named pipe at path.tmp is refused, and nothing appears at path.
+  const std::string path = temp_path("pipe_target.npy");
+  const RowMatrix<float> m = RowMatrix<float>::Ones(2, 2);
+  blocked = test_support::blocks_on_fifo(
+      path + ".tmp",
+      [&] {
+        CHECK_THROWS_AS(save_npy(path, m), io_error);
+        CHECK_THROWS_WITH(save_npy(path, m),
+                          Contains("save_npy: '" + path + ".tmp' exists and is not a regular file (a named pipe)"));
+      },
+      /*call_writes=*/true);
+  CHECK_FALSE(blocked);
+  struct stat st {};
+  CHECK(::lstat(path.c_str(), &st) != 0);
+
+  // A symbolic link there is not followed: the file it points to keeps its contents.
+  const std::string target = temp_path("link_target");
+  write_bytes(target, "keep me");
+  REQUIRE(::symlink(target.c_str(), (path + ".tmp").c_str()) == 0);
+  CHECK_THROWS_WITH(save_npy(path, m),
+                    Contains("'" + path + ".tmp' exists and is not a regular file (a symbolic link)"));
+  CHECK(read_bytes(target) == "keep me");
+  CHECK(::lstat(path.c_str(), &st) != 0);
+  ::unlink((path + ".tmp").c_str());
+  std::remove(target.c_str());
+}
+
+TEST_CASE("npy: a file the process may not read is an io_error naming it and the reason", "[npy][errors]") {
+  const std::string scratch = temp_path("unreadable.npy");
+  const std::string path = test_support::unreadable_path(scratch);
+  if (path.empty()) {
+    WARN("skipped: no file here refuses reading to this process (neither mode 000 nor a write-only sysctl file)");
+    return;
+  }
+  RowMatrix<float> out = RowMatrix<float>::Constant(1, 1, 42.0f);
+  REQUIRE_THROWS_AS(load_npy<float>(path), io_error);
+  REQUIRE_THROWS_WITH(load_npy(path, out),
+                      Contains("load_npy: cannot open '" + path + "'") && Contains(std::strerror(EACCES)));
+  CHECK(out(0, 0) == 42.0f);
+  ::unlink(scratch.c_str());
+}
+
+// The file helpers under load_npy, save_npy and the safetensors reader and writer
+// (include/embedhead/detail/files.hpp): a file that shrinks after it was opened is an io_error,
+// never a short read, and a write that fails says why.
+TEST_CASE("npy: a file truncated while it is read, and a failed write, are io_errors with the reason",
+          "[npy][errors]") {
+  const std::string path = temp_path("shrinking.npy");
+  write_bytes(path, std::string(4096, 'x'));
+  const embedhead::detail::InputFile file(path, "load_npy");
+  REQUIRE(file.size() == 4096);
+  REQUIRE(::truncate(path.c_str(), 100) == 0);
+  std::vector<unsigned char> buffer(4096);
+  file.read_at(0, buffer.data(), 100);  // what is still there is read
+  CHECK_THROWS_AS(file.read_at(0, buffer.data(), 4096), io_error);
+  CHECK_THROWS_WITH(file.read_at(0, buffer.data(), 4096),
+                    Contains("load_npy: cannot read '" + path + "': it ends at byte 100 but had 4096 bytes"));
+  std::remove(path.c_str());
+
+  // A file size limit makes write() fail with EFBIG: save_npy reports it, removes its temporary and
+  // leaves what was at the path.
+  const RowMatrix<double> big = RowMatrix<double>::Ones(64, 64);  // 32 KiB of data
+  save_npy(path, RowMatrix<double>::Zero(1, 1));
+  const std::string before = read_bytes(path);
+  struct rlimit old_limit {};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &old_limit) == 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit limit = old_limit;
+  limit.rlim_cur = 1000;
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &limit) == 0);
+  std::string message;
+  try {
+    save_npy(path, big);
+  } catch (const io_error& e) {
+    message = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old_limit);
+  std::signal(SIGXFSZ, old_handler);
+  CHECK_THAT(message, Contains("save_npy: cannot write '" + path + ".tmp': " + std::strerror(EFBIG)));
+  CHECK(read_bytes(path) == before);
+  struct stat st {};
+  CHECK(::stat((path + ".tmp").c_str(), &st) != 0);
   std::remove(path.c_str());
 }

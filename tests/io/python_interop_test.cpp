@@ -181,7 +181,9 @@ TEST_CASE("C++ writes checkpoints, a double table and .npy files for numpy to ch
 
   // Llama layout, untied head with a bias, values that stress each 16-bit rounding: float32
   // values halfway between two bf16 values (both parities), halfway between two halves, half
-  // subnormals, and a value beyond the largest half (stored as +inf in F16, as numpy does).
+  // subnormals, and values just below half's overflow boundary (65520) and near bf16's largest.
+  // The F16 file has -65519.998 where the others have 3e38, which F16 cannot hold (a value_error
+  // since issue 15, where numpy would store +inf).
   const Index V = 9, d = 5;
   embedhead::TokenEmbeddingOptions table_options;
   table_options.seed = 11;
@@ -199,7 +201,7 @@ TEST_CASE("C++ writes checkpoints, a double table and .npy files for numpy to ch
                             1.0f + std::ldexp(3.0f, -11),
                             6.0e-8f,
                             -3.0e-5f,
-                            70000.0f,
+                            65519.998f,
                             65519.0f,
                             -0.0f,
                             1.0e-40f,
@@ -208,19 +210,30 @@ TEST_CASE("C++ writes checkpoints, a double table and .npy files for numpy to ch
   embedhead::save_npy(cpp + "llama_table.npy", E);
   embedhead::save_npy(cpp + "llama_head.npy", head.weight().value());
   embedhead::save_npy(cpp + "llama_bias.npy", head.bias()->value());
+  auto E_half = std::make_shared<embedhead::Parameter<float>>(V, d, "token_embedding.weight");
+  E_half->value() = E;
+  E_half->value().data()[11] = -65519.998f;  // instead of 3e38
+  embedhead::TokenEmbedding<float> table_half(E_half);
+  embedhead::save_npy(cpp + "llama_table_f16.npy", E_half->value());
   const auto llama = embedhead::hugging_face_names(embedhead::ModelFamily::llama);
   for (const auto& [dtype, suffix] :
        {std::pair{DType::F32, "f32"}, std::pair{DType::F16, "f16"}, std::pair{DType::BF16, "bf16"}}) {
     const std::string file = std::string("ckpt_llama_") + suffix + ".safetensors";
-    embedhead::save_checkpoint<float>(cpp + file, llama, table, &head, nullptr, dtype);
+    const bool half = dtype == DType::F16;
+    embedhead::save_checkpoint<float>(cpp + file, llama, half ? table_half : table, &head, nullptr, dtype);
     written["checkpoints"].push_back({{"file", file},
                                       {"dtype", embedhead::dtype_name(dtype)},
                                       {"tied", false},
                                       {"tensors",
-                                       {{"model.embed_tokens.weight", "llama_table.npy"},
+                                       {{"model.embed_tokens.weight", half ? "llama_table_f16.npy" : "llama_table.npy"},
                                         {"lm_head.weight", "llama_head.npy"},
                                         {"lm_head.bias", "llama_bias.npy"}}}});
   }
+  // Beyond what F16 holds: a value_error naming the tensor, and no file.
+  CHECK_THROWS_WITH(embedhead::save_checkpoint<float>(cpp + "ckpt_llama_f16_overflow.safetensors", llama, table, &head,
+                                                      nullptr, DType::F16),
+                    Catch::Contains("tensor 'model.embed_tokens.weight': value 3e+38 at (2, 1) overflows F16"));
+  CHECK_FALSE(std::ifstream(cpp + "ckpt_llama_f16_overflow.safetensors").good());
 
   // GPT-2 layout, tied, with learned positions, in BF16.
   embedhead::TokenEmbedding<float> wte(7, 4, table_options);
@@ -254,7 +267,7 @@ TEST_CASE("C++ writes checkpoints, a double table and .npy files for numpy to ch
     source.data()[i] = traps[i];
     trap_indices.push_back(i);
   }
-  source(3, 7) = 1e300;    // beyond every format but F64: +inf
+  source(3, 7) = 65519.0;  // near half's overflow boundary: 65504 (1e300 here, beyond all but F64, is a value_error)
   source(3, 6) = -1e-300;  // underflows to -0
   source(3, 5) = 3.0e-7;   // a half subnormal
   embedhead::save_npy(cpp + "from_double.npy", source);

@@ -3,12 +3,17 @@
 // independent references (half and bfloat16 decoded bit by bit here; nearest-value search for
 // rounding), the writer's layout and atomic write, and the errors of both.
 #include <embedhead/io/safetensors.hpp>
+#include <embedhead/low_precision.hpp>
 
 #include <catch2/catch.hpp>
 
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -217,14 +222,20 @@ TEST_CASE("safetensors: writing rounds to nearest-even, from float and from doub
   x(1, 0) = 1.0 + std::ldexp(1.0, -11) + std::ldexp(1.0, -40);  // the same for half
   x(2, 0) = 1.0 + std::ldexp(1.0, -8);                          // an exact bfloat16 tie -> 1
   x(3, 0) = 1.0 + 3 * std::ldexp(1.0, -8);                      // an exact tie -> up to even
-  x(4, 0) = 65520.0;                                            // half overflow boundary -> inf
+  x(4, 0) = 65519.0;                                            // just below half's overflow boundary -> 65504
   x(5, 0) = 65519.99;                                           // -> 65504
   const RowMatrix<float> x_float = x.cast<float>();
+  // F16 gets the values it can hold (|x| < 65520; beyond is a value_error, tested below): the
+  // larger ones scaled down by 2^-8, to the top binades of half.
+  RowMatrix<double> x_half = x;
+  for (Index i = 0; i < n; ++i)
+    if (std::abs(static_cast<float>(x_half(i, 0))) >= 65520.0f) x_half(i, 0) = std::ldexp(x_half(i, 0), -8);
+  const RowMatrix<float> x_half_float = x_half.cast<float>();
 
   const std::string path = temp_path("rounding.safetensors");
   SafetensorsWriter writer;
-  writer.add<double>("h64", x, DType::F16).add<double>("b64", x, DType::BF16);
-  writer.add<float>("h32", x_float, DType::F16).add<float>("b32", x_float, DType::BF16);
+  writer.add<double>("h64", x_half, DType::F16).add<double>("b64", x, DType::BF16);
+  writer.add<float>("h32", x_half_float, DType::F16).add<float>("b32", x_float, DType::BF16);
   writer.add<double>("f64to32", x, DType::F32);
   writer.write(path);
   const auto file = SafetensorsFile::open(path);
@@ -236,9 +247,9 @@ TEST_CASE("safetensors: writing rounds to nearest-even, from float and from doub
   Index mismatches = 0;
   for (Index i = 0; i < n; ++i) {
     const double xf = static_cast<double>(x_float(i, 0));
-    mismatches += h64(i, 0) != nearest(half_values, x(i, 0));
+    mismatches += h64(i, 0) != nearest(half_values, x_half(i, 0));
     mismatches += b64(i, 0) != nearest(bf16_values, x(i, 0));
-    mismatches += h32(i, 0) != nearest(half_values, xf);
+    mismatches += h32(i, 0) != nearest(half_values, static_cast<double>(x_half_float(i, 0)));
     mismatches += b32(i, 0) != nearest(bf16_values, xf);
     mismatches += f32(i, 0) != x_float(i, 0);
   }
@@ -247,7 +258,7 @@ TEST_CASE("safetensors: writing rounds to nearest-even, from float and from doub
   CHECK(h64(1, 0) == 1.0 + std::ldexp(1.0, -10));
   CHECK(b64(2, 0) == 1.0);
   CHECK(b64(3, 0) == 1.0 + std::ldexp(1.0, -6));
-  CHECK(std::isinf(h64(4, 0)));
+  CHECK(h64(4, 0) == 65504.0);
   CHECK(h64(5, 0) == 65504.0);
 }
 
@@ -469,5 +480,336 @@ TEST_CASE("safetensors: writer errors and the atomic write", "[safetensors]") {
   writer.write(path);
   CHECK(SafetensorsFile::open(path).read<float>("a") == a);
   CHECK(std::ifstream(path + ".tmp").good() == false);
+  std::remove(path.c_str());
+}
+
+namespace {
+
+// Allocates and fills blocks of many sizes, so that memory freed earlier is handed out again and
+// overwritten: a writer still reading it would see -12345 (without ASan; ASan reports the read).
+void overwrite_freed_memory() {
+  std::vector<std::vector<float>> blocks;
+  for (std::size_t size = 1; size <= 256; ++size) blocks.emplace_back(size, -12345.0f);
+}
+
+}  // namespace
+
+// Issue 15, class 1: add() kept values.data(), and for an argument that is not a contiguous
+// row-major float / double matrix the Ref is a temporary copy, freed when add() returns.
+TEST_CASE("safetensors: the writer keeps every table it is given, whatever its layout", "[safetensors][lifetime]") {
+  RowMatrix<float> R(3, 4);
+  for (Index i = 0; i < R.size(); ++i) R.data()[i] = static_cast<float>(i + 1);
+  const Eigen::MatrixXf column_major = R;  // the same values, column-major storage
+  float storage[24];
+  for (int i = 0; i < 24; ++i) storage[i] = i % 2 ? -1.0f : static_cast<float>(i / 2 + 1);
+  // Row r, column c at storage[8 r + 2 c] = 4 r + c + 1 = R(r, c): an inner stride of 2.
+  const Eigen::Map<const RowMatrix<float>, 0, Eigen::Stride<8, 2>> strided(storage, 3, 4);
+  RowMatrix<double> later = R.cast<double>();
+
+  const std::string path = temp_path("views.safetensors");
+  SafetensorsWriter writer;
+  writer.add<float>("column_major", column_major, DType::F32)
+      .add<float>("transpose", R.transpose(), DType::F32)
+      .add<float>("inner_strided", strided, DType::BF16)
+      .add<float>("row_major_column", R.col(1), DType::F16, /*as_vector=*/true)
+      .add<double>("expression", R.cast<double>() * 2.0, DType::F64)
+      .add<double>("later", later, DType::F64);
+  {
+    const RowMatrix<float> local = R;  // gone before write()
+    writer.add<float>("local", local, DType::F32);
+  }
+  later.setZero();  // after add(): the file has the values add() was given
+  overwrite_freed_memory();
+  writer.write(path);
+
+  const auto file = SafetensorsFile::open(path);
+  CHECK(file.read<float>("column_major") == R);
+  const RowMatrix<float> transposed = R.transpose();
+  CHECK(file.read<float>("transpose") == transposed);
+  CHECK(file.read<float>("inner_strided") == R);  // small integers: exact in bf16
+  CHECK(file.read<float>("row_major_column") == R.col(1));
+  CHECK(file.at("row_major_column").shape_string() == "[3]");
+  CHECK(file.read<double>("expression") == 2.0 * R.cast<double>());
+  CHECK(file.read<double>("later") == R.cast<double>());
+  CHECK(file.read<float>("local") == R);
+  std::remove(path.c_str());
+}
+
+// Issue 15, class 2: read(t, out), first_non_finite(t) and raw(t) trusted a TensorInfo from
+// another file and read outside this file's data.
+TEST_CASE("safetensors: a TensorInfo of another file is refused, not read out of bounds", "[safetensors][errors]") {
+  const auto small = parse(file_bytes(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})",
+                                      le_bytes(std::vector<float>{1, 2, 3, 4})));
+  const std::string big_header = R"({"w":{"dtype":"F32","shape":[64,64],"data_offsets":[0,16384]}})";
+  const auto big = SafetensorsFile::from_bytes(file_bytes(big_header, std::string(16384, '\0')).data(),
+                                               8 + big_header.size() + 16384, "big");
+  RowMatrix<float> out = RowMatrix<float>::Constant(64, 64, 42.0f);
+  REQUIRE_THROWS_AS(small.read<float>(big.at("w"), out), value_error);
+  REQUIRE_THROWS_WITH(small.read<float>(big.at("w"), out),
+                      Catch::Contains("tensor 'w' F32 [64, 64] at data_offsets [0, 16384]") &&
+                          Catch::Contains("is not a tensor of 'test'"));
+  CHECK((out.array() == 42.0f).all());
+  REQUIRE_THROWS_AS(small.first_non_finite(big.at("w")), value_error);
+  REQUIRE_THROWS_AS(small.raw(big.at("w")), value_error);
+
+  // A description changed by hand is refused too, even under a name the file has.
+  embedhead::TensorInfo forged = small.at("w");
+  forged.begin = 8;
+  forged.end = 24;
+  RowMatrix<float> four = RowMatrix<float>::Constant(2, 2, 42.0f);
+  REQUIRE_THROWS_WITH(small.read<float>(forged, four), Catch::Contains("data_offsets [8, 24]"));
+  CHECK((four.array() == 42.0f).all());
+  embedhead::TensorInfo unknown = small.at("w");
+  unknown.name = "v";
+  REQUIRE_THROWS_AS(small.first_non_finite(unknown), value_error);
+
+  // The same description from a file with the same layout is this file's tensor: read from here.
+  const auto twin = parse(file_bytes(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})",
+                                     le_bytes(std::vector<float>{5, 6, 7, 8})));
+  small.read<float>(twin.at("w"), four);
+  CHECK(four(1, 1) == 4.0f);
+  CHECK(twin.first_non_finite(small.at("w")) == -1);
+}
+
+// Issue 15, class 3: open() on a named pipe blocked until a writer came (the regular-file check
+// came after a blocking open).
+TEST_CASE("safetensors: open refuses a named pipe, a directory or a device without blocking", "[safetensors][errors]") {
+  const std::string fifo = temp_path("pipe.safetensors");
+  bool blocked = test_support::blocks_on_fifo(fifo, [&] {
+    CHECK_THROWS_AS(SafetensorsFile::open(fifo), io_error);
+    CHECK_THROWS_WITH(SafetensorsFile::open(fifo),
+                      Catch::Contains("'" + fifo + "' is not a regular file") && Catch::Contains("named pipe"));
+  });
+  CHECK_FALSE(blocked);
+  CHECK_THROWS_WITH(SafetensorsFile::open("/tmp"), Catch::Contains("'/tmp' is not a regular file (a directory)"));
+  CHECK_THROWS_WITH(SafetensorsFile::open("/dev/null"),
+                    Catch::Contains("'/dev/null' is not a regular file (a character device)"));
+
+  // The writer's temporary: a named pipe at path.tmp is refused too, and nothing appears at path.
+  const std::string path = temp_path("pipe_target.safetensors");
+  RowMatrix<float> a = RowMatrix<float>::Ones(2, 2);
+  SafetensorsWriter writer;
+  writer.add<float>("a", a, DType::F32);
+  blocked = test_support::blocks_on_fifo(
+      path + ".tmp",
+      [&] {
+        CHECK_THROWS_AS(writer.write(path), io_error);
+        CHECK_THROWS_WITH(writer.write(path),
+                          Catch::Contains("'" + path + ".tmp' exists and is not a regular file (a named pipe)"));
+      },
+      /*call_writes=*/true);
+  CHECK_FALSE(blocked);
+  struct stat st {};
+  CHECK(::lstat(path.c_str(), &st) != 0);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("safetensors: a file the process may not read is an io_error naming it and the reason",
+          "[safetensors][errors]") {
+  const std::string path = test_support::unreadable_path(temp_path("unreadable.safetensors"));
+  if (path.empty()) {
+    WARN("skipped: no file here refuses reading to this process (neither mode 000 nor a write-only sysctl file)");
+    return;
+  }
+  REQUIRE_THROWS_AS(SafetensorsFile::open(path), io_error);
+  REQUIRE_THROWS_WITH(SafetensorsFile::open(path),
+                      Catch::Contains("cannot open '" + path + "'") && Catch::Contains(std::strerror(EACCES)));
+  ::unlink(temp_path("unreadable.safetensors").c_str());
+}
+
+// Issue 15, class 6: F16 stored a finite 1e5 as +inf (BF16: 3.4e38) without an error, while
+// convert_table throws for the same value, and the library's own loader refuses the file.
+TEST_CASE("safetensors: a finite value that overflows its storage type is a value_error; nothing is written",
+          "[safetensors][errors]") {
+  const std::string path = temp_path("overflow.safetensors");
+  write_bytes(path, "old contents");
+  struct Case {
+    const char* what;
+    double value;
+    bool is_double;
+    DType dtype;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"float 1e5 as F16", 1e5, false, DType::F16, "value 100000 at (1, 2) overflows F16 (largest finite 65504)"},
+      {"float -65520 as F16 (the tie rounds to -inf)", -65520.0, false, DType::F16, "value -65520 at (1, 2)"},
+      {"double 65520 as F16", 65520.0, true, DType::F16, "overflows F16"},
+      {"float 3.4e38 as BF16", 3.4e38, false, DType::BF16,
+       "value 3.4e+38 at (1, 2) overflows BF16 (largest finite 3.38953e+38)"},
+      {"double 1e300 as BF16", 1e300, true, DType::BF16, "overflows BF16"},
+      {"double 1e300 as F32", 1e300, true, DType::F32,
+       "value 1e+300 at (1, 2) overflows F32 (largest finite 3.40282e+38)"},
+      {"double -1e39 as F16", -1e39, true, DType::F16, "value -1e+39 at (1, 2) overflows F16"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.what);
+    RowMatrix<double> values = RowMatrix<double>::Ones(2, 3);
+    values(1, 2) = c.value;
+    const RowMatrix<float> float_values = values.cast<float>(), fine = RowMatrix<float>::Ones(2, 2);
+    SafetensorsWriter writer;
+    writer.add<float>("fine", fine, DType::F16);
+    if (c.is_double)
+      writer.add<double>("table", values, c.dtype);
+    else
+      writer.add<float>("table", float_values, c.dtype);
+    REQUIRE_THROWS_AS(writer.write(path), value_error);
+    REQUIRE_THROWS_WITH(writer.write(path),
+                        Catch::Contains("SafetensorsWriter::write: tensor 'table'") && Catch::Contains(c.message));
+    CHECK(read_bytes(path) == "old contents");
+    CHECK_FALSE(std::ifstream(path + ".tmp").good());
+  }
+
+  // The largest values that round to a finite one are written; NaN and infinities are kept as they
+  // are (they are not an overflow, as in convert_table).
+  RowMatrix<float> edge(1, 5);
+  edge << 65519.99f, -65519.99f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(), 1.0f;
+  RowMatrix<float> bf16_edge(1, 2);
+  bf16_edge << 3.3961e38f, std::numeric_limits<float>::max();
+  const RowMatrix<double> edge64 = edge.cast<double>();
+  SafetensorsWriter writer;
+  writer.add<float>("edge", edge, DType::F16).add<double>("edge64", edge64, DType::F16);
+  writer.add<float>("float_max", bf16_edge.leftCols(1), DType::BF16);
+  writer.write(path);
+  const auto file = SafetensorsFile::open(path);
+  const RowMatrix<float> back = file.read<float>("edge");
+  CHECK(back(0, 0) == 65504.0f);
+  CHECK(back(0, 1) == -65504.0f);
+  CHECK(std::isinf(back(0, 2)));
+  CHECK(std::isnan(back(0, 3)));
+  CHECK(file.read<float>("edge64")(0, 0) == 65504.0f);
+  CHECK(file.read<float>("float_max")(0, 0) == static_cast<float>(Eigen::NumTraits<Eigen::bfloat16>::highest()));
+  SafetensorsWriter too_large;
+  too_large.add<float>("float_max", bf16_edge, DType::BF16);
+  REQUIRE_THROWS_WITH(too_large.write(path), Catch::Contains("at (0, 1) overflows BF16"));
+
+  // The same policy as convert_table: at the boundaries and around them, the writer refuses a value
+  // exactly when convert_table does, from float and from double.
+  const float half_bound = 65520.0f, bf16_bound = std::ldexp(511.0f, 119);
+  for (const float x : {half_bound, std::nextafter(half_bound, 0.0f), std::nextafter(half_bound, 1e30f), bf16_bound,
+                        std::nextafter(bf16_bound, 0.0f),
+                        std::nextafter(bf16_bound, std::numeric_limits<float>::infinity()), 1e5f, 1e38f}) {
+    for (const float sign : {1.0f, -1.0f}) {
+      const RowMatrix<float> one = RowMatrix<float>::Constant(1, 1, sign * x);
+      const RowMatrix<double> one64 = one.cast<double>();
+      const auto refused = [&](auto table_convert, DType dtype) {
+        bool by_table = false, by_writer = false, by_writer64 = false;
+        try {
+          table_convert(one);
+        } catch (const value_error&) {
+          by_table = true;
+        }
+        try {
+          SafetensorsWriter().add<float>("x", one, dtype).write(path);
+        } catch (const value_error&) {
+          by_writer = true;
+        }
+        try {
+          SafetensorsWriter().add<double>("x", one64, dtype).write(path);
+        } catch (const value_error&) {
+          by_writer64 = true;
+        }
+        INFO("x = " << sign * x << " as " << embedhead::dtype_name(dtype));
+        CHECK(by_writer == by_table);
+        CHECK(by_writer64 == by_table);
+      };
+      refused([](const RowMatrix<float>& m) { embedhead::convert_table<Eigen::half>(m); }, DType::F16);
+      refused([](const RowMatrix<float>& m) { embedhead::convert_table<Eigen::bfloat16>(m); }, DType::BF16);
+    }
+  }
+  std::remove(path.c_str());
+}
+
+// Issue 15, class 9: a tensor name or metadata that is not UTF-8 let nlohmann's type_error escape
+// write(); it is refused when it is given, and the writer is unchanged.
+TEST_CASE("safetensors: names and metadata that are not UTF-8 are refused by add and set_metadata",
+          "[safetensors][errors]") {
+  RowMatrix<float> a = RowMatrix<float>::Ones(2, 2);
+  const std::string bad = "emb\xff\xfe";
+  SafetensorsWriter writer;
+  writer.add<float>("a", a, DType::F32);
+  REQUIRE_THROWS_AS(writer.add<float>(bad, a, DType::F32), value_error);
+  REQUIRE_THROWS_WITH(writer.add<float>(bad, a, DType::F32),
+                      Catch::Contains("SafetensorsWriter::add: tensor name 'emb\\xff\\xfe'") &&
+                          Catch::Contains("is not valid UTF-8 (at byte 3)"));
+  CHECK_FALSE(writer.contains(bad));
+  REQUIRE_THROWS_AS(writer.set_metadata(bad, "v"), value_error);
+  REQUIRE_THROWS_WITH(writer.set_metadata("k", "\xc3"),
+                      Catch::Contains("SafetensorsWriter::set_metadata: the value of 'k'") &&
+                          Catch::Contains("is not valid UTF-8 (at byte 0)"));
+  REQUIRE_THROWS_AS(writer.set_metadata("overlong", "\xc0\xaf"), value_error);       // '/' in two bytes
+  REQUIRE_THROWS_AS(writer.set_metadata("surrogate", "\xed\xa0\x80"), value_error);  // U+D800
+  writer.set_metadata("ok", "\xc3\xa9\xe4\xb8\xad\xf0\x9f\x98\x80");                 // é 中 😀
+  const std::string path = temp_path("utf8.safetensors");
+  writer.write(path);
+  const auto file = SafetensorsFile::open(path);
+  CHECK(file.tensors().size() == 1);
+  CHECK(file.metadata().size() == 1);
+  CHECK(file.metadata().at("ok") == "\xc3\xa9\xe4\xb8\xad\xf0\x9f\x98\x80");
+  std::remove(path.c_str());
+}
+
+namespace {
+
+// Runs body() in a child process and returns its wait status: a test of what kills a process.
+template <typename Body>
+int status_of_child(Body&& body) {
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    int code = 3;
+    try {
+      code = body();
+    } catch (...) {
+      code = 4;
+    }
+    ::_exit(code);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return status;
+}
+
+}  // namespace
+
+// Issue 15, class 4: a file truncated by another process while it is mapped killed the process with
+// SIGBUS on the next read. ReadMode::copy reads and validates a copy, which nothing outside can
+// change; ReadMode::map (the default) keeps the mapping and its documented risk.
+TEST_CASE("safetensors: ReadMode::copy is immune to the file being truncated or rewritten after open",
+          "[safetensors][errors]") {
+  const std::string path = temp_path("truncated_later.safetensors");
+  const RowMatrix<float> table = RowMatrix<float>::Random(512, 64);  // 128 KiB: many pages
+  SafetensorsWriter().add<float>("t", table, DType::F32).write(path);
+
+  // In a child, so that a regression (SIGBUS) fails this test instead of ending the test program.
+  const int status = status_of_child([&] {
+    const auto file = SafetensorsFile::open(path, embedhead::ReadMode::copy);
+    if (::truncate(path.c_str(), 16) != 0) return 5;
+    test_support::write_bytes(path, "rewritten");
+    return file.read<float>("t") == table && file.first_non_finite(file.at("t")) == -1 ? 0 : 6;
+  });
+  const int signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+  CHECK(signal == 0);  // (7, SIGBUS, when the copy was a mapping)
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  // (A file that shrinks while open() copies it is an io_error: detail::InputFile::read_at, tested
+  // in tests/io/npy_test.cpp.)
+  std::remove(path.c_str());
+}
+
+TEST_CASE("safetensors: ReadMode::map, the default, ends the process with SIGBUS when the mapped file is truncated",
+          "[safetensors]") {
+  // What the documentation of ReadMode::map says happens, shown in a child process.
+  const std::string path = temp_path("truncated_mapped.safetensors");
+  const RowMatrix<float> table = RowMatrix<float>::Random(512, 64);
+  SafetensorsWriter().add<float>("t", table, DType::F32).write(path);
+  const int status = status_of_child([&] {
+    std::signal(SIGBUS, SIG_DFL);  // the default action, also under a sanitizer's handler
+    const auto file = SafetensorsFile::open(path);
+    if (::truncate(path.c_str(), 16) != 0) return 5;
+    const RowMatrix<float> back = file.read<float>("t");
+    return back.size() > 0 ? 0 : 6;  // not reached
+  });
+  CHECK(WIFSIGNALED(status));
+  if (WIFSIGNALED(status)) CHECK(WTERMSIG(status) == SIGBUS);
   std::remove(path.c_str());
 }

@@ -484,8 +484,13 @@ TEMPLATE_TEST_CASE("load_state rejects a state that does not fit and changes not
   bad.optimizer = "SGD";
   CHECK_THROWS_WITH(adam.load_state(bad), Contains("AdamW::load_state: the state is of 'SGD', not 'AdamW'"));
   bad = good;
-  bad.parameters[0].name = "W";
+  bad.parameters[0].name = "W";  // a renamed entry is a value_error, as documented (issue 15)
+  CHECK_THROWS_AS(adam.load_state(bad), embedhead::value_error);
   CHECK_THROWS_WITH(adam.load_state(bad), Contains("parameter 0 is 'W' [4, 2] in the state but 'E' [4, 2] here"));
+  bad = good;
+  bad.parameters[0].rows = 5;  // a shape that differs is a shape_error
+  CHECK_THROWS_AS(adam.load_state(bad), embedhead::shape_error);
+  CHECK_THROWS_WITH(adam.load_state(bad), Contains("parameter 0 is 'E' [5, 2] in the state but 'E' [4, 2] here"));
   bad = good;
   bad.parameters[0].buffers["exp_avg"] = RowMatrix<Scalar>::Zero(3, 2);
   CHECK_THROWS_AS(adam.load_state(bad), embedhead::shape_error);

@@ -134,21 +134,19 @@ const TensorInfo& check_loadable(const SafetensorsFile& file, const std::string&
 
 // True when tensors a and b hold the same values once converted to Scalar; else the first
 // differing (row, col) in `where`.
+// \pre a and b are the file's tensors, of a convertible dtype, [rows, cols] with rows, cols >= 1.
 template <typename Scalar>
 bool same_values(const SafetensorsFile& file, const TensorInfo& a, const TensorInfo& b, Index rows, Index cols,
                  std::pair<Index, Index>& where) {
   RowMatrix<Scalar> row_a(1, cols), row_b(1, cols);
-  // Row r of each is read through a one-row view of the file, set up once (no allocation per row).
-  TensorInfo slice_a = a, slice_b = b;
-  slice_a.shape = {1, static_cast<std::uint64_t>(cols)};
-  slice_b.shape = slice_a.shape;
-  const std::uint64_t bytes_a = static_cast<std::uint64_t>(cols) * dtype_bytes(a.dtype);
-  const std::uint64_t bytes_b = static_cast<std::uint64_t>(cols) * dtype_bytes(b.dtype);
+  // Row r of each is converted from the file's bytes (no allocation per row).
+  const unsigned char* data_a = file.raw(a);
+  const unsigned char* data_b = file.raw(b);
+  const std::size_t bytes_a = static_cast<std::size_t>(cols) * dtype_bytes(a.dtype);
+  const std::size_t bytes_b = static_cast<std::size_t>(cols) * dtype_bytes(b.dtype);
   for (Index r = 0; r < rows; ++r) {
-    slice_a.begin = a.begin + static_cast<std::uint64_t>(r) * bytes_a;
-    slice_b.begin = b.begin + static_cast<std::uint64_t>(r) * bytes_b;
-    file.read<Scalar>(slice_a, row_a);
-    file.read<Scalar>(slice_b, row_b);
+    convert_stored_values<Scalar>(data_a + static_cast<std::size_t>(r) * bytes_a, a.dtype, row_a);
+    convert_stored_values<Scalar>(data_b + static_cast<std::size_t>(r) * bytes_b, b.dtype, row_b);
     for (Index c = 0; c < cols; ++c)
       if (!(row_a(0, c) == row_b(0, c))) {
         where = {r, c};
@@ -302,28 +300,34 @@ PretrainedLayers<Scalar> from_pretrained(const SafetensorsFile& file, const Chec
 // Adds the layers to `writer` under `names`: the table, the positions if given, and the head's W
 // only when it is untied (head->is_tied_to(embedding) is false: a tied head is the table; writing
 // it twice would make the file look untied to tools that do not compare), and its bias if it has
-// one. Metadata {"format": "pt"} as transformers writes, and
-// "embedhead.tied". `dtype` is the stored type (F32, F64, F16 or BF16). The layers must outlive
-// writer.write(). \throws value_error for positions with a layout that has no position name.
+// one. Metadata {"format": "pt"} as transformers writes, and "embedhead.tied". `dtype` is the
+// stored type (F32, F64, F16 or BF16). The writer shares the layers' Parameters (no copy; they
+// stay alive as long as the writer does) and writes their values as they are when write() runs.
+// \throws value_error for positions with a layout that has no position name, and as
+// SafetensorsWriter::add (a name added before, or not UTF-8); the writer is unchanged on throw.
+// write() throws value_error for a value that `dtype` cannot hold (e.g. 1e5 as F16).
 template <typename Scalar>
 void add_checkpoint(SafetensorsWriter& writer, const CheckpointNames& names, const TokenEmbedding<Scalar>& embedding,
                     const OutputProjection<Scalar>* head = nullptr,
                     const LearnedPositionEmbedding<Scalar>* positions = nullptr, DType dtype = DType::F32) {
   if (positions && names.position_embedding.empty())
     throw value_error("save_checkpoint: a position table was given but this layout has no position tensor name");
-  writer.set_metadata("format", "pt");
-  writer.add<Scalar>(names.token_embedding, embedding.weight().value(), dtype);
-  if (positions) writer.add<Scalar>(names.position_embedding, positions->weight().value(), dtype);
+  SafetensorsWriter staged = writer;  // all or nothing: the entries are added to a copy, then swapped in
+  staged.set_metadata("format", "pt");
+  staged.add<Scalar>(names.token_embedding, embedding.weight_ptr(), dtype);
+  if (positions) staged.add<Scalar>(names.position_embedding, positions->weight_ptr(), dtype);
   const bool tied = head && head->is_tied_to(embedding);
-  if (head && !tied) writer.add<Scalar>(names.head_weight, head->weight().value(), dtype);
+  if (head && !tied) staged.add<Scalar>(names.head_weight, head->weight_ptr(), dtype);
   // A bias is the head's own even when W is shared (load_checkpoint asks for it exactly when the
   // head has one).
-  if (head && head->bias()) writer.add<Scalar>(names.head_bias, head->bias()->value(), dtype, /*as_vector=*/true);
-  writer.set_metadata("embedhead.tied", tied ? "true" : "false");
+  if (head && head->bias()) staged.add<Scalar>(names.head_bias, head->bias_ptr(), dtype, /*as_vector=*/true);
+  staged.set_metadata("embedhead.tied", tied ? "true" : "false");
+  writer = std::move(staged);
 }
 
 // add_checkpoint into a new file at `path` (written atomically, see SafetensorsWriter::write).
-// \throws as add_checkpoint, and io_error.
+// \throws as add_checkpoint, value_error for a value that `dtype` cannot hold (naming the tensor,
+// the value and its (row, col)), and io_error; nothing at `path` changes on throw.
 template <typename Scalar>
 void save_checkpoint(const std::string& path, const CheckpointNames& names, const TokenEmbedding<Scalar>& embedding,
                      const OutputProjection<Scalar>* head = nullptr,

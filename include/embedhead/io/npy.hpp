@@ -11,22 +11,24 @@
 // 3.0; a 1-D array of n values becomes [n, 1]) and refuses everything else with a format_error
 // naming the file and the field: another dtype or byte order, Fortran order, 0-D or 3-D and more,
 // a bad magic string, a header longer than numpy.load's default limit (10,000 bytes), a data
-// section that is truncated or has trailing bytes.
+// section that is truncated or has trailing bytes. Only a regular file is opened: a directory, a
+// named pipe or a device is an io_error before any open (a pipe would block it), and a file that
+// shrinks while it is read is an io_error, never a crash (detail/files.hpp). load_npy_from_bytes
+// reads the same format from memory.
 //
 // Core-only: needs nothing beyond the standard library and Eigen (no JSON parser; the header is a
-// Python dict literal with three known keys, parsed here).
+// Python dict literal with three known keys, parsed here); POSIX file calls where the system has
+// them, standard C++ streams elsewhere.
 #ifndef EMBEDHEAD_IO_NPY_HPP
 #define EMBEDHEAD_IO_NPY_HPP
 
-#include "../detail/atomic_file.hpp"
+#include "../detail/files.hpp"
 #include "../errors.hpp"
 #include "../types.hpp"
 
-#include <cerrno>
+#include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -177,32 +179,36 @@ inline std::string npy_shape_string(const std::vector<std::uint64_t>& shape) {
   return out.str();
 }
 
-// Reads and checks the magic, version and header of `in`, and that the data section holds
-// exactly rows * cols values. Returns the header and [rows, cols].
-inline NpyHeader read_npy_header(std::ifstream& in, const std::string& path, Index& rows, Index& cols,
-                                 std::uint64_t& item_bytes) {
-  in.seekg(0, std::ios::end);
-  const auto end = in.tellg();
-  in.seekg(0, std::ios::beg);
-  if (!in || end < 0) throw io_error("load_npy: cannot read '" + path + "'");
-  const auto file_bytes = static_cast<std::uint64_t>(end);
+// The bytes of a file that can hold its preamble and header: the version 2/3 preamble of 12
+// bytes and the longest header read.
+inline constexpr std::size_t kNpyHeadBytes = 12 + kNpyMaxHeaderBytes;
 
+// Where the values of an .npy file are and how to read them.
+struct NpyLayout {
+  NpyHeader header;
+  Index rows = 0, cols = 0;
+  std::uint64_t item_bytes = 0;  // 4 ('<f4') or 8 ('<f8')
+  std::uint64_t data_bytes = 0;  // rows * cols * item_bytes, from header.data_offset to the end
+};
+
+// Checks the magic, version and header of a file of `file_bytes` bytes and that the data section
+// holds exactly rows * cols values. \pre head holds the file's first min(file_bytes,
+// kNpyHeadBytes) bytes, which contain any header it accepts (at most 10,000 bytes after a preamble
+// of at most 12). \throws format_error naming `path` and the field.
+inline NpyLayout parse_npy_layout(const unsigned char* head, std::uint64_t file_bytes, const std::string& path) {
   const auto fail = [&](const std::string& what) -> void { throw format_error("load_npy: '" + path + "' " + what); };
-  unsigned char prefix[12] = {};
   if (file_bytes < 10) fail("has " + std::to_string(file_bytes) + " bytes, fewer than the 10 of the .npy preamble");
-  in.read(reinterpret_cast<char*>(prefix), 10);
-  if (std::memcmp(prefix, "\x93NUMPY", 6) != 0) fail("does not begin with the .npy magic string \"\\x93NUMPY\"");
-  const int major = prefix[6], minor = prefix[7];
+  if (std::memcmp(head, "\x93NUMPY", 6) != 0) fail("does not begin with the .npy magic string \"\\x93NUMPY\"");
+  const int major = head[6], minor = head[7];
   std::uint64_t header_bytes = 0;
   std::uint64_t preamble = 10;
   if (major == 1 && minor == 0) {
-    header_bytes = prefix[8] | (static_cast<std::uint64_t>(prefix[9]) << 8);
+    header_bytes = head[8] | (static_cast<std::uint64_t>(head[9]) << 8);
   } else if ((major == 2 || major == 3) && minor == 0) {
     preamble = 12;
     if (file_bytes < 12)
       fail("has " + std::to_string(file_bytes) + " bytes, fewer than the 12 of a version 2/3 preamble");
-    in.read(reinterpret_cast<char*>(prefix + 10), 2);
-    for (int i = 11; i >= 8; --i) header_bytes = (header_bytes << 8) | prefix[i];
+    for (int i = 11; i >= 8; --i) header_bytes = (header_bytes << 8) | head[i];
   } else {
     fail("has format version " + std::to_string(major) + "." + std::to_string(minor) + "; 1.0, 2.0 and 3.0 are read");
   }
@@ -212,16 +218,17 @@ inline NpyHeader read_npy_header(std::ifstream& in, const std::string& path, Ind
   if (header_bytes > file_bytes - preamble)
     fail("is truncated: its header of " + std::to_string(header_bytes) + " bytes runs past the end of the file (" +
          std::to_string(file_bytes) + " bytes)");
-  std::string text(static_cast<std::size_t>(header_bytes), '\0');
-  in.read(&text[0], static_cast<std::streamsize>(header_bytes));
-  if (!in) throw io_error("load_npy: reading the header of '" + path + "' failed");
+  // preamble + header_bytes <= min(file_bytes, kNpyHeadBytes): the header is in head.
+  const std::string text(reinterpret_cast<const char*>(head) + preamble, static_cast<std::size_t>(header_bytes));
 
-  NpyHeader header = NpyHeaderParser(text, path).parse();
+  NpyLayout layout;
+  NpyHeader& header = layout.header;
+  header = NpyHeaderParser(text, path).parse();
   header.data_offset = static_cast<std::size_t>(preamble + header_bytes);
   if (header.descr == "<f4")
-    item_bytes = 4;
+    layout.item_bytes = 4;
   else if (header.descr == "<f8")
-    item_bytes = 8;
+    layout.item_bytes = 8;
   else
     fail("has dtype '" + header.descr + "'; only '<f4' (float32) and '<f8' (float64) are read");
   if (header.fortran_order) fail("is in Fortran order; save a C-ordered array (numpy.ascontiguousarray)");
@@ -229,42 +236,61 @@ inline NpyHeader read_npy_header(std::ifstream& in, const std::string& path, Ind
     fail("has shape " + npy_shape_string(header.shape) + "; only 1-D (read as [n, 1]) and 2-D arrays are read");
   const std::uint64_t r = header.shape[0], c = header.shape.size() == 2 ? header.shape[1] : 1;
   constexpr auto max_index = static_cast<std::uint64_t>(std::numeric_limits<Index>::max());
-  if (r > max_index || c > max_index || (c != 0 && r > max_index / c) || (r * c > max_index / item_bytes))
+  if (r > max_index || c > max_index || (c != 0 && r > max_index / c) || (r * c > max_index / layout.item_bytes))
     fail("has shape " + npy_shape_string(header.shape) + ", too large to address");
+  layout.data_bytes = r * c * layout.item_bytes;
   const std::uint64_t data_bytes = file_bytes - header.data_offset;
-  if (data_bytes != r * c * item_bytes) {
+  if (data_bytes != layout.data_bytes) {
     std::ostringstream message;
-    message << "has shape " << npy_shape_string(header.shape) << " of " << header.descr << " = " << r * c * item_bytes
+    message << "has shape " << npy_shape_string(header.shape) << " of " << header.descr << " = " << layout.data_bytes
             << " bytes of data, but " << data_bytes << " bytes follow the header"
-            << (data_bytes < r * c * item_bytes ? " (truncated)" : " (trailing bytes)");
+            << (data_bytes < layout.data_bytes ? " (truncated)" : " (trailing bytes)");
     fail(message.str());
   }
-  rows = static_cast<Index>(r);
-  cols = static_cast<Index>(c);
-  return header;
+  layout.rows = static_cast<Index>(r);
+  layout.cols = static_cast<Index>(c);
+  return layout;
 }
 
+// The values of `layout` from `data` (its data section, read whole) into out [rows, cols].
 template <typename Scalar>
-void read_npy_data(std::ifstream& in, const std::string& path, std::uint64_t item_bytes, Index rows, Index cols,
-                   MatrixRef<Scalar> out) {
-  // Read everything first, then convert: an I/O failure half-way leaves `out` untouched.
-  std::vector<unsigned char> bytes(static_cast<std::size_t>(rows * cols) * static_cast<std::size_t>(item_bytes));
-  if (!bytes.empty()) in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-  if (!in) throw io_error("load_npy: reading the data of '" + path + "' failed");
-  for (Index r = 0; r < rows; ++r)
-    for (Index c = 0; c < cols; ++c) {
-      const std::size_t i = static_cast<std::size_t>(r * cols + c);
-      if (item_bytes == 4) {
+void convert_npy_data(const unsigned char* data, const NpyLayout& layout, MatrixRef<Scalar> out) {
+  for (Index r = 0; r < layout.rows; ++r)
+    for (Index c = 0; c < layout.cols; ++c) {
+      const std::size_t i = static_cast<std::size_t>(r * layout.cols + c);
+      if (layout.item_bytes == 4) {
         float value;
-        std::memcpy(&value, bytes.data() + 4 * i, 4);
+        std::memcpy(&value, data + 4 * i, 4);
         out(r, c) = static_cast<Scalar>(value);
       } else {
         double value;
-        std::memcpy(&value, bytes.data() + 8 * i, 8);
+        std::memcpy(&value, data + 8 * i, 8);
         out(r, c) = static_cast<Scalar>(value);  // to float: round to nearest-even
       }
     }
 }
+
+// An .npy file opened and its layout read (a regular file only: see detail/files.hpp).
+struct NpyFile {
+  InputFile file;
+  NpyLayout layout;
+
+  explicit NpyFile(const std::string& path) : file(path, "load_npy"), layout(read_layout(file, path)) {}
+
+  // The data section, read whole: an I/O failure half-way leaves any destination untouched.
+  std::vector<unsigned char> data() const {
+    std::vector<unsigned char> bytes(static_cast<std::size_t>(layout.data_bytes));
+    file.read_at(layout.header.data_offset, bytes.data(), bytes.size());
+    return bytes;
+  }
+
+ private:
+  static NpyLayout read_layout(const InputFile& file, const std::string& path) {
+    std::vector<unsigned char> head(static_cast<std::size_t>(std::min<std::uint64_t>(file.size(), kNpyHeadBytes)));
+    file.read_at(0, head.data(), head.size());
+    return parse_npy_layout(head.data(), file.size(), path);
+  }
+};
 
 template <typename Scalar>
 void save_npy(const std::string& path, const ConstMatrixRef<Scalar>& values) {
@@ -276,7 +302,7 @@ void save_npy(const std::string& path, const ConstMatrixRef<Scalar>& values) {
   header.append((64 - unpadded % 64) % 64, ' ');
   header.push_back('\n');
 
-  write_file_atomically(path, "save_npy", [&](std::ofstream& out) {
+  write_file_atomically(path, "save_npy", [&](OutputFile& out) {
     const unsigned char preamble[10] = {0x93,
                                         'N',
                                         'U',
@@ -287,11 +313,10 @@ void save_npy(const std::string& path, const ConstMatrixRef<Scalar>& values) {
                                         0,
                                         static_cast<unsigned char>(header.size() & 0xff),
                                         static_cast<unsigned char>(header.size() >> 8)};
-    out.write(reinterpret_cast<const char*>(preamble), 10);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    out.write(preamble, 10);
+    out.write(header.data(), header.size());
     for (Index r = 0; r < values.rows(); ++r)
-      out.write(reinterpret_cast<const char*>(values.row(r).data()),
-                static_cast<std::streamsize>(static_cast<std::size_t>(values.cols()) * sizeof(Scalar)));
+      out.write(values.row(r).data(), static_cast<std::size_t>(values.cols()) * sizeof(Scalar));
   });
 }
 }  // namespace detail
@@ -309,38 +334,46 @@ inline void save_npy(const std::string& path, const ConstMatrixRef<double>& valu
 
 // An .npy file -> a new [rows, cols] matrix (1-D arrays of n values as [n, 1]); '<f8' read as
 // float rounds to nearest-even, '<f4' as double is exact.
-// \throws io_error if the file cannot be opened or read, format_error (naming the file and the
-// field) for anything but a 1-D or 2-D, C-ordered '<f4' / '<f8' array with exactly its data.
-// Cost: one read of the file.
+// \throws io_error naming the path and the reason if it cannot be opened or read, or is not a
+// regular file (a directory, a named pipe, a device: refused before it is opened, so a pipe never
+// blocks); format_error (naming the file and the field) for anything but a 1-D or 2-D, C-ordered
+// '<f4' / '<f8' array with exactly its data. Cost: one read of the file.
 template <typename Scalar>
 RowMatrix<Scalar> load_npy(const std::string& path) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw io_error("load_npy: cannot open '" + path + "': " + std::strerror(errno));
-  Index rows = 0, cols = 0;
-  std::uint64_t item_bytes = 0;
-  const detail::NpyHeader header = detail::read_npy_header(in, path, rows, cols, item_bytes);
-  RowMatrix<Scalar> out(rows, cols);
-  detail::read_npy_data<Scalar>(in, path, item_bytes, rows, cols, out);
+  const detail::NpyFile npy(path);
+  const std::vector<unsigned char> data = npy.data();
+  RowMatrix<Scalar> out(npy.layout.rows, npy.layout.cols);
+  detail::convert_npy_data<Scalar>(data.data(), npy.layout, out);
+  return out;
+}
+
+// The bytes of an .npy file held in memory (`size` of them at `data`; `label` names it in the
+// messages) -> a new [rows, cols] matrix, as load_npy. For tests, fuzzing, and files that do not
+// come from a path (an archive member). \throws format_error as load_npy. Cost: one pass.
+template <typename Scalar>
+RowMatrix<Scalar> load_npy_from_bytes(const void* data, std::size_t size, const std::string& label = "<memory>") {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  const detail::NpyLayout layout = detail::parse_npy_layout(bytes, size, label);
+  RowMatrix<Scalar> out(layout.rows, layout.cols);
+  detail::convert_npy_data<Scalar>(bytes + layout.header.data_offset, layout, out);
   return out;
 }
 
 namespace detail {
 template <typename Scalar>
 void load_npy_into(const std::string& path, MatrixRef<Scalar> out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw io_error("load_npy: cannot open '" + path + "': " + std::strerror(errno));
-  Index rows = 0, cols = 0;
-  std::uint64_t item_bytes = 0;
-  const detail::NpyHeader header = detail::read_npy_header(in, path, rows, cols, item_bytes);
-  if (rows != out.rows() || cols != out.cols()) {
+  const NpyFile npy(path);
+  if (npy.layout.rows != out.rows() || npy.layout.cols != out.cols()) {
     std::ostringstream message;
-    message << "load_npy: '" << path << "' holds [" << rows << ", " << cols << "] (shape "
-            << detail::npy_shape_string(header.shape) << ") but the destination is [" << out.rows() << ", "
+    message << "load_npy: '" << path << "' holds [" << npy.layout.rows << ", " << npy.layout.cols << "] (shape "
+            << npy_shape_string(npy.layout.header.shape) << ") but the destination is [" << out.rows() << ", "
             << out.cols() << "]";
     throw shape_error(message.str());
   }
-  detail::read_npy_data<Scalar>(in, path, item_bytes, rows, cols, out);
+  const std::vector<unsigned char> data = npy.data();
+  convert_npy_data<Scalar>(data.data(), npy.layout, out);
 }
 }  // namespace detail
 

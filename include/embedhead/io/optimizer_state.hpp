@@ -19,24 +19,34 @@ namespace embedhead {
 
 // Adds an optimizer's state to `writer`: tensors "optimizer.<i>.<buffer>" for parameter i (in
 // registration order) and metadata "optimizer" (kind), "optimizer.step", "optimizer.parameters"
-// (a JSON list of [name, rows, cols]). Stored in Scalar's own dtype, so a restore is exact.
+// (a JSON list of [name, rows, cols]). Stored in Scalar's own dtype, so a restore is exact. The
+// buffers are moved into the writer: pass optimizer.state() directly (no copy), or a named state,
+// which is copied once.
+// \throws value_error if a parameter's name is not valid UTF-8 (a safetensors header is JSON), or
+// as SafetensorsWriter::add (a tensor name added before); the writer is unchanged on throw.
 template <typename Scalar>
-void add_optimizer_state(SafetensorsWriter& writer, const OptimizerState<Scalar>& state) {
+void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state) {
   const DType dtype = std::is_same_v<Scalar, float> ? DType::F32 : DType::F64;
+  for (std::size_t i = 0; i < state.parameters.size(); ++i)
+    detail::check_utf8(state.parameters[i].name, "add_optimizer_state: parameter " + std::to_string(i) + "'s name");
+  SafetensorsWriter staged = writer;  // all or nothing: the entries are added to a copy, then swapped in
   nlohmann::json parameters = nlohmann::json::array();
   for (std::size_t i = 0; i < state.parameters.size(); ++i) {
-    const auto& entry = state.parameters[i];
+    auto& entry = state.parameters[i];
     parameters.push_back({entry.name, entry.rows, entry.cols});
-    for (const auto& [key, buffer] : entry.buffers)
-      writer.add<Scalar>("optimizer." + std::to_string(i) + "." + key, buffer, dtype);
+    for (auto& [key, buffer] : entry.buffers)
+      staged.add<Scalar>("optimizer." + std::to_string(i) + "." + key, std::move(buffer), dtype);
   }
-  writer.set_metadata("optimizer", state.optimizer);
-  writer.set_metadata("optimizer.step", std::to_string(state.step));
-  writer.set_metadata("optimizer.parameters", parameters.dump());
+  staged.set_metadata("optimizer", state.optimizer);
+  staged.set_metadata("optimizer.step", std::to_string(state.step));
+  staged.set_metadata("optimizer.parameters", parameters.dump());
+  writer = std::move(staged);
 }
 
 // The optimizer state stored by add_optimizer_state, to pass to Optimizer::load_state (which
-// checks it against the optimizer). \throws format_error naming what is missing or malformed.
+// checks it against the optimizer). \throws format_error naming what is missing or malformed: the
+// metadata, or a buffer whose dtype is not a float dtype or whose shape is not the [rows, cols]
+// the metadata gives its parameter. Sizes are trusted only once a tensor of that shape exists.
 template <typename Scalar>
 OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
   const auto& metadata = file.metadata();
@@ -75,7 +85,17 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
       const std::string key = t.name.substr(prefix.size());
       // The shape check first: the metadata's sizes are only trusted once a tensor of that shape,
       // backed by data in the file, exists; allocating before it let a forged size ask for 2^62.
-      file.expect(t.name, entry.rows, entry.cols, "optimizer buffer '" + key + "' of '" + entry.name + "'");
+      if (!is_convertible(t.dtype))
+        fail("tensor '" + t.name + "' has dtype " + dtype_name(t.dtype) +
+             "; optimizer buffers are F32, F64, F16 or BF16");
+      const bool matrix = t.shape.size() == 2 && t.shape[0] == static_cast<std::uint64_t>(entry.rows) &&
+                          t.shape[1] == static_cast<std::uint64_t>(entry.cols);
+      const bool vector = entry.cols == 1 && t.shape.size() == 1 &&
+                          t.shape[0] == static_cast<std::uint64_t>(entry.rows);
+      if (!matrix && !vector)
+        fail("tensor '" + t.name + "' is " + t.shape_string() + " but parameter " + std::to_string(i) + " ('" +
+             entry.name + "') is [" + std::to_string(entry.rows) + ", " + std::to_string(entry.cols) +
+             "] in metadata 'optimizer.parameters'");
       RowMatrix<Scalar> buffer(entry.rows, entry.cols);
       file.read<Scalar>(t, buffer);
       entry.buffers.emplace(key, std::move(buffer));

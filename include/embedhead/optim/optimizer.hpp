@@ -243,8 +243,9 @@ class Optimizer {
   }
 
   // Restores a state() of an optimizer of the same kind over parameters of the same names and
-  // shapes, in the same order. \throws value_error (wrong optimizer, count, name, unknown buffer)
-  // or shape_error (a shape differs), naming the entry; nothing changes on throw.
+  // shapes, in the same order. \throws value_error (wrong optimizer, count, name -- whatever the
+  // shapes --, unknown buffer) or shape_error (same name, a shape differs), naming the entry;
+  // nothing changes on throw.
   void load_state(const OptimizerState<Scalar>& s) {
     const char* where = name_;
     if (s.optimizer != name_) {
@@ -266,6 +267,8 @@ class Optimizer {
         message << where << "::load_state: parameter " << i << " is '" << entry.name << "' [" << entry.rows << ", "
                 << entry.cols << "] in the state but '" << p.name() << "' [" << p.rows() << ", " << p.cols()
                 << "] here";
+        // Another name is another parameter (value_error); the same one of another shape, a shape_error.
+        if (entry.name != p.name()) throw value_error(message.str());
         throw shape_error(message.str());
       }
       for (const auto& [key, buffer] : entry.buffers) {
