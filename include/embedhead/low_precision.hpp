@@ -379,15 +379,13 @@ class LowPrecisionOutputProjection {
   explicit LowPrecisionOutputProjection(const ConstMatrixRef<Storage>& W,
                                         const ConstMatrixRef<float>& bias = RowMatrix<float>(0, 1))
       : weight_((validate(W, bias), std::make_shared<ParameterType>(RowMatrix<Storage>(W), "lm_head.weight"))),
-        bias_(make_bias(bias)),
-        absent_bias_grad_(W.rows(), 1) {}
+        bias_(make_bias(bias)) {}
   // W float [V, d], rounded to Storage (convert_table); bias as above. \throws as above and as
   // convert_table.
   explicit LowPrecisionOutputProjection(const ConstMatrixRef<float>& W,
                                         const ConstMatrixRef<float>& bias = RowMatrix<float>(0, 1))
       : weight_((validate(W, bias), std::make_shared<ParameterType>(convert_table<Storage>(W), "lm_head.weight"))),
-        bias_(make_bias(bias)),
-        absent_bias_grad_(W.rows(), 1) {}
+        bias_(make_bias(bias)) {}
 
   Index vocab_size() const { return weight_->rows(); }
   Index dim() const { return weight_->cols(); }
@@ -412,11 +410,12 @@ class LowPrecisionOutputProjection {
   }
   Index parameter_count() const { return weight_->size() + (bias_ ? bias_->size() : 0); }
 
-  // weight().grad(); bias()->grad(), or an untouched [V, 1] gradient when there is no bias.
+  // weight().grad(); bias()->grad(), or an untouched [V, 1] gradient when there is no bias (made
+  // on first use, and again at the new V if W's rows changed since).
   RowGradient<float>& weight_grad() { return weight_->grad(); }
   const RowGradient<float>& weight_grad() const { return weight_->grad(); }
-  RowGradient<float>& bias_grad() { return bias_ ? bias_->grad() : absent_bias_grad_; }
-  const RowGradient<float>& bias_grad() const { return bias_ ? bias_->grad() : absent_bias_grad_; }
+  RowGradient<float>& bias_grad() { return bias_ ? bias_->grad() : absent_bias_grad(); }
+  const RowGradient<float>& bias_grad() const { return bias_ ? bias_->grad() : absent_bias_grad(); }
   void zero_grad() {
     weight_->zero_grad();
     if (bias_) bias_->zero_grad();
@@ -474,6 +473,11 @@ class LowPrecisionOutputProjection {
     if (bias.size() == 0) return nullptr;
     return std::make_shared<Parameter<float>>(RowMatrix<float>(bias), "lm_head.bias");
   }
+  RowGradient<float>& absent_bias_grad() const {
+    if (!absent_bias_grad_ || absent_bias_grad_->rows() != vocab_size())
+      absent_bias_grad_ = std::make_unique<RowGradient<float>>(vocab_size(), 1);
+    return *absent_bias_grad_;
+  }
   Eigen::Map<const RowMatrix<Storage>> weight_value() const {
     return static_cast<const ParameterType&>(*weight_).value();
   }
@@ -484,7 +488,9 @@ class LowPrecisionOutputProjection {
 
   std::shared_ptr<ParameterType> weight_;
   std::shared_ptr<Parameter<float>> bias_;
-  RowGradient<float> absent_bias_grad_;  // what bias_grad() returns without a bias: never touched
+  // What bias_grad() returns without a bias: never touched by the layer. Held by pointer (a
+  // gradient keeps its shape, so moving a layer of another V into this one could not assign it).
+  mutable std::unique_ptr<RowGradient<float>> absent_bias_grad_;
   HeadTileWorkspace workspace_;
 };
 

@@ -4,6 +4,7 @@
 // torch.optim formulas written over full [V, d] gradient matrices, zeros where a row is
 // untouched), from hand-derived first steps, and from invariants (untouched rows under the lazy
 // optimizers do not change at all).
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +19,7 @@
 #include <embedhead/token_embedding.hpp>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "../reference/test_support.hpp"
@@ -30,6 +32,7 @@ using Catch::Matchers::WithinRel;
 using embedhead::Index;
 using embedhead::Parameter;
 using embedhead::RowMatrix;
+using test_support::first_difference;
 using test_support::random_matrix;
 using test_support::same_values;
 
@@ -753,5 +756,90 @@ TEMPLATE_TEST_CASE("resize_state: each buffer's initial value; unregistered para
     other->resize_rows(6);
     CHECK_FALSE(adam.resize_state(*other));
     CHECK(same_values(adam.state().parameters[0].buffers.at("exp_avg"), before.parameters[0].buffers.at("exp_avg")));
+  }
+}
+
+// ---- state that no longer matches its parameter ----
+
+TEMPLATE_TEST_CASE("step and state() reject buffers that no longer match their parameter; nothing changes",
+                   "[optimizer][resize][errors]", float, double) {
+  using Scalar = TestType;
+  const Index V = 4, d = 3;
+  // p is resized without resize_state; q, registered beside it, is not. The reference optimizer
+  // over copies of them takes the same first step and no other.
+  auto run = [&](auto make_optimizer, const std::string& name, const std::string& buffer) {
+    for (const Index new_rows : {Index{7}, Index{2}}) {
+      INFO("resized to " << new_rows << " rows");
+      auto p = make_parameter<Scalar>(V, d, 170, "E"), q = make_parameter<Scalar>(2, d, 171, "b");
+      auto p0 = make_parameter<Scalar>(V, d, 170, "E"), q0 = make_parameter<Scalar>(2, d, 171, "b");
+      auto optimizer = make_optimizer(p, q);
+      auto reference = make_optimizer(p0, q0);
+      const RowMatrix<double> Gp = random_matrix<double>(V, d, 172), Gq = random_matrix<double>(2, d, 173);
+      set_gradient(*p, Gp, {});
+      set_gradient(*p0, Gp, {});
+      set_gradient(*q, Gq, {});
+      set_gradient(*q0, Gq, {});
+      optimizer.step();
+      reference.step();
+      p->resize_rows(new_rows);
+      // Every row has a gradient, those beyond the buffers' rows too.
+      set_gradient(*p, random_matrix<double>(new_rows, d, 174), {});
+      const RowMatrix<Scalar> p_before = p->value(), q_before = q->value(), g_before = p->grad().to_dense();
+      const std::string expected = "parameter 'E' is [" + std::to_string(new_rows) + ", 3] but its state '" + buffer +
+                                   "' is [4, 3]; call resize_state(parameter) after Parameter::resize_rows";
+      REQUIRE_THROWS_AS(optimizer.step(), embedhead::shape_error);
+      REQUIRE_THROWS_WITH(optimizer.step(), Contains(name + "::step: " + expected));
+      REQUIRE_THROWS_AS(optimizer.state(), embedhead::shape_error);
+      REQUIRE_THROWS_WITH(optimizer.state(), Contains(name + "::state: " + expected));
+      // A frozen parameter's state is checked too: step would skip it, but it is stale all the same.
+      p->set_frozen(true);
+      REQUIRE_THROWS_AS(optimizer.step(), embedhead::shape_error);
+      p->set_frozen(false);
+      set_gradient(*p, random_matrix<double>(new_rows, d, 174), {});
+      CHECK(optimizer.step_count() == 1);
+      CHECK(first_difference(p->value(), p_before).empty());
+      CHECK(first_difference(q->value(), q_before).empty());
+      CHECK(first_difference(p->grad().to_dense(), g_before).empty());
+      // resize_state makes the buffers follow: they still hold the first step's values (the failed
+      // steps wrote nothing), and the next step runs.
+      REQUIRE(optimizer.resize_state(*p));
+      const auto state = optimizer.state(), expected_state = reference.state();
+      const Index kept = std::min(V, new_rows);
+      for (const auto& [key, value] : expected_state.parameters[0].buffers)
+        CHECK(first_difference(state.parameters[0].buffers.at(key).topRows(kept), value.topRows(kept)).empty());
+      for (const auto& [key, value] : expected_state.parameters[1].buffers)
+        CHECK(first_difference(state.parameters[1].buffers.at(key), value).empty());
+      optimizer.step();
+      CHECK(optimizer.step_count() == 2);
+      CHECK(optimizer.state().parameters[0].rows == new_rows);
+      CHECK(p->value().allFinite());
+    }
+  };
+  using P = ParameterPtr<Scalar>;
+  SECTION("AdamW") {
+    run(
+        [](const P& p, const P& q) {
+          return embedhead::AdamW<Scalar>(embedhead::AdamOptions{}, {p, q});
+        },
+        "AdamW", "exp_avg");
+  }
+  SECTION("LazyAdam") {
+    run(
+        [](const P& p, const P& q) {
+          return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p, q});
+        },
+        "LazyAdam", "exp_avg");
+  }
+  SECTION("SGD with momentum") {
+    embedhead::SGDOptions options;
+    options.momentum = 0.9;
+    run([&](const P& p, const P& q) { return embedhead::SGD<Scalar>(options, {p, q}); }, "SGD", "momentum_buffer");
+  }
+  SECTION("Adagrad") {
+    run(
+        [](const P& p, const P& q) {
+          return embedhead::Adagrad<Scalar>(embedhead::AdagradOptions{}, {p, q});
+        },
+        "Adagrad", "sum");
   }
 }

@@ -206,7 +206,11 @@ class Optimizer {
   // One update of every registered parameter from its current gradient; frozen parameters are
   // skipped (value and state untouched), but the step count t advances once for all. Cost: see the
   // class.
+  // \throws shape_error if a registered parameter's buffers no longer have its shape (it was
+  // resized, Parameter::resize_rows, without resize_state: frozen parameters included). Nothing
+  // changes on throw, the step count included.
   void step() {
+    check_state("step");
     ++step_;
     std::size_t slot = 0;
     for (const auto& group : groups_)
@@ -232,7 +236,10 @@ class Optimizer {
       for (const auto& p : group.parameters) p->zero_grad();
   }
 
+  // -> the step count and every registered parameter's buffers, in registration order.
+  // \throws shape_error if a parameter's buffers no longer have its shape (as step).
   OptimizerState<Scalar> state() const {
+    check_state("state");
     OptimizerState<Scalar> s;
     s.optimizer = name_;
     s.step = step_;
@@ -322,6 +329,23 @@ class Optimizer {
  private:
   template <typename>
   friend class detail::StateResize;
+
+  // Throws shape_error, naming <name>::<call>, the parameter and the buffer, if a registered
+  // parameter's buffer is not of its [rows, cols]: it was resized without resize_state, and the
+  // update would read and write past the buffer. O(parameters * buffers).
+  void check_state(const char* call) const {
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      const Parameter<Scalar>& p = *slots_[i];
+      for (const auto& [key, buffer] : state_[i]) {
+        if (buffer.rows() == p.rows() && buffer.cols() == p.cols()) continue;
+        std::ostringstream message;
+        message << name_ << "::" << call << ": parameter '" << p.name() << "' is [" << p.rows() << ", " << p.cols()
+                << "] but its state '" << key << "' is [" << buffer.rows() << ", " << buffer.cols()
+                << "]; call resize_state(parameter) after Parameter::resize_rows (resize_vocabulary does both)";
+        throw shape_error(message.str());
+      }
+    }
+  }
 
   std::ptrdiff_t slot_of(const Parameter<Scalar>* p) const {
     const auto it = std::find(slots_.begin(), slots_.end(), p);
