@@ -572,6 +572,16 @@ TEMPLATE_TEST_CASE("low precision: head errors name the operand and shapes; noth
   CHECK(dW == RowMatrix<float>::Constant(V, d + 1, 1.0f));
   CHECK(unchanged());
 
+  // A bias whose length no longer matches W (W resized through its Parameter): named before either
+  // gradient turns dense.
+  head.weight().resize_rows(V + 2);
+  REQUIRE_THROWS_AS(head.backward(h, RowMatrix<float>::Ones(N, V + 2), dh), embedhead::shape_error);
+  REQUIRE_THROWS_WITH(head.backward(h, RowMatrix<float>::Ones(N, V + 2), dh),
+                      Contains("LowPrecisionOutputProjection::backward: bias has shape [5, 1], expected [7, 1]"));
+  CHECK(unchanged());
+  CHECK_FALSE(head.bias_grad().is_dense());
+  head.weight().resize_rows(V);
+
   // Constructors.
   REQUIRE_THROWS_AS(LowPrecisionOutputProjection<Storage>(W, RowMatrix<float>::Zero(V, 2)), embedhead::shape_error);
   REQUIRE_THROWS_WITH(LowPrecisionOutputProjection<Storage>(W, RowMatrix<float>::Zero(V, 2)),

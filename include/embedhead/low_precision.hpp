@@ -443,13 +443,15 @@ class LowPrecisionOutputProjection {
   // h float [N, d], dlogits float [N, V] -> dh [N, d] = dlogits float(W) (written);
   // weight_grad() += dlogits^T h (dense); bias_grad() += column sums of dlogits. A frozen W or bias
   // takes nothing (dh is still computed; a frozen W skips the dW product).
-  // \throws shape_error on any mismatch; gradients and dh unchanged on throw.
+  // \throws shape_error on any mismatch, a bias whose length is no longer W's V included;
+  // gradients (their dense flag too) and dh unchanged on throw.
   void backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<float>& dlogits, MatrixRef<float> dh) {
     const char* where = "LowPrecisionOutputProjection::backward";
     // Check before dense_accumulator(), which switches the gradient to dense mode.
     detail::check_shape(where, "h", h, h.rows(), dim());
     detail::check_shape(where, "dlogits", dlogits, h.rows(), vocab_size());
     detail::check_shape(where, "dh", dh, h.rows(), dim());
+    if (bias_) detail::check_shape(where, "bias", bias_->value(), vocab_size(), 1);  // W or the bias resized alone
     auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<float>>(nullptr, 0, dim()) : weight_->grad().dense_accumulator();
     auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator()
                                         : Eigen::Map<RowMatrix<float>>(nullptr, 0, 1);

@@ -350,13 +350,17 @@ class OutputProjection {
   // (switches it to dense mode); bias grad += column sums of dlogits. A frozen W or bias takes
   // nothing (dh is still computed, for the layers below): a frozen W skips the dW GEMM, half the
   // flops, and its gradient stays as it was (sparse, nothing allocated).
-  // \throws shape_error on any mismatch; gradients and dh unchanged on throw.
+  // \throws shape_error on any mismatch, a bias whose length is no longer W's V included (W or the
+  // bias resized alone); gradients (their dense flag too) and dh unchanged on throw.
   void backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh) {
     const char* where = "OutputProjection::backward";
     // Check before dense_accumulator(), which would switch the gradient to dense mode.
     detail::check_shape(where, "h", h, h.rows(), dim());
     detail::check_shape(where, "dlogits", dlogits, h.rows(), vocab_size());
     detail::check_shape(where, "dh", dh, h.rows(), dim());
+    // A bias of another length than W (one of them resized alone) would only be found by the
+    // product's check, after both gradients had turned dense.
+    if (bias_) detail::check_shape(where, "bias", bias_->value(), vocab_size(), 1);
     // The V x d buffer first: if its allocation fails, the bias gradient is still untouched.
     const Eigen::Map<RowMatrix<Scalar>> none(nullptr, 0, 1);
     auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, dim())
