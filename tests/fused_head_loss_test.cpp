@@ -14,6 +14,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -600,6 +601,12 @@ TEMPLATE_TEST_CASE("fused head loss rejects bad input and writes nothing", "[fus
     CHECK_THROWS_AS(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
                          with([](FusedHeadLossOptions& o) { o.z_loss = -1; })),
                     embedhead::value_error);
+    // Checked in the Scalar the pass computes in: 0 there, the soft-cap divides by zero.
+    if constexpr (std::is_same_v<Scalar, float>)
+      CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                             with([](FusedHeadLossOptions& o) { o.softcap = 1e-50; })),
+                        Contains("fused_head_loss_forward_backward: softcap = 1e-50 outside [0, inf) (0: off) in "
+                                 "float: it rounds to 0"));
     unchanged();
   }
 }

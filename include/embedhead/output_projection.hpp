@@ -269,7 +269,8 @@ class OutputProjection {
   OutputProjection& operator=(OutputProjection&&) noexcept = default;
 
   // Untied: a new W [V, d] from N(0, init_std^2) with Rng(seed), and a zero bias [V] if asked.
-  // \throws value_error if V or d < 1 or init_std <= 0.
+  // \throws value_error if V or d < 1 or init_std is not in (0, inf), also in Scalar (see
+  // init_normal: not 0 there, every draw finite there).
   OutputProjection(Index V, Index d, const OutputProjectionOptions& options = {})
       : weight_(make_weight(V, d, options)) {
     Rng rng(options.seed);
@@ -398,7 +399,7 @@ class OutputProjection {
   static std::shared_ptr<Parameter<Scalar>> make_weight(Index V, Index d, const OutputProjectionOptions& options) {
     detail::check_size("OutputProjection", "V", V);
     detail::check_size("OutputProjection", "d", d);
-    detail::check_positive("OutputProjection", "init_std", options.init_std);
+    detail::check_init_std<Scalar>("OutputProjection", "init_std", options.init_std);
     return std::make_shared<Parameter<Scalar>>(V, d, "lm_head.weight");
   }
   Eigen::Map<const RowMatrix<Scalar>> bias_view() const {

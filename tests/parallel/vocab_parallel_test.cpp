@@ -600,6 +600,14 @@ TEST_CASE("VocabParallelEmbedding errors: every rank throws the last rank's erro
   TokenEmbeddingOptions o;
   o.init_std = 0;
   CHECK_THROWS_AS(VocabParallelEmbedding<float>(kV, 4, comm, o), value_error);
+  o.init_std = 1e-50;  // 0 in float
+  CHECK_THROWS_WITH(VocabParallelEmbedding<float>(kV, 4, comm, o),
+                    Catch::Contains(
+                        "VocabParallelEmbedding: init_std = 1e-50 outside (0, inf) in float: it rounds to 0"));
+  OutputProjectionOptions head_options;
+  head_options.init_std = 1e-50;
+  CHECK_THROWS_WITH(VocabParallelOutputProjection<float>(kV, 4, comm, head_options),
+                    Catch::Contains("VocabParallelOutputProjection: init_std = 1e-50 outside (0, inf) in float"));
   o = {};
   o.padding_idx = kV;
   CHECK_THROWS_WITH(VocabParallelEmbedding<float>(kV, 4, comm, o),
@@ -756,6 +764,16 @@ TEST_CASE("vocab_parallel_cross_entropy errors: agreed across ranks, nothing wri
   pad(0, 3) = 51;
   CHECK_THAT(thrown_message<index_error>([&] { vocab_parallel_cross_entropy<float>(comm, kV, local, pad, padded); }),
              Catch::Contains("columns [50, 53) are vocabulary padding"));
+
+  // An option checked in the float the loss computes in: a soft-cap of 1e-50 is 0 there.
+  CrossEntropyOptions tiny_cap;
+  tiny_cap.softcap = 1e-50;
+  CHECK(thrown_message<value_error>([&] {
+          vocab_parallel_cross_entropy_forward_backward<float>(comm, kV, local, targets, dlocal, tiny_cap);
+        }) == on_rank("vocab_parallel_cross_entropy_forward_backward: softcap = 1e-50 outside [0, inf) (0: off) in "
+                      "float: it rounds to 0 (the smallest positive float is 1.4013e-45)",
+                      0, R));  // every rank fails: rank 0's message
+  CHECK(dlocal.isConstant(2.0f));
 
   // Targets differing across ranks.
   if (R > 1) {

@@ -44,8 +44,8 @@ class VocabParallelEmbedding {
   // d, options) draws (element (v, c) of that table is draw 2 (v d + c) of Rng(seed), so the shard
   // starts its stream at counter 2 begin d). The row padding_idx (a global id) is zeroed on the rank
   // that owns it. No communication.
-  // \throws value_error if d < 1, V < R (each rank owns a row) or init_std <= 0; index_error if
-  // padding_idx is outside [0, V).
+  // \throws value_error if d < 1, V < R (each rank owns a row) or init_std is not in (0, inf), also
+  // in Scalar (see init_normal); index_error if padding_idx is outside [0, V).
   VocabParallelEmbedding(Index V, Index d, Communicator& comm, const TokenEmbeddingOptions& options = {})
       : comm_(&comm),
         V_(V),
@@ -129,7 +129,7 @@ class VocabParallelEmbedding {
     detail::check_size(where, "V", V);
     detail::check_size(where, "d", d);
     detail::check_vocab_over_ranks(where, V, comm.size());
-    if (initialises) detail::check_positive(where, "init_std", options.init_std);
+    if (initialises) detail::check_init_std<Scalar>(where, "init_std", options.init_std);
     if (options.padding_idx && (*options.padding_idx < 0 || *options.padding_idx >= V)) {
       std::ostringstream message;
       message << where << ": padding_idx " << *options.padding_idx << " outside [0, " << V << ")";

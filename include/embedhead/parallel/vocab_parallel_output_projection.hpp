@@ -42,7 +42,8 @@ class VocabParallelOutputProjection {
   // Untied: W shard = rows [begin, end) of OutputProjection<Scalar>(V, d, options)'s W (the same
   // Rng stream from counter 2 begin d: bit-identical), and a zero bias shard [rows, 1] if
   // options.bias. No communication.
-  // \throws value_error if d < 1, V < R or init_std <= 0.
+  // \throws value_error if d < 1, V < R or init_std is not in (0, inf), also in Scalar (see
+  // init_normal).
   VocabParallelOutputProjection(Index V, Index d, Communicator& comm, const OutputProjectionOptions& options = {})
       : comm_(&comm),
         V_(V),
@@ -168,7 +169,7 @@ class VocabParallelOutputProjection {
     detail::check_size(where, "V", V);
     detail::check_size(where, "d", d);
     detail::check_vocab_over_ranks(where, V, comm.size());
-    detail::check_positive(where, "init_std", options.init_std);
+    detail::check_init_std<Scalar>(where, "init_std", options.init_std);
     return vocab_shard(V, comm.rank(), comm.size());
   }
   static VocabShard check_wrapped(Index V, const std::shared_ptr<Parameter<Scalar>>& weight,
