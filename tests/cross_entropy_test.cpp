@@ -764,6 +764,54 @@ TEMPLATE_TEST_CASE("cross_entropy rejects options out of range and writes nothin
   CHECK(same_values(dz, before));
 }
 
+TEMPLATE_TEST_CASE("loss options are checked in the Scalar the loss computes in; nothing written",
+                   "[cross_entropy][options][errors]", float, double) {
+  using Scalar = TestType;
+  constexpr bool is_float = std::is_same_v<Scalar, float>;
+  const RowMatrix<Scalar> logits = random_matrix<Scalar>(2, 5, 1411);
+  IdMatrix<std::int32_t> targets(1, 2);
+  targets << 1, 4;
+  // Each value is finite (and the positive ones positive) in double, but 0 or inf in float, where
+  // it made NaN or inf gradients: softcap 1e-50 divides by 0, softcap 1e300 multiplies 0 by inf,
+  // gradient_scale and z_loss of 1e300 make the gradient's factor inf, and gradient_scale 1e-50
+  // silently zeroes every gradient.
+  struct Case {
+    double CrossEntropyOptions::*field;
+    double value;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {&CrossEntropyOptions::softcap, 1e-50, "softcap = 1e-50 outside [0, inf) (0: off) in float: it rounds to 0"},
+      {&CrossEntropyOptions::softcap, 1e300, "softcap = 1e+300 outside [0, inf) (0: off) in float: it rounds to inf"},
+      {&CrossEntropyOptions::gradient_scale, 1e300,
+       "gradient_scale = 1e+300 outside the finite numbers in float: it rounds to inf"},
+      {&CrossEntropyOptions::gradient_scale, -1e300,
+       "gradient_scale = -1e+300 outside the finite numbers in float: it rounds to inf"},
+      {&CrossEntropyOptions::gradient_scale, 1e-50,
+       "gradient_scale = 1e-50 outside the finite numbers in float: it rounds to 0"},
+      {&CrossEntropyOptions::z_loss, 1e300, "z_loss = 1e+300 outside [0, inf) in float: it rounds to inf"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.message);
+    CrossEntropyOptions o;
+    o.*c.field = c.value;
+    RowMatrix<Scalar> dz = RowMatrix<Scalar>::Constant(2, 5, 7);
+    if constexpr (is_float) {
+      CHECK_THROWS_AS(embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, o),
+                      embedhead::value_error);
+      CHECK_THROWS_WITH(embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, o),
+                        Contains(std::string("cross_entropy_forward_backward: ") + c.message));
+      CHECK_THROWS_WITH(embedhead::cross_entropy<Scalar>(logits, targets, o), Contains(c.message));
+      CHECK(dz == RowMatrix<Scalar>::Constant(2, 5, 7));
+    } else {
+      // In double each is an ordinary value: a finite loss and gradient.
+      const auto result = embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, o);
+      CHECK(std::isfinite(result.loss));
+      CHECK(dz.allFinite());
+    }
+  }
+}
+
 TEMPLATE_TEST_CASE("Reduction::none: the per-token losses, and loss defined as their sum", "[cross_entropy][none]",
                    float, double) {
   using S = TestType;

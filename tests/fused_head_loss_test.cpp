@@ -12,7 +12,10 @@
 #include <embedhead/output_projection.hpp>
 #include <embedhead/token_embedding.hpp>
 #include <limits>
+#include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "reference/naive.hpp"
@@ -605,6 +608,12 @@ TEMPLATE_TEST_CASE("fused head loss rejects bad input and writes nothing", "[fus
     CHECK_THROWS_AS(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
                          with([](FusedHeadLossOptions& o) { o.z_loss = -1; })),
                     embedhead::value_error);
+    // Checked in the Scalar the pass computes in: 0 there, the soft-cap divides by zero.
+    if constexpr (std::is_same_v<Scalar, float>)
+      CHECK_THROWS_WITH(call(p.h, p.W, p.bias, p.targets, weights, dh, dW, db, lse, losses,
+                             with([](FusedHeadLossOptions& o) { o.softcap = 1e-50; })),
+                        Contains("fused_head_loss_forward_backward: softcap = 1e-50 outside [0, inf) (0: off) in "
+                                 "float: it rounds to 0"));
     unchanged();
   }
 }
@@ -636,6 +645,50 @@ TEMPLATE_TEST_CASE("FusedHeadLoss layer leaves the gradients untouched when it t
   CHECK(!emb.weight().grad().is_dense());
   CHECK(same_values(emb.weight().grad().to_dense(), before));
   CHECK(same_values(dh, RowMatrix<Scalar>::Constant(3, 4, 3)));
+}
+
+TEMPLATE_TEST_CASE("FusedHeadLoss layer: every check before a gradient turns dense, options and a stale bias too",
+                   "[fused_head_loss][layer][errors]", float, double) {
+  using Scalar = TestType;
+  // A head wrapping the embedding's table with a bias of its own, the table with sparse rows.
+  embedhead::TokenEmbedding<Scalar> emb(9, 4);
+  auto bias = std::make_shared<embedhead::Parameter<Scalar>>(random_matrix<Scalar>(9, 1, 911), "lm_head.bias");
+  embedhead::OutputProjection<Scalar> head(emb.weight_ptr(), bias);
+  emb.backward(random_ids<std::int32_t>(1, 3, 9, 912), RowMatrix<Scalar>::Ones(3, 4));
+  const RowMatrix<Scalar> h = random_matrix<Scalar>(3, 4, 913);
+  RowMatrix<Scalar> dh = RowMatrix<Scalar>::Constant(3, 4, 3);
+  IdMatrix<std::int32_t> targets(1, 3);
+  targets << 1, 0, 2;
+  auto unchanged = [&](const std::vector<Index>& touched, const RowMatrix<Scalar>& before) {
+    CHECK(emb.weight().grad().touched_rows() == touched);
+    CHECK_FALSE(emb.weight().grad().is_dense());
+    CHECK(same_values(emb.weight().grad().to_dense(), before));
+    CHECK_FALSE(bias->grad().is_dense());
+    CHECK(bias->grad().num_touched() == 0);
+    CHECK(same_values(dh, RowMatrix<Scalar>::Constant(3, 4, 3)));
+  };
+  std::vector<Index> touched = emb.weight().grad().touched_rows();
+  RowMatrix<Scalar> before = emb.weight().grad().to_dense();
+  for (const auto& [edit, message] : std::vector<std::pair<void (*)(FusedHeadLossOptions&), std::string>>{
+           {[](FusedHeadLossOptions& o) { o.vocab_block = -1; }, "vocab_block = -1 outside [0, inf)"},
+           {[](FusedHeadLossOptions& o) { o.memory_budget = -1; }, "memory_budget = -1 outside [0, inf)"},
+           {[](FusedHeadLossOptions& o) { o.z_loss = -1; }, "z_loss = -1 outside [0, inf)"}}) {
+    FusedHeadLossOptions options;
+    edit(options);
+    FusedHeadLoss<Scalar> loss(options);
+    CHECK_THROWS_WITH(loss.forward_backward(head, h, targets, dh),
+                      Contains("FusedHeadLoss::forward_backward: " + message));
+    unchanged(touched, before);
+  }
+  // The table resized (as resize_vocabulary given the embedding alone does), the bias not.
+  emb.weight().resize_rows(11);
+  touched = emb.weight().grad().touched_rows();
+  before = emb.weight().grad().to_dense();
+  FusedHeadLoss<Scalar> loss;
+  CHECK_THROWS_AS(loss.forward_backward(head, h, targets, dh), embedhead::shape_error);
+  CHECK_THROWS_WITH(loss.forward_backward(head, h, targets, dh),
+                    Contains("FusedHeadLoss::forward_backward: bias has shape [9, 1], expected [11, 1]"));
+  unchanged(touched, before);
 }
 
 TEMPLATE_TEST_CASE("FusedHeadLoss layer with a frozen W or bias: same loss and dh, no frozen gradient",

@@ -6,6 +6,9 @@
 // correct generator fails with probability ~1e-9 per check while the seeds stay fixed anyway).
 #include <embedhead/errors.hpp>
 #include <embedhead/init.hpp>
+#include <embedhead/output_projection.hpp>
+#include <embedhead/position_embedding.hpp>
+#include <embedhead/token_embedding.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -15,6 +18,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using embedhead::Index;
@@ -359,4 +363,60 @@ TEST_CASE("init_normal: a large fill has mean 0 and the requested std", "[init][
   const double sample_std = std::sqrt((W.array() - mean).square().sum() / (n - 1));
   CHECK_THAT(mean, WithinAbs(0.0, 6.0 * sigma / std::sqrt(n)));
   CHECK_THAT(sample_std, WithinAbs(sigma, 6.0 * sigma / std::sqrt(2.0 * n)));
+}
+
+TEMPLATE_TEST_CASE("init_std is checked in the Scalar the table is stored in, by init_normal and every layer",
+                   "[init][init_normal][errors]", float, double) {
+  using Scalar = TestType;
+  constexpr bool is_float = std::is_same_v<Scalar, float>;
+  const char* type = is_float ? "float" : "double";
+  const double largest = static_cast<double>(std::numeric_limits<Scalar>::max());
+  // Finite in Scalar, but its largest draw -- sqrt(-2 ln 2^-53) = 8.5717 standard deviations,
+  // the most Rng::normal_at gives -- is not: 1e38 in float, 1e308 in double.
+  const double huge = is_float ? 1e38 : 1e308;
+  RowMatrix<Scalar> W = RowMatrix<Scalar>::Constant(3, 4, Scalar(7));
+  Rng rng(5);
+  REQUIRE_THROWS_AS(embedhead::init_normal<Scalar>(W, huge, rng), embedhead::value_error);
+  REQUIRE_THROWS_WITH(
+      embedhead::init_normal<Scalar>(W, huge, rng),
+      Catch::Contains(std::string("init_normal: std = ") + (is_float ? "1e+38" : "1e+308") + " outside (0, ") &&
+          Catch::Contains(std::string("] in ") + type + ": its largest draw, 8.5717 standard deviations"));
+  // The bound itself: just below it every draw is finite, just above it throws.
+  REQUIRE_THROWS_AS(embedhead::init_normal<Scalar>(W, largest / 8.5, rng), embedhead::value_error);
+  CHECK(W == RowMatrix<Scalar>::Constant(3, 4, Scalar(7)));
+  CHECK(rng.counter() == 0);
+  embedhead::init_normal<Scalar>(W, largest / 8.58, rng);
+  CHECK(W.allFinite());
+
+  // 1e-50 is positive in double and 0 in float: a float table of zeros, not N(0, 1e-100).
+  RowMatrix<Scalar> V = RowMatrix<Scalar>::Constant(3, 4, Scalar(7));
+  Rng rng2(5);
+  if constexpr (is_float) {
+    REQUIRE_THROWS_WITH(embedhead::init_normal<Scalar>(V, 1e-50, rng2),
+                        Catch::Contains("init_normal: std = 1e-50 outside (0, inf) in float: it rounds to 0"));
+    CHECK(V == RowMatrix<Scalar>::Constant(3, 4, Scalar(7)));
+    CHECK(rng2.counter() == 0);
+  } else {
+    embedhead::init_normal<Scalar>(V, 1e-50, rng2);
+    CHECK((V.array() != 0).all());
+    CHECK((V.array().abs() <= 1e-50 * 8.5717).all());
+  }
+
+  // The layers that draw a table check before allocating it, naming themselves.
+  for (const double bad : {huge, 1e-50}) {
+    if (!is_float && bad == 1e-50) continue;
+    INFO("init_std = " << bad);
+    embedhead::TokenEmbeddingOptions token;
+    token.init_std = bad;
+    REQUIRE_THROWS_WITH(embedhead::TokenEmbedding<Scalar>(5, 3, token),
+                        Catch::Contains("TokenEmbedding: init_std = ") && Catch::Contains(type));
+    embedhead::LearnedPositionOptions position;
+    position.init_std = bad;
+    REQUIRE_THROWS_WITH(embedhead::LearnedPositionEmbedding<Scalar>(5, 3, position),
+                        Catch::Contains("LearnedPositionEmbedding: init_std = ") && Catch::Contains(type));
+    embedhead::OutputProjectionOptions head;
+    head.init_std = bad;
+    REQUIRE_THROWS_WITH(embedhead::OutputProjection<Scalar>(5, 3, head),
+                        Catch::Contains("OutputProjection: init_std = ") && Catch::Contains(type));
+  }
 }

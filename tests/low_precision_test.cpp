@@ -19,6 +19,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 using embedhead::IdMatrix;
@@ -581,6 +582,16 @@ TEMPLATE_TEST_CASE("low precision: head errors name the operand and shapes; noth
   CHECK(dW == RowMatrix<float>::Constant(V, d + 1, 1.0f));
   CHECK(unchanged());
 
+  // A bias whose length no longer matches W (W resized through its Parameter): named before either
+  // gradient turns dense.
+  head.weight().resize_rows(V + 2);
+  REQUIRE_THROWS_AS(head.backward(h, RowMatrix<float>::Ones(N, V + 2), dh), embedhead::shape_error);
+  REQUIRE_THROWS_WITH(head.backward(h, RowMatrix<float>::Ones(N, V + 2), dh),
+                      Contains("LowPrecisionOutputProjection::backward: bias has shape [5, 1], expected [7, 1]"));
+  CHECK(unchanged());
+  CHECK_FALSE(head.bias_grad().is_dense());
+  head.weight().resize_rows(V);
+
   // Constructors.
   REQUIRE_THROWS_AS(LowPrecisionOutputProjection<Storage>(W, RowMatrix<float>::Zero(V, 2)), embedhead::shape_error);
   REQUIRE_THROWS_WITH(LowPrecisionOutputProjection<Storage>(W, RowMatrix<float>::Zero(V, 2)),
@@ -598,4 +609,22 @@ TEMPLATE_TEST_CASE("low precision: head errors name the operand and shapes; noth
   RowMatrix<float> expected(1, 2);
   expected << 2.0f, -1.0f;
   CHECK(first_difference(from_float.forward(one), expected) == "");
+}
+
+TEMPLATE_TEST_CASE("low precision: without a bias, bias_grad() is an untouched gradient of the current V",
+                   "[low_precision][head]", Eigen::bfloat16, Eigen::half) {
+  using Storage = TestType;
+  LowPrecisionOutputProjection<Storage> head(random_table<Storage>(5, 4, 201));
+  CHECK(head.bias_grad().rows() == 5);
+  CHECK(head.bias_grad().num_touched() == 0);
+  head.weight().resize_rows(8);
+  CHECK(head.bias_grad().rows() == 8);
+  const auto& const_head = head;
+  CHECK(const_head.bias_grad().rows() == 8);
+  // Layers of different V move-assign (a gradient keeps its shape, so the layer holds this one
+  // by pointer).
+  LowPrecisionOutputProjection<Storage> other(random_table<Storage>(3, 4, 202));
+  head = std::move(other);
+  CHECK(head.vocab_size() == 3);
+  CHECK(head.bias_grad().rows() == 3);
 }

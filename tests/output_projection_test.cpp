@@ -671,6 +671,38 @@ TEMPLATE_TEST_CASE("OutputProjection errors throw and leave everything unchanged
     CHECK(same_values(head.bias()->grad().to_dense(), db_before));
   }
 
+  SECTION("backward with a bias whose length no longer matches W: shape_error before any gradient turns dense") {
+    // A head wrapping the embedding's table with a bias of its own: the table is resized (as
+    // resize_vocabulary given the embedding alone does), the bias is not.
+    auto embedding = make_embedding<Scalar>(V, d, 161);
+    auto bias = std::make_shared<Parameter<Scalar>>(random_matrix<Scalar>(V, 1, 162), "lm_head.bias");
+    OutputProjection<Scalar> head(embedding.weight_ptr(), bias);
+    embedhead::IdMatrix<std::int32_t> ids(1, 3);
+    ids << 3, 1, 3;
+    embedding.backward(ids, random_matrix<Scalar>(3, d, 163));
+    embedding.weight().resize_rows(V + 2);
+    const auto& grad = embedding.weight().grad();
+    REQUIRE_FALSE(grad.is_dense());
+    const std::vector<Index> touched_before = grad.touched_rows();
+    const RowMatrix<Scalar> grad_before = grad.to_dense(), W_before = embedding.weight().value();
+    const RowMatrix<Scalar> h = random_matrix<Scalar>(3, d, 164), dlogits = random_matrix<Scalar>(3, V + 2, 165);
+    RowMatrix<Scalar> dh = RowMatrix<Scalar>::Constant(3, d, Scalar(42));
+
+    REQUIRE_THROWS_AS(head.backward(h, dlogits, dh), embedhead::shape_error);
+    REQUIRE_THROWS_WITH(head.backward(h, dlogits, dh),
+                        Contains("OutputProjection::backward: bias has shape [5, 1], expected [7, 1]"));
+    REQUIRE_THROWS_WITH(head.backward(h, dlogits), Contains("bias has shape [5, 1], expected [7, 1]"));
+    CHECK_FALSE(grad.is_dense());
+    CHECK(grad.touched_rows() == touched_before);
+    CHECK(same_values(grad.to_dense(), grad_before));
+    CHECK(same_values(embedding.weight().value(), W_before));
+    CHECK_FALSE(bias->grad().is_dense());
+    CHECK(bias->grad().num_touched() == 0);
+    CHECK((dh.array() == Scalar(42)).all());
+    // The forward pass names it too (it never changed anything).
+    REQUIRE_THROWS_WITH(head.forward(h), Contains("OutputProjection::forward: bias has shape [5, 1], expected [7, 1]"));
+  }
+
   SECTION("free functions check every shape, the bias included, before writing") {
     const RowMatrix<Scalar> h = random_matrix<Scalar>(2, d, 141);
     const RowMatrix<Scalar> W = random_matrix<Scalar>(V, d, 142);

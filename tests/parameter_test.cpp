@@ -622,3 +622,61 @@ TEMPLATE_TEST_CASE("Parameter::resize_rows changes the row count in place", "[pa
     CHECK(first_difference(p->grad().to_dense(), grad).empty());
   }
 }
+
+TEMPLATE_TEST_CASE("a gradient keeps its parameter's shape: assigning one of another shape throws, nothing changes",
+                   "[parameter][row_gradient][errors]", float, double) {
+  using Scalar = TestType;
+  const Index rows = 6, d = 3;
+  const std::vector<Index> ids = {0, 2, 4, 5};
+  const auto filled = filled_parameter<Scalar>(rows, d, ids);
+  const std::shared_ptr<Parameter<Scalar>>& p = filled.first;
+  const RowMatrix<Scalar>& grad = filled.second;
+  const RowMatrix<Scalar> before = p->value();
+  auto unchanged = [&] {
+    CHECK(p->rows() == rows);
+    CHECK(p->cols() == d);
+    CHECK(p->grad().rows() == rows);
+    CHECK(p->grad().cols() == d);
+    CHECK(p->name() == "E");
+    CHECK(first_difference(p->value(), before).empty());
+    CHECK(p->grad().touched_rows() == ids);
+    CHECK(first_difference(p->grad().to_dense(), grad).empty());
+  };
+
+  // A gradient of more rows would have the optimizers walk rows the value does not have (the
+  // parameter's shape is read from its gradient), and resize_vocabulary copy rows past the value.
+  REQUIRE_THROWS_AS(p->grad() = RowGradient<Scalar>(9, d), embedhead::shape_error);
+  REQUIRE_THROWS_WITH(p->grad() = RowGradient<Scalar>(9, d),
+                      Catch::Contains(
+                          "RowGradient::operator=: the assigned gradient has shape [9, 3], expected [6, 3]"));
+  const RowGradient<Scalar> narrow(rows, d - 1);
+  REQUIRE_THROWS_WITH(p->grad() = narrow, Catch::Contains("has shape [6, 2], expected [6, 3]"));
+  unchanged();
+
+  // So is a whole Parameter of another shape: a parameter's shape changes only through resize_rows.
+  const Parameter<Scalar> bigger(rows + 1, d, "F");
+  REQUIRE_THROWS_AS(*p = bigger, embedhead::shape_error);
+  REQUIRE_THROWS_AS(*p = Parameter<Scalar>(rows, d + 1, "F"), embedhead::shape_error);
+  unchanged();
+
+  // The same shape assigns as before, copied or moved: touched rows and values.
+  RowGradient<Scalar> other(rows, d);
+  const std::vector<Index> one = {3};
+  std::vector<Index> slot(1);
+  other.touch_rows(one.data(), 1, slot.data());
+  other.slot_row(slot[0]).setConstant(Scalar(2));
+  p->grad() = other;
+  CHECK(p->grad().touched_rows() == one);
+  CHECK(p->grad().to_dense() == other.to_dense());
+  p->grad() = RowGradient<Scalar>(rows, d);
+  CHECK(p->grad().num_touched() == 0);
+  Parameter<Scalar> same(rows, d, "G");
+  same.value().setConstant(Scalar(4));
+  *p = same;
+  CHECK(p->name() == "G");
+  CHECK(p->value() == RowMatrix<Scalar>::Constant(rows, d, Scalar(4)));
+  // A standalone gradient keeps its shape too.
+  RowGradient<Scalar> standalone(2, 2);
+  REQUIRE_THROWS_AS(standalone = RowGradient<Scalar>(3, 2), embedhead::shape_error);
+  CHECK(standalone.rows() == 2);
+}

@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -459,6 +460,15 @@ TEMPLATE_TEST_CASE("resize_vocabulary rejects bad arguments and changes nothing"
                     Contains("resize_vocabulary: noise_std = -0.5 outside [0, inf)"));
   const auto nan_noise = with([](auto& o) { o.noise_std = std::numeric_limits<double>::quiet_NaN(); });
   CHECK_THROWS_AS(resize(6, nan_noise, &m.head), embedhead::value_error);
+  // Finite in double and in Scalar, but the largest normal draw (8.5717 standard deviations)
+  // would make an inf row.
+  constexpr bool is_float = std::is_same_v<Scalar, float>;
+  const auto huge_noise = with([&](auto& o) { o.noise_std = is_float ? 1e38 : 1e308; });
+  CHECK_THROWS_AS(resize(6, huge_noise, &m.head), embedhead::value_error);
+  CHECK_THROWS_WITH(resize(6, huge_noise, &m.head),
+                    Contains(std::string("resize_vocabulary: noise_std = ") + (is_float ? "1e+38" : "1e+308") +
+                             " outside [0, ") &&
+                        Contains(std::string("] in ") + (is_float ? "float" : "double") + ": its largest draw"));
   const auto bad_valid = with([](auto& o) { o.old_valid_vocab = 6; });
   CHECK_THROWS_WITH(resize(6, bad_valid, &m.head), Contains("resize_vocabulary: old_valid_vocab = 6 outside [1, 5]"));
   const auto zero_valid = with([](auto& o) { o.old_valid_vocab = 0; });

@@ -36,6 +36,9 @@ namespace embedhead {
 // without a losses output is allowed and gives that sum (and the gradient, if asked).
 enum class Reduction { mean, sum, none };
 
+// The real-valued options are doubles, checked in the loss's Scalar too where its arithmetic
+// uses them (detail::check_loss_options): z_loss, softcap and gradient_scale must not become inf
+// there, softcap and gradient_scale not 0 unless they are 0.
 struct CrossEntropyOptions {
   Index ignore_index = -100;  // PyTorch's default; targets equal to it are skipped
   Reduction reduction = Reduction::mean;
@@ -57,8 +60,15 @@ struct CrossEntropyResult {
 
 namespace detail {
 
-// Throws value_error unless every option is in range; valid_vocab is checked against V.
-inline void check_loss_options(const char* where, const CrossEntropyOptions& options, Index V) {
+// Throws value_error unless every option is in range; valid_vocab is checked against V. The
+// options the arithmetic uses in Scalar are checked there too (check_in_scalar): softcap (the
+// soft-cap runs in Scalar: 0 there divides by zero, inf multiplies 0 by inf), gradient_scale
+// (rounded into every gradient's factor: inf makes inf and NaN gradients, a non-zero value that is
+// 0 in Scalar zeroes them all) and z_loss (inf in Scalar makes the gradient's factor inf).
+// label_smoothing is used in double (its products with the row weight are rounded, and their
+// underflow to 0 is that of the gradient itself).
+template <typename Scalar>
+void check_loss_options(const char* where, const CrossEntropyOptions& options, Index V) {
   auto fail = [&](const char* what, double value, const char* range) {
     std::ostringstream message;
     message << where << ": " << what << " = " << value << " outside " << range;
@@ -67,8 +77,11 @@ inline void check_loss_options(const char* where, const CrossEntropyOptions& opt
   if (!(options.label_smoothing >= 0 && options.label_smoothing <= 1))
     fail("label_smoothing", options.label_smoothing, "[0, 1]");
   if (!(options.z_loss >= 0) || !std::isfinite(options.z_loss)) fail("z_loss", options.z_loss, "[0, inf)");
+  check_in_scalar<Scalar>(where, "z_loss", options.z_loss, "[0, inf)", /*reject_underflow=*/false);
   if (!(options.softcap >= 0) || !std::isfinite(options.softcap)) fail("softcap", options.softcap, "[0, inf) (0: off)");
+  check_in_scalar<Scalar>(where, "softcap", options.softcap, "[0, inf) (0: off)");
   if (!std::isfinite(options.gradient_scale)) fail("gradient_scale", options.gradient_scale, "the finite numbers");
+  check_in_scalar<Scalar>(where, "gradient_scale", options.gradient_scale, "the finite numbers");
   if (options.valid_vocab != -1 && (options.valid_vocab < 1 || options.valid_vocab > V)) {
     std::ostringstream message;
     message << where << ": valid_vocab = " << options.valid_vocab << " outside [1, " << V
@@ -140,7 +153,7 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
   const Index N = logits.rows(), V = logits.cols(), T = targets.cols();
   if (dlogits) check_shape(where, "dlogits", *dlogits, N, V);
   if (losses) check_shape(where, "losses", *losses, N, 1);
-  check_loss_options(where, options, V);
+  check_loss_options<Scalar>(where, options, V);
   const Index classes = classes_of(options, V);
   check_targets(where, targets, N, classes, options.ignore_index, V);
 
@@ -177,7 +190,8 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
 
 // logits [N, V], targets (N ids) -> loss; dlogits [N, V] written as (softmax - one_hot) * scale.
 // \throws index_error for a target outside [0, V) that is not ignore_index (first one, with its
-// n); shape_error if targets has not N entries or dlogits is not [N, V]. Nothing written on throw.
+// n); shape_error if targets has not N entries or dlogits is not [N, V]; value_error for an option
+// out of range (see CrossEntropyOptions; in Scalar too). Nothing written on throw.
 // dlogits may be logits itself (computed in place, so the [N, V] gradient needs no second
 // buffer). Cost: 3 passes over the logits, no allocation.
 template <typename Scalar>

@@ -220,7 +220,7 @@ void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, I
   if (db && db->size() != 0) check_shape(where, "db", *db, W_rows, 1);
   if (lse && lse->size() != 0) check_shape(where, "lse", *lse, N, 1);
   if (losses && losses->size() != 0) check_shape(where, "losses", *losses, N, 1);
-  check_loss_options(where, options, V);
+  check_loss_options<Scalar>(where, options, V);
   if (options.vocab_block < 0) {
     std::ostringstream message;
     message << where << ": vocab_block = " << options.vocab_block << " outside [0, inf) (0: automatic)";

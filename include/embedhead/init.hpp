@@ -14,6 +14,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <sstream>
 #include <type_traits>
 
 namespace embedhead {
@@ -61,13 +63,48 @@ class Rng {
   std::uint64_t counter_ = 0;
 };
 
+namespace detail {
+
+// The largest |Rng::normal_at| there is: u1 = 2^-53 and cos = +-1 give sqrt(-2 ln 2^-53) =
+// 8.571674..., rounded up here.
+inline constexpr double kMaxNormalDraw = 8.5717;
+
+// std, the standard deviation of N(0, std^2) values drawn in double and rounded to Scalar, already
+// checked in double (>= 0 or > 0, finite): throws value_error if the largest draw, kMaxNormalDraw
+// std, overflows Scalar (std outside [0, max / 8.5717]: 3.97e37 in float, 2.1e307 in double), or,
+// unless zero_allowed, if std rounds to 0 in Scalar (every value would be 0, not a draw).
+template <typename Scalar>
+void check_draw_std(const char* where, const char* what, double std, bool zero_allowed) {
+  const double largest = static_cast<double>(std::numeric_limits<Scalar>::max()) / kMaxNormalDraw;
+  if (std > largest) {
+    std::ostringstream message;
+    message << where << ": " << what << " = " << std << " outside " << (zero_allowed ? "[0, " : "(0, ") << largest
+            << "] in " << scalar_name<Scalar>() << ": its largest draw, " << kMaxNormalDraw
+            << " standard deviations, would overflow (the largest finite " << scalar_name<Scalar>() << " is "
+            << static_cast<double>(std::numeric_limits<Scalar>::max()) << ")";
+    throw value_error(message.str());
+  }
+  if (!zero_allowed) check_in_scalar<Scalar>(where, what, std, "(0, inf)");
+}
+
+// A layer's init_std: finite and > 0, checked in Scalar as check_draw_std.
+template <typename Scalar>
+void check_init_std(const char* where, const char* what, double std) {
+  check_positive(where, what, std);
+  check_draw_std<Scalar>(where, what, std, /*zero_allowed=*/false);
+}
+
+}  // namespace detail
+
 // W [rows, cols] <- N(0, std^2), element (r, c) from draws counter + 2*(r*cols + c) and the next
 // one; advances rng by 2*rows*cols draws. Each value is drawn in double, then rounded to Scalar.
-// \pre std > 0 and finite. \throws value_error otherwise (W and rng unchanged).
+// \pre std > 0 and finite, and so in Scalar: not 0 there, and every draw finite there (std at most
+// Scalar's largest value / 8.5717, the largest |normal| Rng draws). \throws value_error otherwise
+// (W and rng unchanged).
 template <typename Scalar>
 void init_normal(MatrixRef<Scalar> W, double std, Rng& rng) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
-  detail::check_positive("init_normal", "std", std);
+  detail::check_init_std<Scalar>("init_normal", "std", std);
   const std::uint64_t base = rng.counter();
   const Index cols = W.cols();
   for (Index r = 0; r < W.rows(); ++r)

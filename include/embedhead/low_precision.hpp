@@ -380,15 +380,13 @@ class LowPrecisionOutputProjection {
   explicit LowPrecisionOutputProjection(const ConstMatrixRef<Storage>& W,
                                         const ConstMatrixRef<float>& bias = RowMatrix<float>(0, 1))
       : weight_((validate(W, bias), std::make_shared<ParameterType>(RowMatrix<Storage>(W), "lm_head.weight"))),
-        bias_(make_bias(bias)),
-        absent_bias_grad_(W.rows(), 1) {}
+        bias_(make_bias(bias)) {}
   // W float [V, d], rounded to Storage (convert_table); bias as above. \throws as above and as
   // convert_table.
   explicit LowPrecisionOutputProjection(const ConstMatrixRef<float>& W,
                                         const ConstMatrixRef<float>& bias = RowMatrix<float>(0, 1))
       : weight_((validate(W, bias), std::make_shared<ParameterType>(convert_table<Storage>(W), "lm_head.weight"))),
-        bias_(make_bias(bias)),
-        absent_bias_grad_(W.rows(), 1) {}
+        bias_(make_bias(bias)) {}
 
   Index vocab_size() const { return weight_->rows(); }
   Index dim() const { return weight_->cols(); }
@@ -413,11 +411,12 @@ class LowPrecisionOutputProjection {
   }
   Index parameter_count() const { return weight_->size() + (bias_ ? bias_->size() : 0); }
 
-  // weight().grad(); bias()->grad(), or an untouched [V, 1] gradient when there is no bias.
+  // weight().grad(); bias()->grad(), or an untouched [V, 1] gradient when there is no bias (made
+  // on first use, and again at the new V if W's rows changed since).
   RowGradient<float>& weight_grad() { return weight_->grad(); }
   const RowGradient<float>& weight_grad() const { return weight_->grad(); }
-  RowGradient<float>& bias_grad() { return bias_ ? bias_->grad() : absent_bias_grad_; }
-  const RowGradient<float>& bias_grad() const { return bias_ ? bias_->grad() : absent_bias_grad_; }
+  RowGradient<float>& bias_grad() { return bias_ ? bias_->grad() : absent_bias_grad(); }
+  const RowGradient<float>& bias_grad() const { return bias_ ? bias_->grad() : absent_bias_grad(); }
   void zero_grad() {
     weight_->zero_grad();
     if (bias_) bias_->zero_grad();
@@ -445,13 +444,15 @@ class LowPrecisionOutputProjection {
   // h float [N, d], dlogits float [N, V] -> dh [N, d] = dlogits float(W) (written);
   // weight_grad() += dlogits^T h (dense); bias_grad() += column sums of dlogits. A frozen W or bias
   // takes nothing (dh is still computed; a frozen W skips the dW product).
-  // \throws shape_error on any mismatch; gradients and dh unchanged on throw.
+  // \throws shape_error on any mismatch, a bias whose length is no longer W's V included;
+  // gradients (their dense flag too) and dh unchanged on throw.
   void backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<float>& dlogits, MatrixRef<float> dh) {
     const char* where = "LowPrecisionOutputProjection::backward";
     // Check before dense_accumulator(), which switches the gradient to dense mode.
     detail::check_shape(where, "h", h, h.rows(), dim());
     detail::check_shape(where, "dlogits", dlogits, h.rows(), vocab_size());
     detail::check_shape(where, "dh", dh, h.rows(), dim());
+    if (bias_) detail::check_shape(where, "bias", bias_->value(), vocab_size(), 1);  // W or the bias resized alone
     auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<float>>(nullptr, 0, dim()) : weight_->grad().dense_accumulator();
     auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator()
                                         : Eigen::Map<RowMatrix<float>>(nullptr, 0, 1);
@@ -475,6 +476,11 @@ class LowPrecisionOutputProjection {
     if (bias.size() == 0) return nullptr;
     return std::make_shared<Parameter<float>>(RowMatrix<float>(bias), "lm_head.bias");
   }
+  RowGradient<float>& absent_bias_grad() const {
+    if (!absent_bias_grad_ || absent_bias_grad_->rows() != vocab_size())
+      absent_bias_grad_ = std::make_unique<RowGradient<float>>(vocab_size(), 1);
+    return *absent_bias_grad_;
+  }
   Eigen::Map<const RowMatrix<Storage>> weight_value() const {
     return static_cast<const ParameterType&>(*weight_).value();
   }
@@ -485,7 +491,9 @@ class LowPrecisionOutputProjection {
 
   std::shared_ptr<ParameterType> weight_;
   std::shared_ptr<Parameter<float>> bias_;
-  RowGradient<float> absent_bias_grad_;  // what bias_grad() returns without a bias: never touched
+  // What bias_grad() returns without a bias: never touched by the layer. Held by pointer (a
+  // gradient keeps its shape, so moving a layer of another V into this one could not assign it).
+  mutable std::unique_ptr<RowGradient<float>> absent_bias_grad_;
   HeadTileWorkspace workspace_;
 };
 

@@ -281,7 +281,8 @@ class OutputProjection {
   OutputProjection& operator=(OutputProjection&&) noexcept = default;
 
   // Untied: a new W [V, d] from N(0, init_std^2) with Rng(seed), and a zero bias [V] if asked.
-  // \throws value_error if V or d < 1 or init_std <= 0.
+  // \throws value_error if V or d < 1 or init_std is not in (0, inf), also in Scalar (see
+  // init_normal: not 0 there, every draw finite there).
   OutputProjection(Index V, Index d, const OutputProjectionOptions& options = {})
       : weight_(make_weight(V, d, options)) {
     Rng rng(options.seed);
@@ -362,13 +363,17 @@ class OutputProjection {
   // (switches it to dense mode); bias grad += column sums of dlogits. A frozen W or bias takes
   // nothing (dh is still computed, for the layers below): a frozen W skips the dW GEMM, half the
   // flops, and its gradient stays as it was (sparse, nothing allocated).
-  // \throws shape_error on any mismatch; gradients and dh unchanged on throw.
+  // \throws shape_error on any mismatch, a bias whose length is no longer W's V included (W or the
+  // bias resized alone); gradients (their dense flag too) and dh unchanged on throw.
   void backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& dlogits, MatrixRef<Scalar> dh) {
     const char* where = "OutputProjection::backward";
     // Check before dense_accumulator(), which would switch the gradient to dense mode.
     detail::check_shape(where, "h", h, h.rows(), dim());
     detail::check_shape(where, "dlogits", dlogits, h.rows(), vocab_size());
     detail::check_shape(where, "dh", dh, h.rows(), dim());
+    // A bias of another length than W (one of them resized alone) would only be found by the
+    // product's check, after both gradients had turned dense.
+    if (bias_) detail::check_shape(where, "bias", bias_->value(), vocab_size(), 1);
     // The V x d buffer first: if its allocation fails, the bias gradient is still untouched.
     const Eigen::Map<RowMatrix<Scalar>> none(nullptr, 0, 1);
     auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, dim())
@@ -406,7 +411,7 @@ class OutputProjection {
   static std::shared_ptr<Parameter<Scalar>> make_weight(Index V, Index d, const OutputProjectionOptions& options) {
     detail::check_size("OutputProjection", "V", V);
     detail::check_size("OutputProjection", "d", d);
-    detail::check_positive("OutputProjection", "init_std", options.init_std);
+    detail::check_init_std<Scalar>("OutputProjection", "init_std", options.init_std);
     return std::make_shared<Parameter<Scalar>>(V, d, "lm_head.weight");
   }
   Eigen::Map<const RowMatrix<Scalar>> bias_view() const {

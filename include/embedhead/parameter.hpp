@@ -70,6 +70,26 @@ class RowGradient {
   using ConstRowMap = Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>;
 
   RowGradient(Index rows, Index cols) : rows_(rows), cols_(cols) {}
+  RowGradient(const RowGradient&) = default;
+  RowGradient(RowGradient&&) noexcept = default;
+
+  // Assignment, copied or moved, keeps the shape: a gradient is [rows, cols] for life (a
+  // Parameter's changes only through Parameter::resize_rows), as PyTorch refuses a .grad of
+  // another size. So a Parameter's gradient always has its value's shape, which the layers and
+  // optimizers rely on (a parameter's shape is its gradient's).
+  // 	hrows shape_error if other is not [rows, cols] (nothing changed).
+  RowGradient& operator=(const RowGradient& other) {
+    if (this == &other) return *this;
+    check_same_shape(other);
+    RowGradient copy(other);  // may throw bad_alloc; *this is unchanged until the swap
+    swap(copy);
+    return *this;
+  }
+  RowGradient& operator=(RowGradient&& other) {
+    check_same_shape(other);
+    swap(other);  // other keeps this one's old contents: valid, of the same shape
+    return *this;
+  }
 
   Index rows() const { return rows_; }
   Index cols() const { return cols_; }
@@ -195,6 +215,26 @@ class RowGradient {
     return out;
   }
 
+  void check_same_shape(const RowGradient& other) const {
+    if (other.rows_ == rows_ && other.cols_ == cols_) return;
+    std::ostringstream message;
+    message << "RowGradient::operator=: the assigned gradient has shape [" << other.rows_ << ", " << other.cols_
+            << "], expected [" << rows_ << ", " << cols_
+            << "]; a gradient keeps its shape (Parameter::resize_rows changes a parameter's)";
+    throw shape_error(message.str());
+  }
+
+  // Exchanges everything, shapes included: the one way a gradient changes shape (RowResize).
+  void swap(RowGradient& other) noexcept {
+    std::swap(rows_, other.rows_);
+    std::swap(cols_, other.cols_);
+    touched_.swap(other.touched_);
+    block_.swap(other.block_);
+    dense_.swap(other.dense_);
+    std::swap(dense_mode_, other.dense_mode_);
+    is_new_.swap(other.is_new_);
+  }
+
   Index slot_of_touched(Index i) const { return dense_mode_ ? touched_[i] : i; }
   Scalar* slot_data(Index slot) { return dense_mode_ ? dense_.row(slot).data() : block_.row(slot).data(); }
   const Scalar* slot_data(Index slot) const { return dense_mode_ ? dense_.row(slot).data() : block_.row(slot).data(); }
@@ -308,6 +348,8 @@ class ParameterBase {
 
 // A value matrix [rows, cols] of Value and its gradient, a RowGradient<Grad>. Value is Grad (float
 // or double), or a 16-bit storage type (Eigen::bfloat16 / Eigen::half) with Grad = float.
+// The shape changes only through resize_rows: assigning a Parameter (or a gradient) of another
+// shape throws shape_error before anything changes (the gradient's assignment is the first).
 template <typename Value, typename Grad = Value>
 class Parameter : public ParameterBase<Grad> {
   static_assert(std::is_same_v<Value, Grad> || (is_low_precision_v<Value> && std::is_same_v<Grad, float>),
@@ -382,13 +424,11 @@ class RowResize {
   // The new values [new_rows, cols], writable until commit().
   RowMatrix<Value>& value() { return value_; }
 
-  // Installs the new value and gradient; the old ones are freed with this object.
+  // Installs the new value and gradient (swaps that cannot throw); the old ones are freed with
+  // this object.
   void commit() noexcept {
-    static_assert(std::is_nothrow_move_constructible_v<RowGradient<Grad>> &&
-                      std::is_nothrow_move_assignable_v<RowGradient<Grad>>,
-                  "commit() must not throw");
     target_->value_.swap(value_);
-    std::swap(static_cast<ParameterBase<Grad>*>(target_)->grad_, grad_);
+    static_cast<ParameterBase<Grad>*>(target_)->grad_.swap(grad_);
   }
 
  private:

@@ -91,7 +91,8 @@ class LearnedPositionEmbedding {
   LearnedPositionEmbedding& operator=(LearnedPositionEmbedding&&) noexcept = default;
 
   // A new table P [T_max, d] drawn from N(0, init_std^2) with Rng(seed).
-  // \throws value_error if T_max or d < 1 or init_std <= 0.
+  // \throws value_error if T_max or d < 1 or init_std is not in (0, inf), also in Scalar (see
+  // init_normal).
   LearnedPositionEmbedding(Index T_max, Index d, const LearnedPositionOptions& options = {})
       : weight_(make_weight(T_max, d, options)) {
     Rng rng(options.seed);
@@ -154,7 +155,7 @@ class LearnedPositionEmbedding {
   static std::shared_ptr<Parameter<Scalar>> make_weight(Index T_max, Index d, const LearnedPositionOptions& options) {
     detail::check_size("LearnedPositionEmbedding", "T_max", T_max);
     detail::check_size("LearnedPositionEmbedding", "d", d);
-    detail::check_positive("LearnedPositionEmbedding", "init_std", options.init_std);
+    detail::check_init_std<Scalar>("LearnedPositionEmbedding", "init_std", options.init_std);
     return std::make_shared<Parameter<Scalar>>(T_max, d, "position_embedding.weight");
   }
 

@@ -156,7 +156,8 @@ class TokenEmbedding {
 
  public:
   // A new table E [V, d] drawn from N(0, init_std^2) with Rng(seed).
-  // \throws value_error if V or d < 1 or init_std <= 0; index_error if padding_idx is outside
+  // \throws value_error if V or d < 1 or init_std is not in (0, inf), also in Scalar (see
+  // init_normal: not 0 there, every draw finite there); index_error if padding_idx is outside
   // [0, V).
   // Layers are move-only: a copy would silently share the table and gradient (it holds a
   // shared_ptr), which is what tying means and nothing else should.
@@ -225,7 +226,7 @@ class TokenEmbedding {
   static void validate(Index V, Index d, const TokenEmbeddingOptions& options, bool initialises = true) {
     detail::check_size("TokenEmbedding", "V", V);
     detail::check_size("TokenEmbedding", "d", d);
-    if (initialises) detail::check_positive("TokenEmbedding", "init_std", options.init_std);
+    if (initialises) detail::check_init_std<Scalar>("TokenEmbedding", "init_std", options.init_std);
     if (options.padding_idx && (*options.padding_idx < 0 || *options.padding_idx >= V)) {
       std::ostringstream message;
       message << "TokenEmbedding: padding_idx " << *options.padding_idx << " outside [0, " << V << ")";

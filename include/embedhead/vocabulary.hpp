@@ -108,7 +108,8 @@ void fill_new_rows(RowMatrix<Scalar>& table, const ConstMatrixRef<Scalar>& old, 
 // optimizer's buffers are resized for each of these parameters that it holds (others: nothing).
 // \pre embedding and head are not in the middle of a forward / backward pair (a FusedHeadLoss or
 // cached activations sized for the old V must be recomputed).
-// \throws value_error if new_vocab < 1, pad_to_multiple < 1, noise_std is negative or not finite,
+// \throws value_error if new_vocab < 1, pad_to_multiple < 1, noise_std is negative or not finite
+// (or so large that its largest draw, 8.5717 noise_std, overflows Scalar),
 // old_valid_vocab is neither -1 nor in [1, old rows], the rounded row count overflows Index, or
 // the embedding or head was moved from; index_error if the embedding's padding_idx is not below
 // new_vocab; shape_error if an untied head's [V, d] (or its bias's V) differs from the
@@ -136,6 +137,7 @@ VocabularyResize resize_vocabulary(TokenEmbedding<Scalar>& embedding, OutputProj
     message << where << ": noise_std = " << options.noise_std << " outside [0, inf)";
     throw value_error(message.str());
   }
+  detail::check_draw_std<Scalar>(where, "noise_std", options.noise_std, /*zero_allowed=*/true);
   const Index old_rows = embedding.vocab_size(), d = embedding.dim();
   if (options.old_valid_vocab != -1 && (options.old_valid_vocab < 1 || options.old_valid_vocab > old_rows)) {
     std::ostringstream message;

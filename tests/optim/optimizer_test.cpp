@@ -4,6 +4,7 @@
 // torch.optim formulas written over full [V, d] gradient matrices, zeros where a row is
 // untouched), from hand-derived first steps, and from invariants (untouched rows under the lazy
 // optimizers do not change at all).
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
@@ -16,8 +17,11 @@
 #include <embedhead/optim/sgd.hpp>
 #include <embedhead/output_projection.hpp>
 #include <embedhead/token_embedding.hpp>
+#include <functional>
 #include <limits>
 #include <memory>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../reference/test_support.hpp"
@@ -30,6 +34,7 @@ using Catch::Matchers::WithinRel;
 using embedhead::Index;
 using embedhead::Parameter;
 using embedhead::RowMatrix;
+using test_support::first_difference;
 using test_support::random_matrix;
 using test_support::same_values;
 
@@ -758,5 +763,245 @@ TEMPLATE_TEST_CASE("resize_state: each buffer's initial value; unregistered para
     other->resize_rows(6);
     CHECK_FALSE(adam.resize_state(*other));
     CHECK(same_values(adam.state().parameters[0].buffers.at("exp_avg"), before.parameters[0].buffers.at("exp_avg")));
+  }
+}
+
+// ---- state that no longer matches its parameter ----
+
+TEMPLATE_TEST_CASE("step and state() reject buffers that no longer match their parameter; nothing changes",
+                   "[optimizer][resize][errors]", float, double) {
+  using Scalar = TestType;
+  const Index V = 4, d = 3;
+  // p is resized without resize_state; q, registered beside it, is not. The reference optimizer
+  // over copies of them takes the same first step and no other.
+  auto run = [&](auto make_optimizer, const std::string& name, const std::string& buffer) {
+    for (const Index new_rows : {Index{7}, Index{2}}) {
+      INFO("resized to " << new_rows << " rows");
+      auto p = make_parameter<Scalar>(V, d, 170, "E"), q = make_parameter<Scalar>(2, d, 171, "b");
+      auto p0 = make_parameter<Scalar>(V, d, 170, "E"), q0 = make_parameter<Scalar>(2, d, 171, "b");
+      auto optimizer = make_optimizer(p, q);
+      auto reference = make_optimizer(p0, q0);
+      const RowMatrix<double> Gp = random_matrix<double>(V, d, 172), Gq = random_matrix<double>(2, d, 173);
+      set_gradient(*p, Gp, {});
+      set_gradient(*p0, Gp, {});
+      set_gradient(*q, Gq, {});
+      set_gradient(*q0, Gq, {});
+      optimizer.step();
+      reference.step();
+      p->resize_rows(new_rows);
+      // Every row has a gradient, those beyond the buffers' rows too.
+      set_gradient(*p, random_matrix<double>(new_rows, d, 174), {});
+      const RowMatrix<Scalar> p_before = p->value(), q_before = q->value(), g_before = p->grad().to_dense();
+      const std::string expected = "parameter 'E' is [" + std::to_string(new_rows) + ", 3] but its state '" + buffer +
+                                   "' is [4, 3]; call resize_state(parameter) after Parameter::resize_rows";
+      REQUIRE_THROWS_AS(optimizer.step(), embedhead::shape_error);
+      REQUIRE_THROWS_WITH(optimizer.step(), Contains(name + "::step: " + expected));
+      REQUIRE_THROWS_AS(optimizer.state(), embedhead::shape_error);
+      REQUIRE_THROWS_WITH(optimizer.state(), Contains(name + "::state: " + expected));
+      // A frozen parameter's state is checked too: step would skip it, but it is stale all the same.
+      p->set_frozen(true);
+      REQUIRE_THROWS_AS(optimizer.step(), embedhead::shape_error);
+      p->set_frozen(false);
+      set_gradient(*p, random_matrix<double>(new_rows, d, 174), {});
+      CHECK(optimizer.step_count() == 1);
+      CHECK(first_difference(p->value(), p_before).empty());
+      CHECK(first_difference(q->value(), q_before).empty());
+      CHECK(first_difference(p->grad().to_dense(), g_before).empty());
+      // resize_state makes the buffers follow: they still hold the first step's values (the failed
+      // steps wrote nothing), and the next step runs.
+      REQUIRE(optimizer.resize_state(*p));
+      const auto state = optimizer.state(), expected_state = reference.state();
+      const Index kept = std::min(V, new_rows);
+      for (const auto& [key, value] : expected_state.parameters[0].buffers)
+        CHECK(first_difference(state.parameters[0].buffers.at(key).topRows(kept), value.topRows(kept)).empty());
+      for (const auto& [key, value] : expected_state.parameters[1].buffers)
+        CHECK(first_difference(state.parameters[1].buffers.at(key), value).empty());
+      optimizer.step();
+      CHECK(optimizer.step_count() == 2);
+      CHECK(optimizer.state().parameters[0].rows == new_rows);
+      CHECK(p->value().allFinite());
+    }
+  };
+  using P = ParameterPtr<Scalar>;
+  SECTION("AdamW") {
+    run(
+        [](const P& p, const P& q) {
+          return embedhead::AdamW<Scalar>(embedhead::AdamOptions{}, {p, q});
+        },
+        "AdamW", "exp_avg");
+  }
+  SECTION("LazyAdam") {
+    run(
+        [](const P& p, const P& q) {
+          return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p, q});
+        },
+        "LazyAdam", "exp_avg");
+  }
+  SECTION("SGD with momentum") {
+    embedhead::SGDOptions options;
+    options.momentum = 0.9;
+    run([&](const P& p, const P& q) { return embedhead::SGD<Scalar>(options, {p, q}); }, "SGD", "momentum_buffer");
+  }
+  SECTION("Adagrad") {
+    run(
+        [](const P& p, const P& q) {
+          return embedhead::Adagrad<Scalar>(embedhead::AdagradOptions{}, {p, q});
+        },
+        "Adagrad", "sum");
+  }
+}
+
+// ---- options checked in the Scalar the update runs in ----
+
+TEMPLATE_TEST_CASE("optimizer options are checked in the Scalar the update runs in", "[optimizer][errors]", float,
+                   double) {
+  using Scalar = TestType;
+  constexpr bool is_float = std::is_same_v<Scalar, float>;
+  const double below_one = 1 - 1e-10;  // < 1 in double, 1 in float
+  // A gradient with an untouched row: with eps = 0 its Adam update is 0 / 0.
+  auto step_once = [](embedhead::Optimizer<Scalar>& optimizer, Parameter<Scalar>& p) {
+    set_gradient(p, random_matrix<double>(p.rows(), p.cols(), 181), {0, 2});
+    optimizer.step();
+    return p.value().allFinite();
+  };
+  embedhead::AdamOptions adam;
+  embedhead::AdagradOptions adagrad;
+  embedhead::SGDOptions sgd;
+  // Each case: an optimizer made with one option that is 0, inf or 1 in float only.
+  struct Case {
+    std::string message;  // what float says
+    std::function<std::unique_ptr<embedhead::Optimizer<Scalar>>(const ParameterPtr<Scalar>&)> make;
+  };
+  auto with_adam = [&](auto edit) {
+    return [=](const ParameterPtr<Scalar>& p) {
+      embedhead::AdamOptions o = adam;
+      edit(o);
+      return std::unique_ptr<embedhead::Optimizer<Scalar>>(new embedhead::AdamW<Scalar>(o, {p}));
+    };
+  };
+  auto with_adagrad = [&](auto edit) {
+    return [=](const ParameterPtr<Scalar>& p) {
+      embedhead::AdagradOptions o = adagrad;
+      edit(o);
+      return std::unique_ptr<embedhead::Optimizer<Scalar>>(new embedhead::Adagrad<Scalar>(o, {p}));
+    };
+  };
+  auto with_sgd = [&](auto edit) {
+    return [=](const ParameterPtr<Scalar>& p) {
+      embedhead::SGDOptions o = sgd;
+      edit(o);
+      return std::unique_ptr<embedhead::Optimizer<Scalar>>(new embedhead::SGD<Scalar>(o, {p}));
+    };
+  };
+  const std::vector<Case> cases = {
+      {"AdamW: eps = 1e-50 outside (0, inf) in float: it rounds to 0",
+       with_adam([](embedhead::AdamOptions& o) { o.eps = 1e-50; })},
+      {"AdamW: eps = 1e+300 outside (0, inf) in float: it rounds to inf",
+       with_adam([](embedhead::AdamOptions& o) { o.eps = 1e300; })},
+      {"AdamW: beta1 = 0.9999999999 outside [0, 1) in float: it rounds to 1",
+       with_adam([=](embedhead::AdamOptions& o) { o.beta1 = below_one; })},
+      {"AdamW: beta2 = 0.9999999999 outside [0, 1) in float: it rounds to 1",
+       with_adam([=](embedhead::AdamOptions& o) { o.beta2 = below_one; })},
+      {"AdamW: lr = 1e+300 outside [0, inf) in float: it rounds to inf",
+       with_adam([](embedhead::AdamOptions& o) { o.lr = 1e300; })},
+      {"AdamW: lr = 1e-50 outside [0, inf) in float: it rounds to 0",
+       with_adam([](embedhead::AdamOptions& o) { o.lr = 1e-50; })},
+      {"AdamW: weight_decay = 1e+300 outside [0, inf) in float: it rounds to inf",
+       with_adam([](embedhead::AdamOptions& o) { o.weight_decay = 1e300; })},
+      {"Adagrad: eps = 1e-50 outside (0, inf) in float: it rounds to 0",
+       with_adagrad([](embedhead::AdagradOptions& o) { o.eps = 1e-50; })},
+      {"Adagrad: initial_accumulator_value = 1e+300 outside [0, inf) in float: it rounds to inf",
+       with_adagrad([](embedhead::AdagradOptions& o) { o.initial_accumulator_value = 1e300; })},
+      {"SGD: momentum = 0.9999999999 outside [0, 1) in float: it rounds to 1",
+       with_sgd([=](embedhead::SGDOptions& o) { o.momentum = below_one; })},
+      {"SGD: lr = 1e+300 outside [0, inf) in float: it rounds to inf",
+       with_sgd([](embedhead::SGDOptions& o) { o.lr = 1e300; })},
+  };
+  for (const Case& c : cases) {
+    INFO(c.message);
+    auto p = make_parameter<Scalar>(3, 2, 180);
+    if constexpr (is_float) {
+      CHECK_THROWS_AS(c.make(p), embedhead::value_error);
+      CHECK_THROWS_WITH(c.make(p), Contains(c.message));
+    } else {
+      // In double each is an ordinary value (the lr of 1e300 moves far, but finitely).
+      auto optimizer = c.make(p);
+      CHECK(step_once(*optimizer, *p));
+    }
+  }
+  // set_lr and a group's weight decay: the same checks, nothing changed on throw.
+  embedhead::SGD<Scalar> plain;
+  auto p = make_parameter<Scalar>(3, 2, 182);
+  embedhead::ParameterGroupOptions decay;
+  decay.weight_decay = 1e300;
+  if constexpr (is_float) {
+    CHECK_THROWS_WITH(plain.set_lr(1e-50), Contains("SGD: lr = 1e-50 outside [0, inf) in float: it rounds to 0"));
+    CHECK(plain.lr() == embedhead::SGDOptions{}.lr);
+    CHECK_THROWS_WITH(plain.add_group({p}, decay),
+                      Contains("SGD: weight_decay = 1e+300 outside [0, inf) in float: it rounds to inf"));
+    CHECK(plain.groups().empty());
+  } else {
+    plain.set_lr(1e-50);
+    CHECK(plain.lr() == 1e-50);
+  }
+}
+
+TEMPLATE_TEST_CASE("step checks its constants in Scalar before anything changes", "[optimizer][errors]", float,
+                   double) {
+  using Scalar = TestType;
+  const double largest = static_cast<double>(std::numeric_limits<Scalar>::max());
+  const std::string type = std::is_same_v<Scalar, float> ? "float" : "double";
+  // Each option is finite in Scalar, but a constant of the update computed from them is not.
+  auto check = [&](embedhead::Optimizer<Scalar>& optimizer, const ParameterPtr<Scalar>& p, const std::string& what) {
+    set_gradient(*p, random_matrix<double>(p->rows(), p->cols(), 191), {1});
+    const RowMatrix<Scalar> before = p->value();
+    CHECK_THROWS_AS(optimizer.step(), embedhead::value_error);
+    CHECK_THROWS_WITH(optimizer.step(), Contains(std::string(optimizer.state().optimizer) + "::step: " + what) &&
+                                            Contains("is not finite in " + type + " (group 0") &&
+                                            Contains("nothing was updated"));
+    CHECK(optimizer.step_count() == 0);
+    CHECK(first_difference(p->value(), before).empty());
+    CHECK(optimizer.state().parameters[0].buffers.empty());
+  };
+  SECTION("Adam's step size lr / (1 - beta1^t): 10 lr at t = 1") {
+    auto p = make_parameter<Scalar>(3, 2, 190);
+    embedhead::AdamOptions o;
+    o.lr = largest / 2;
+    embedhead::AdamW<Scalar> adam(o, {p});
+    check(adam, p, "the step size lr / (1 - beta1^t) = ");
+    auto q = make_parameter<Scalar>(3, 2, 190);
+    embedhead::LazyAdam<Scalar> lazy(embedhead::LazyAdam<Scalar>::lazy_defaults(), {q});
+    lazy.set_lr(largest / 2);
+    check(lazy, q, "the step size lr / (1 - beta1^t) = ");
+  }
+  SECTION("the decoupled decay 1 - lr weight_decay") {
+    auto p = make_parameter<Scalar>(3, 2, 190);
+    embedhead::AdamOptions o;
+    o.lr = 4;
+    o.weight_decay = largest / 2;
+    embedhead::AdamW<Scalar> adam(o, {p});
+    check(adam, p, "the decay 1 - lr weight_decay = ");
+    auto q = make_parameter<Scalar>(3, 2, 190);
+    embedhead::SGDOptions s;
+    s.lr = 4;
+    s.weight_decay = largest / 2;
+    embedhead::SGD<Scalar> sgd(s, {q});
+    check(sgd, q, "the decay 1 - lr weight_decay = ");
+  }
+  SECTION("a group's lr() x lr_multiplier") {
+    auto p = make_parameter<Scalar>(3, 2, 190);
+    embedhead::ParameterGroupOptions group;
+    group.lr_multiplier = 4;
+    embedhead::SGDOptions s;
+    s.lr = largest / 2;
+    embedhead::SGD<Scalar> sgd(s);
+    sgd.add_group({p}, group);
+    check(sgd, p, "lr = ");
+    auto q = make_parameter<Scalar>(3, 2, 190);
+    embedhead::AdagradOptions a;
+    a.lr = largest / 2;
+    embedhead::Adagrad<Scalar> adagrad(a);
+    adagrad.add_group({q}, group);
+    check(adagrad, q, "lr / (1 + (t - 1) lr_decay) = ");
   }
 }

@@ -600,6 +600,14 @@ TEST_CASE("VocabParallelEmbedding errors: every rank throws the last rank's erro
   TokenEmbeddingOptions o;
   o.init_std = 0;
   CHECK_THROWS_AS(VocabParallelEmbedding<float>(kV, 4, comm, o), value_error);
+  o.init_std = 1e-50;  // 0 in float
+  CHECK_THROWS_WITH(VocabParallelEmbedding<float>(kV, 4, comm, o),
+                    Catch::Contains(
+                        "VocabParallelEmbedding: init_std = 1e-50 outside (0, inf) in float: it rounds to 0"));
+  OutputProjectionOptions head_options;
+  head_options.init_std = 1e-50;
+  CHECK_THROWS_WITH(VocabParallelOutputProjection<float>(kV, 4, comm, head_options),
+                    Catch::Contains("VocabParallelOutputProjection: init_std = 1e-50 outside (0, inf) in float"));
   o = {};
   o.padding_idx = kV;
   CHECK_THROWS_WITH(VocabParallelEmbedding<float>(kV, 4, comm, o),
@@ -665,6 +673,68 @@ TEST_CASE("VocabParallelOutputProjection errors: agreed across ranks, nothing ch
                     Catch::Contains("bias_shard has shape [" + std::to_string(shard.rows()) + ", 2]"));
 }
 
+TEST_CASE("vocabulary-parallel layers reject a shard resized under them, on every rank; nothing changed",
+          "[vocab_parallel][errors]") {
+  Communicator& comm = world();
+  const int R = comm.size(), me = comm.rank(), last = R - 1;
+  const VocabShard shard = vocab_shard(kV, me, R), last_shard = vocab_shard(kV, last, R);
+  const std::string last_rows = std::to_string(last_shard.rows());
+  const std::string of_last = " (rows [" + std::to_string(last_shard.begin) + ", 53) of V = 53 on rank " +
+                              std::to_string(last) + " of " + std::to_string(R) + ")";
+  IdMatrix<std::int32_t> ids(1, 2);
+  ids << kV - 1, 0;  // the vocabulary's last row, which the last rank's shard no longer has
+
+  SECTION("embedding: forward fails on every rank, backward on the last; nothing written") {
+    VocabParallelEmbedding<float> embedding(kV, 4, comm);
+    if (me == last) embedding.weight().resize_rows(shard.rows() - 5);  // Parameter::resize_rows, not the layer's
+    const RowMatrix<float> before = embedding.weight().value();
+    const std::string shape = "weight() is [" + std::to_string(last_shard.rows() - 5) + ", 4], expected [" + last_rows +
+                              ", 4]" + of_last;
+    RowMatrix<float> out = RowMatrix<float>::Constant(2, 4, 3.0f);
+    const std::string message = thrown_message<shape_error>([&] { embedding.forward(ids, out); });
+    const std::string expected = on_rank("VocabParallelEmbedding::forward: " + shape, last, R);
+    CHECK(message == expected);
+    for (const std::string& m : gather_strings(comm, message)) CHECK(m == expected);
+    CHECK(out.isConstant(3.0f));
+    if (me == last) {
+      CHECK(thrown_message<shape_error>([&] { embedding.backward(ids, RowMatrix<float>::Ones(2, 4)); }) ==
+            "VocabParallelEmbedding::backward: " + shape);
+      CHECK(embedding.weight().grad().num_touched() == 0);
+    }
+    CHECK(first_difference(embedding.weight().value(), before) == "");
+  }
+
+  SECTION("head: backward fails on every rank before any gradient turns dense, forward on the last") {
+    for (const bool bias : {false, true}) {
+      INFO((bias ? "the bias shard resized" : "the weight shard resized"));
+      VocabParallelOutputProjection<double> head(kV, 4, comm);
+      Parameter<double>& resized = bias ? *head.bias() : head.weight();
+      if (me == last) resized.resize_rows(shard.rows() + 2);
+      const std::string cols = bias ? "1" : "4";
+      const std::string shape = std::string(bias ? "bias()" : "weight()") + " is [" +
+                                std::to_string(last_shard.rows() + 2) + ", " + cols + "], expected [" + last_rows +
+                                ", " + cols + "]" + of_last;
+      const RowMatrix<double> h = random_matrix<double>(3, 4, 9);
+      RowMatrix<double> dh = RowMatrix<double>::Constant(3, 4, 5.0);
+      const std::string message = thrown_message<shape_error>(
+          [&] { head.backward(h, RowMatrix<double>::Ones(3, shard.rows()), dh); });
+      const std::string expected = on_rank("VocabParallelOutputProjection::backward: " + shape, last, R);
+      CHECK(message == expected);
+      for (const std::string& m : gather_strings(comm, message)) CHECK(m == expected);
+      CHECK(dh.isConstant(5.0));
+      CHECK_FALSE(head.weight().grad().is_dense());
+      CHECK_FALSE(head.bias()->grad().is_dense());
+      CHECK(head.weight().grad().num_touched() == 0);
+      if (me == last) {
+        RowMatrix<double> local = RowMatrix<double>::Constant(3, shard.rows(), 5.0);
+        CHECK(thrown_message<shape_error>([&] { head.forward(h, local); }) ==
+              "VocabParallelOutputProjection::forward: " + shape);
+        CHECK(local.isConstant(5.0));
+      }
+    }
+  }
+}
+
 TEST_CASE("vocab_parallel_cross_entropy errors: agreed across ranks, nothing written", "[vocab_parallel]") {
   Communicator& comm = world();
   const int R = comm.size(), me = comm.rank(), last = R - 1;
@@ -694,6 +764,16 @@ TEST_CASE("vocab_parallel_cross_entropy errors: agreed across ranks, nothing wri
   pad(0, 3) = 51;
   CHECK_THAT(thrown_message<index_error>([&] { vocab_parallel_cross_entropy<float>(comm, kV, local, pad, padded); }),
              Catch::Contains("columns [50, 53) are vocabulary padding"));
+
+  // An option checked in the float the loss computes in: a soft-cap of 1e-50 is 0 there.
+  CrossEntropyOptions tiny_cap;
+  tiny_cap.softcap = 1e-50;
+  CHECK(thrown_message<value_error>([&] {
+          vocab_parallel_cross_entropy_forward_backward<float>(comm, kV, local, targets, dlocal, tiny_cap);
+        }) == on_rank("vocab_parallel_cross_entropy_forward_backward: softcap = 1e-50 outside [0, inf) (0: off) in "
+                      "float: it rounds to 0 (the smallest positive float is 1.4013e-45)",
+                      0, R));  // every rank fails: rank 0's message
+  CHECK(dlocal.isConstant(2.0f));
 
   // Targets differing across ranks.
   if (R > 1) {

@@ -7,8 +7,10 @@
 #include "../types.hpp"
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
+#include <type_traits>
 
 namespace embedhead {
 namespace detail {
@@ -51,6 +53,44 @@ inline void check_positive(const char* where, const char* what, double value) {
     std::ostringstream message;
     message << where << ": " << what << " = " << value << " outside (0, inf)";
     throw value_error(message.str());
+  }
+}
+
+template <typename Scalar>
+constexpr const char* scalar_name() {
+  if constexpr (std::is_same_v<Scalar, float>)
+    return "float";
+  else if constexpr (std::is_same_v<Scalar, double>)
+    return "double";
+  else
+    return "long double";
+}
+
+// An option validated in double but used as Scalar must stay what it was once rounded to Scalar,
+// the type its arithmetic runs in: otherwise eps = 1e-50, positive in double, is 0 in float
+// (sqrt(v) + eps = 0 and 0 / 0 in Adam), and 1e300, finite in double, is inf in float. Throws
+// value_error if `value` (finite, already checked in double against `range`) exceeds Scalar's
+// largest finite value (it would round to +-inf), or, with reject_underflow, is non-zero but
+// rounds to 0 in Scalar. The message names the value, the range, the type and its limit. For
+// Scalar = double (or wider) nothing can change and nothing is checked.
+template <typename Scalar>
+void check_in_scalar(const char* where, const char* what, double value, const char* range,
+                     bool reject_underflow = true) {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+  if constexpr (sizeof(Scalar) < sizeof(double)) {
+    const double largest = static_cast<double>(std::numeric_limits<Scalar>::max());
+    // Compared before any conversion: a double beyond the float range is not converted at all.
+    const bool overflows = std::fabs(value) > largest;
+    const bool underflows = !overflows && reject_underflow && value != 0.0 && static_cast<Scalar>(value) == Scalar(0);
+    if (!overflows && !underflows) return;
+    std::ostringstream message;
+    message << where << ": " << what << " = " << value << " outside " << range << " in " << scalar_name<Scalar>()
+            << ": it rounds to " << (overflows ? "inf" : "0") << " (the "
+            << (overflows ? "largest finite " : "smallest positive ") << scalar_name<Scalar>() << " is "
+            << (overflows ? largest : static_cast<double>(std::numeric_limits<Scalar>::denorm_min())) << ")";
+    throw value_error(message.str());
+  } else {
+    (void)where, (void)what, (void)value, (void)range, (void)reject_underflow;
   }
 }
 

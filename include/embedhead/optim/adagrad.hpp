@@ -6,6 +6,7 @@
 #include "optimizer.hpp"
 
 #include <cmath>
+#include <cstdint>
 #include <map>
 #include <string>
 
@@ -28,8 +29,11 @@ class Adagrad : public Optimizer<Scalar> {
       : Optimizer<Scalar>("Adagrad", options.lr, 0.0, {"sum"}), options_(options) {
     detail::check_non_negative("Adagrad", "lr_decay", options.lr_decay);
     detail::check_non_negative("Adagrad", "initial_accumulator_value", options.initial_accumulator_value);
+    detail::check_in_scalar<Scalar>("Adagrad", "initial_accumulator_value", options.initial_accumulator_value,
+                                    "[0, inf)", /*reject_underflow=*/false);
     if (!(options.eps > 0) || !std::isfinite(options.eps))
       detail::throw_hyperparameter("Adagrad", "eps", options.eps, "(0, inf)");
+    detail::check_in_scalar<Scalar>("Adagrad", "eps", options.eps, "(0, inf)");
     if (!parameters.empty()) this->add_group(parameters);
   }
 
@@ -43,12 +47,14 @@ class Adagrad : public Optimizer<Scalar> {
     }
   }
   double initial_buffer_value(const std::string&) const override { return options_.initial_accumulator_value; }
+  void check_step(std::size_t g, double lr, double, std::int64_t t) const override {
+    this->check_step_constant("lr / (1 + (t - 1) lr_decay)", decayed_lr(lr, t), g, lr, t);
+  }
   void update(Parameter<Scalar>& p, double lr, double, std::map<std::string, RowMatrix<Scalar>>& state) override {
     const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
     auto value = p.value();
     RowMatrix<Scalar>& sum = this->buffer(state, "sum", p, static_cast<Scalar>(options_.initial_accumulator_value));
-    const double t = static_cast<double>(this->step_count());
-    const Scalar clr = static_cast<Scalar>(lr / (1.0 + (t - 1.0) * options_.lr_decay));
+    const Scalar clr = static_cast<Scalar>(decayed_lr(lr, this->step_count()));
     const Scalar eps = static_cast<Scalar>(options_.eps);
     detail::for_touched_rows(g, [&](Index r, const auto& grad) {
       auto s = sum.row(r).array();
@@ -58,6 +64,10 @@ class Adagrad : public Optimizer<Scalar> {
   }
 
  private:
+  double decayed_lr(double lr, std::int64_t t) const {
+    return lr / (1.0 + (static_cast<double>(t) - 1.0) * options_.lr_decay);
+  }
+
   AdagradOptions options_;
 };
 

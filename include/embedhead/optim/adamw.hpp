@@ -6,6 +6,7 @@
 #include "optimizer.hpp"
 
 #include <cmath>
+#include <cstdint>
 #include <map>
 #include <string>
 
@@ -62,14 +63,26 @@ class AdamW : public Optimizer<Scalar> {
     if (!parameters.empty()) this->add_group(parameters);
   }
 
+  // beta1, beta2 in [0, 1) and eps in (0, inf), each in Scalar too (the update runs in Scalar:
+  // an eps that is 0 there makes sqrt(v) + eps = 0 for a row with no gradient yet, and 0 / 0).
   static void check_adam_options(const char* where, const AdamOptions& options) {
-    detail::check_beta(where, "beta1", options.beta1);
-    detail::check_beta(where, "beta2", options.beta2);
+    detail::check_beta_in<Scalar>(where, "beta1", options.beta1);
+    detail::check_beta_in<Scalar>(where, "beta2", options.beta2);
     if (!(options.eps > 0) || !std::isfinite(options.eps))
       detail::throw_hyperparameter(where, "eps", options.eps, "(0, inf)");
+    detail::check_in_scalar<Scalar>(where, "eps", options.eps, "(0, inf)");
+  }
+  // The step size lr / (1 - beta1^t) at step t, as AdamRowStep computes it.
+  static double step_size(const AdamOptions& options, double lr, std::int64_t t) {
+    return lr / (1.0 - std::pow(options.beta1, static_cast<double>(t)));
   }
 
  protected:
+  void check_step(std::size_t g, double lr, double weight_decay, std::int64_t t) const override {
+    this->check_step_constant("the step size lr / (1 - beta1^t)", step_size(options_, lr, t), g, lr, t);
+    if (weight_decay != 0 && options_.decoupled)
+      this->check_step_constant("the decay 1 - lr weight_decay", 1.0 - lr * weight_decay, g, lr, t);
+  }
   void update(Parameter<Scalar>& p, double lr, double weight_decay,
               std::map<std::string, RowMatrix<Scalar>>& state) override {
     const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();

@@ -6,6 +6,7 @@
 #include "adamw.hpp"
 #include "optimizer.hpp"
 
+#include <cstdint>
 #include <map>
 #include <string>
 
@@ -41,6 +42,9 @@ class LazyAdam : public Optimizer<Scalar> {
               << " is not supported (only 0): lazy decay would spare untouched rows; use AdamW";
       throw value_error(message.str());
     }
+  }
+  void check_step(std::size_t g, double lr, double, std::int64_t t) const override {
+    this->check_step_constant("the step size lr / (1 - beta1^t)", AdamW<Scalar>::step_size(options_, lr, t), g, lr, t);
   }
   void update(Parameter<Scalar>& p, double lr, double, std::map<std::string, RowMatrix<Scalar>>& state) override {
     const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();

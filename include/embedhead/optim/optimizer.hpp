@@ -38,6 +38,7 @@
 #ifndef EMBEDHEAD_OPTIM_OPTIMIZER_HPP
 #define EMBEDHEAD_OPTIM_OPTIMIZER_HPP
 
+#include "../detail/checks.hpp"
 #include "../errors.hpp"
 #include "../parameter.hpp"
 #include "../types.hpp"
@@ -45,6 +46,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -107,6 +109,19 @@ inline void check_non_negative(const char* where, const char* what, double value
 inline void check_beta(const char* where, const char* what, double value) {
   if (!(value >= 0 && value < 1)) throw_hyperparameter(where, what, value, "[0, 1)");
 }
+// check_beta in the type the update multiplies by it: a beta just below 1 in double can be 1 in
+// float (0.9999999999 is), and a moment that never decays is outside [0, 1).
+template <typename Scalar>
+void check_beta_in(const char* where, const char* what, double value) {
+  check_beta(where, what, value);
+  if (static_cast<Scalar>(value) < Scalar(1)) return;
+  std::ostringstream message;
+  message.precision(15);
+  message << where << ": " << what << " = " << value << " outside [0, 1) in " << scalar_name<Scalar>()
+          << ": it rounds to 1 (the largest " << scalar_name<Scalar>() << " below 1 is "
+          << static_cast<double>(Scalar(1) - std::numeric_limits<Scalar>::epsilon() / 2) << ")";
+  throw value_error(message.str());
+}
 
 // Calls f(row, gradient row) for every row of the parameter; untouched rows get `zero` (a zero
 // row of length cols). O(rows * cols).
@@ -155,12 +170,13 @@ class Optimizer {
 
   // Adds a group. \throws value_error for a null parameter, a parameter already registered (in
   // any group; a tied table listed twice -- use unique_parameters), lr_multiplier or weight_decay
-  // negative or not finite, or a weight decay this optimizer cannot apply. Nothing changes on throw.
+  // negative or not finite (weight_decay: also in Scalar), or a weight decay this optimizer cannot
+  // apply. Nothing changes on throw. (lr() x lr_multiplier is checked in Scalar by each step.)
   void add_group(const ParameterList& parameters, const ParameterGroupOptions& options = {}) {
     const char* where = name_;
     detail::check_non_negative(where, "lr_multiplier", options.lr_multiplier);
     const double weight_decay = options.weight_decay.value_or(default_weight_decay_);
-    detail::check_non_negative(where, "weight_decay", weight_decay);
+    check_weight_decay_value(weight_decay);
     check_weight_decay(weight_decay);
     for (std::size_t i = 0; i < parameters.size(); ++i) {
       const auto& p = parameters[i];
@@ -196,9 +212,11 @@ class Optimizer {
 
   const std::vector<ParameterGroup<Scalar>>& groups() const { return groups_; }
   double lr() const { return lr_; }
-  // \throws value_error unless lr is finite and >= 0 (lr unchanged).
+  // \throws value_error unless lr is finite and >= 0, and, rounded to Scalar, neither inf nor
+  // (when not 0) 0: the update multiplies by it in Scalar (lr unchanged).
   void set_lr(double lr) {
     detail::check_non_negative(name_, "lr", lr);
+    detail::check_in_scalar<Scalar>(name_, "lr", lr, "[0, inf)");
     lr_ = lr;
   }
   std::int64_t step_count() const { return step_; }
@@ -206,7 +224,19 @@ class Optimizer {
   // One update of every registered parameter from its current gradient; frozen parameters are
   // skipped (value and state untouched), but the step count t advances once for all. Cost: see the
   // class.
+  // \throws shape_error if a registered parameter's buffers no longer have its shape (it was
+  // resized, Parameter::resize_rows, without resize_state: frozen parameters included);
+  // value_error if a constant of this step's update -- the group's learning rate lr() x
+  // lr_multiplier, Adam's lr / (1 - beta1^t), the decoupled decay 1 - lr weight_decay -- is not
+  // finite in Scalar. Nothing changes on throw, the step count included.
   void step() {
+    check_state("step");
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      const auto& group = groups_[g];
+      const bool any = std::any_of(group.parameters.begin(), group.parameters.end(),
+                                   [](const auto& p) { return !p->frozen(); });
+      if (any) check_step(g, lr_ * group.lr_multiplier, group.weight_decay, step_ + 1);
+    }
     ++step_;
     std::size_t slot = 0;
     for (const auto& group : groups_)
@@ -232,7 +262,10 @@ class Optimizer {
       for (const auto& p : group.parameters) p->zero_grad();
   }
 
+  // -> the step count and every registered parameter's buffers, in registration order.
+  // \throws shape_error if a parameter's buffers no longer have its shape (as step).
   OptimizerState<Scalar> state() const {
+    check_state("state");
     OptimizerState<Scalar> s;
     s.optimizer = name_;
     s.step = step_;
@@ -292,7 +325,7 @@ class Optimizer {
   Optimizer(const char* name, double lr, double default_weight_decay, std::vector<std::string> buffer_names)
       : name_(name), default_weight_decay_(default_weight_decay), buffer_names_(std::move(buffer_names)) {
     set_lr(lr);
-    detail::check_non_negative(name_, "weight_decay", default_weight_decay);
+    check_weight_decay_value(default_weight_decay);
   }
 
   // Updates p with learning rate lr and weight decay; `state` holds its buffers by name.
@@ -302,6 +335,26 @@ class Optimizer {
   virtual void check_weight_decay(double) const {}
   // The value the buffer `key` starts from (and a resized buffer's new rows).
   virtual double initial_buffer_value(const std::string& /*key*/) const { return 0.0; }
+  // Throws value_error (check_step_constant) if a constant the update of group g at step t would
+  // compute in double, with learning rate lr and weight_decay, is not finite in Scalar. Called by
+  // step() before anything changes, for each group with a parameter that is not frozen.
+  virtual void check_step(std::size_t /*g*/, double /*lr*/, double /*weight_decay*/, std::int64_t /*t*/) const {}
+
+  // value: a constant of group g's update at step t (lr: the group's learning rate), computed in
+  // double and rounded to Scalar for the update. Throws value_error unless that is finite.
+  void check_step_constant(const char* what, double value, std::size_t g, double lr, std::int64_t t) const {
+    if (std::fabs(value) <= static_cast<double>(std::numeric_limits<Scalar>::max())) return;
+    std::ostringstream message;
+    message << name_ << "::step: " << what << " = " << value << " is not finite in " << detail::scalar_name<Scalar>()
+            << " (group " << g << ": lr = lr() x lr_multiplier = " << lr << ", at t = " << t
+            << "); nothing was updated";
+    throw value_error(message.str());
+  }
+  // A weight decay: finite and >= 0, and finite in Scalar (coupled Adam multiplies by it there).
+  void check_weight_decay_value(double weight_decay) const {
+    detail::check_non_negative(name_, "weight_decay", weight_decay);
+    detail::check_in_scalar<Scalar>(name_, "weight_decay", weight_decay, "[0, inf)", /*reject_underflow=*/false);
+  }
 
   // The named buffer of p's state, created [rows, cols] filled with `initial` on first use.
   static RowMatrix<Scalar>& buffer(std::map<std::string, RowMatrix<Scalar>>& state, const char* key,
@@ -325,6 +378,23 @@ class Optimizer {
  private:
   template <typename>
   friend class detail::StateResize;
+
+  // Throws shape_error, naming <name>::<call>, the parameter and the buffer, if a registered
+  // parameter's buffer is not of its [rows, cols]: it was resized without resize_state, and the
+  // update would read and write past the buffer. O(parameters * buffers).
+  void check_state(const char* call) const {
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      const Parameter<Scalar>& p = *slots_[i];
+      for (const auto& [key, buffer] : state_[i]) {
+        if (buffer.rows() == p.rows() && buffer.cols() == p.cols()) continue;
+        std::ostringstream message;
+        message << name_ << "::" << call << ": parameter '" << p.name() << "' is [" << p.rows() << ", " << p.cols()
+                << "] but its state '" << key << "' is [" << buffer.rows() << ", " << buffer.cols()
+                << "]; call resize_state(parameter) after Parameter::resize_rows (resize_vocabulary does both)";
+        throw shape_error(message.str());
+      }
+    }
+  }
 
   std::ptrdiff_t slot_of(const Parameter<Scalar>* p) const {
     const auto it = std::find(slots_.begin(), slots_.end(), p);

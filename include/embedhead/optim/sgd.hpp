@@ -5,6 +5,7 @@
 
 #include "optimizer.hpp"
 
+#include <cstdint>
 #include <map>
 #include <string>
 
@@ -26,13 +27,18 @@ class SGD : public Optimizer<Scalar> {
  public:
   explicit SGD(const SGDOptions& options = {}, const typename Optimizer<Scalar>::ParameterList& parameters = {})
       : Optimizer<Scalar>("SGD", options.lr, options.weight_decay, {"momentum_buffer"}), options_(options) {
-    detail::check_beta("SGD", "momentum", options.momentum);
+    detail::check_beta_in<Scalar>("SGD", "momentum", options.momentum);
     if (options.nesterov && !(options.momentum > 0))
       throw value_error("SGD: nesterov = true needs momentum > 0 (momentum = 0)");
     if (!parameters.empty()) this->add_group(parameters);
   }
 
  protected:
+  void check_step(std::size_t g, double lr, double weight_decay, std::int64_t t) const override {
+    this->check_step_constant("lr", lr, g, lr, t);
+    if (weight_decay != 0)
+      this->check_step_constant("the decay 1 - lr weight_decay", 1.0 - lr * weight_decay, g, lr, t);
+  }
   void update(Parameter<Scalar>& p, double lr, double weight_decay,
               std::map<std::string, RowMatrix<Scalar>>& state) override {
     const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();

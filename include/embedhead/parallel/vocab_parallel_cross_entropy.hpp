@@ -56,7 +56,7 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
         shard = vocab_shard(V, comm.rank(), comm.size());
         check_shape(where, "local_logits", local_logits, N, shard.rows());
         if (dlocal) check_shape(where, "dlocal_logits", *dlocal, N, shard.rows());
-        check_loss_options(where, options, V);
+        check_loss_options<Scalar>(where, options, V);
         check_targets(where, targets, N, classes_of(options, V), options.ignore_index, V);
       },
       fingerprint_ids(targets, fingerprint), "the targets, N, V or the loss options");

@@ -44,8 +44,8 @@ class VocabParallelEmbedding {
   // d, options) draws (element (v, c) of that table is draw 2 (v d + c) of Rng(seed), so the shard
   // starts its stream at counter 2 begin d). The row padding_idx (a global id) is zeroed on the rank
   // that owns it. No communication.
-  // \throws value_error if d < 1, V < R (each rank owns a row) or init_std <= 0; index_error if
-  // padding_idx is outside [0, V).
+  // \throws value_error if d < 1, V < R (each rank owns a row) or init_std is not in (0, inf), also
+  // in Scalar (see init_normal); index_error if padding_idx is outside [0, V).
   VocabParallelEmbedding(Index V, Index d, Communicator& comm, const TokenEmbeddingOptions& options = {})
       : comm_(&comm),
         V_(V),
@@ -95,7 +95,8 @@ class VocabParallelEmbedding {
   // the ids it owns and zeros elsewhere, then one all-reduce sum of N*d values completes every row
   // (exactly: one value plus zeros), bit-identical to TokenEmbedding::forward.
   // Collective. \throws (on every rank, before any collective or write) index_error for an id
-  // outside [0, V), shape_error if out is not [B*T, d], value_error if the ids differ across ranks.
+  // outside [0, V), shape_error if out is not [B*T, d] or weight() no longer has the shard's rows
+  // (resized under the layer), value_error if the ids differ across ranks.
   // Cost: N*d writes and one all-reduce of N*d values.
   void forward(TokenIds ids, MatrixRef<Scalar> out) const {
     ids.visit([&](const auto& typed) { forward_into(typed, out); });
@@ -110,8 +111,9 @@ class VocabParallelEmbedding {
   // (the inputs are replicated, so every rank meets the same errors). Being collective-free, it
   // cannot compare the ids across ranks as forward does: pass the ids forward was given, or the
   // ranks update rows of different batches. A frozen shard: checks only.
-  // \throws index_error for an id outside [0, V), shape_error if dout is not [B*T, d]; the gradient
-  // is unchanged on throw. Cost: O(N log N) to sort the ids, O(owned tokens * d) to add.
+  // \throws index_error for an id outside [0, V), shape_error if dout is not [B*T, d] or weight()
+  // no longer has the shard's rows; the gradient is unchanged on throw. Cost: O(N log N) to sort
+  // the ids, O(owned tokens * d) to add.
   void backward(TokenIds ids, const ConstMatrixRef<Scalar>& dout) {
     ids.visit([&](const auto& typed) { backward_impl(typed, dout); });
   }
@@ -127,7 +129,7 @@ class VocabParallelEmbedding {
     detail::check_size(where, "V", V);
     detail::check_size(where, "d", d);
     detail::check_vocab_over_ranks(where, V, comm.size());
-    if (initialises) detail::check_positive(where, "init_std", options.init_std);
+    if (initialises) detail::check_init_std<Scalar>(where, "init_std", options.init_std);
     if (options.padding_idx && (*options.padding_idx < 0 || *options.padding_idx >= V)) {
       std::ostringstream message;
       message << where << ": padding_idx " << *options.padding_idx << " outside [0, " << V << ")";
@@ -149,6 +151,11 @@ class VocabParallelEmbedding {
     return shard;
   }
 
+  // The shard Parameter still has the shard's rows (a Parameter::resize_rows under the layer).
+  void check_weight(const char* where) const {
+    detail::check_shard_shape(where, "weight()", *weight_, shard_, weight_->cols(), V_, comm_->rank(), comm_->size());
+  }
+
   template <typename Id>
   void forward_into(const TypedTokenIds<Id>& ids, MatrixRef<Scalar> out) const {
     const char* where = "VocabParallelEmbedding::forward";
@@ -156,6 +163,7 @@ class VocabParallelEmbedding {
     check_on_every_rank(
         *comm_, where,
         [&] {
+          check_weight(where);
           detail::check_shape(where, "out", out, N, d);
           detail::check_ids(where, ids, V_);
         },
@@ -187,6 +195,7 @@ class VocabParallelEmbedding {
   void backward_impl(const TypedTokenIds<Id>& ids, const ConstMatrixRef<Scalar>& dout) {
     const char* where = "VocabParallelEmbedding::backward";
     const Index d = dim();
+    check_weight(where);
     detail::check_shape(where, "dout", dout, ids.size(), d);
     detail::check_ids(where, ids, V_);
     if (weight_->frozen()) return;

@@ -32,6 +32,7 @@
 #include "../parameter.hpp"
 #include "../types.hpp"
 #include "communicator.hpp"
+#include "vocab_shard.hpp"
 
 #include <cstdint>
 #include <sstream>
@@ -162,16 +163,8 @@ class VocabParallelFusedHeadLoss {
         throw value_error(message.str());
       }
       shard = vocab_shard(V, rank, R);
-      auto shape_of = [&](const char* what, const Parameter<Scalar>& p, Index cols) {
-        if (p.rows() == shard.rows() && p.cols() == cols) return;
-        std::ostringstream message;
-        message << where << ": " << what << " is [" << p.rows() << ", " << p.cols() << "], expected [" << shard.rows()
-                << ", " << cols << "] (rows [" << shard.begin << ", " << shard.end << ") of V = " << V << " on rank "
-                << rank << " of " << R << ")";
-        throw shape_error(message.str());
-      };
-      shape_of("weight_shard", weight_shard, h.cols());
-      if (bias_shard) shape_of("bias_shard", *bias_shard, 1);
+      detail::check_shard_shape(where, "weight_shard", weight_shard, shard, h.cols(), V, rank, R);
+      if (bias_shard) detail::check_shard_shape(where, "bias_shard", *bias_shard, shard, 1, V, rank, R);
       OutputMap lse = extras.lse, losses = extras.losses;
       MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
       detail::check_fused_head_loss<Scalar, Id>(where, h, shard.rows(), weight_shard.cols(), bias_of(bias_shard),

@@ -42,7 +42,8 @@ class VocabParallelOutputProjection {
   // Untied: W shard = rows [begin, end) of OutputProjection<Scalar>(V, d, options)'s W (the same
   // Rng stream from counter 2 begin d: bit-identical), and a zero bias shard [rows, 1] if
   // options.bias. No communication.
-  // \throws value_error if d < 1, V < R or init_std <= 0.
+  // \throws value_error if d < 1, V < R or init_std is not in (0, inf), also in Scalar (see
+  // init_normal).
   VocabParallelOutputProjection(Index V, Index d, Communicator& comm, const OutputProjectionOptions& options = {})
       : comm_(&comm),
         V_(V),
@@ -101,10 +102,12 @@ class VocabParallelOutputProjection {
 
   // h [N, d] (replicated) -> local_logits [N, shard().rows()] = h W_shard^T + b_shard: columns
   // [begin, end) of the full logits (see output_projection_forward for the kernel). No
-  // communication. \throws shape_error if h is not [N, d] or local_logits not [N, rows] (nothing
-  // written). Cost: 2 N rows d flops.
+  // communication. \throws shape_error if h is not [N, d], local_logits not [N, rows], or W or the
+  // bias no longer has the shard's rows (resized under the layer); nothing written. Cost: 2 N rows
+  // d flops.
   void forward(const ConstMatrixRef<Scalar>& h, MatrixRef<Scalar> local_logits) const {
     const char* where = "VocabParallelOutputProjection::forward";
+    check_shards(where);
     detail::check_shape(where, "h", h, h.rows(), dim());
     detail::output_projection_forward<Scalar>(h, weight_->value(), bias_view(), local_logits, where);
   }
@@ -118,14 +121,15 @@ class VocabParallelOutputProjection {
   // h [N, d], dlocal_logits [N, rows] -> dh [N, d] (replicated) = sum over ranks of dlocal W_shard
   // (one all-reduce of N*d values; dh may be h); weight().grad() += dlocal^T h (switches the
   // shard's gradient to dense mode); bias grad += column sums. A frozen W or bias takes nothing.
-  // Collective. \throws (on every rank, before anything is written) shape_error on a wrong shape,
-  // value_error if N or d differ across ranks.
+  // Collective. \throws (on every rank, before anything is written) shape_error on a wrong shape
+  // (W or the bias included: resized under the layer), value_error if N or d differ across ranks.
   void backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& dlocal_logits, MatrixRef<Scalar> dh) {
     const char* where = "VocabParallelOutputProjection::backward";
     const Index N = h.rows(), d = dim();
     check_on_every_rank(
         *comm_, where,
         [&] {
+          check_shards(where);
           detail::check_shape(where, "h", h, N, d);
           detail::check_shape(where, "dlocal_logits", dlocal_logits, N, shard_.rows());
           detail::check_shape(where, "dh", dh, N, d);
@@ -165,7 +169,7 @@ class VocabParallelOutputProjection {
     detail::check_size(where, "V", V);
     detail::check_size(where, "d", d);
     detail::check_vocab_over_ranks(where, V, comm.size());
-    detail::check_positive(where, "init_std", options.init_std);
+    detail::check_init_std<Scalar>(where, "init_std", options.init_std);
     return vocab_shard(V, comm.rank(), comm.size());
   }
   static VocabShard check_wrapped(Index V, const std::shared_ptr<Parameter<Scalar>>& weight,
@@ -182,6 +186,11 @@ class VocabParallelOutputProjection {
   static void check_not_moved_from(const VocabParallelEmbedding<Scalar>& embedding) {
     if (!embedding.weight_ptr())
       throw value_error("VocabParallelOutputProjection: the VocabParallelEmbedding was moved from and holds no shard");
+  }
+  // W and the bias still have the shard's rows (a Parameter::resize_rows under the layer).
+  void check_shards(const char* where) const {
+    detail::check_shard_shape(where, "weight()", *weight_, shard_, weight_->cols(), V_, comm_->rank(), comm_->size());
+    if (bias_) detail::check_shard_shape(where, "bias()", *bias_, shard_, 1, V_, comm_->rank(), comm_->size());
   }
   Eigen::Map<const RowMatrix<Scalar>> bias_view() const {
     if (bias_) return static_cast<const Parameter<Scalar>&>(*bias_).value();

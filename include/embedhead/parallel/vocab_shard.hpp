@@ -49,6 +49,20 @@ inline void check_vocab_over_ranks(const char* where, Index V, int R) {
   }
 }
 
+// Throws shape_error unless the Parameter p is [shard.rows(), cols], shard being rank `rank`'s rows
+// of V over R ranks. A layer's shard is fixed at construction: a Parameter::resize_rows under it
+// would leave ids it owns without rows (reads and writes past the table), so every pass checks.
+template <typename P>
+void check_shard_shape(const char* where, const char* what, const P& p, const VocabShard& shard, Index cols, Index V,
+                       int rank, int R) {
+  if (p.rows() == shard.rows() && p.cols() == cols) return;
+  std::ostringstream message;
+  message << where << ": " << what << " is [" << p.rows() << ", " << p.cols() << "], expected [" << shard.rows() << ", "
+          << cols << "] (rows [" << shard.begin << ", " << shard.end << ") of V = " << V << " on rank " << rank
+          << " of " << R << ")";
+  throw shape_error(message.str());
+}
+
 // A fingerprint of a few integers that must agree on every rank (shapes, V, options).
 inline std::uint64_t fingerprint_values(std::initializer_list<std::int64_t> values,
                                         std::uint64_t hash = 0xcbf29ce484222325ULL) {
