@@ -1,21 +1,22 @@
 // The LM head's forward GEMM in bf16 through oneDNN (include/embedhead/backends/onednn_head.hpp) beside
-// the fp32 Eigen head, GPT-2 shape N = 1024, d = 768, V = 50257, bias included, in one binary:
+// the fp32 head, GPT-2 shape N = 1024, d = 768, V = 50257, bias included, in one binary:
 //
-//   EigenHeadFp32/threads:T   OutputProjection::forward: logits = h W^T + b, all fp32 (Eigen GEMM)
+//   HeadFp32/threads:T        OutputProjection::forward: logits = h W^T + b, all fp32 (the default
+//                             GEMM backend: the packed kernel, or Eigen's with EMBEDHEAD_GEMM_EIGEN)
 //   OneDnnHeadBf16/threads:T  OneDnnHead::forward: h fp32 (rounded to bf16 inside, included in
 //                             the time), W bf16 [V, d] read in place, fp32 accumulation and logits
 //
-//   FusedStepFp32/threads:T   FusedHeadLoss::forward_backward, all fp32 (Eigen GEMM, default options:
+//   FusedStepFp32/threads:T   FusedHeadLoss::forward_backward, all fp32 (the default backend, default options:
 //                             the token-chunk plan), bias included
 //   FusedStepBf16/threads:T   the same step in bf16 mixed precision: W rounded to bf16 (to_bf16, in
 //                             the time: once a step, as a trainer does from its float master
 //                             weights), then fused_head_loss_forward_backward with the bf16 W, its
 //                             products on oneDNN (gemm::MixedBackend), dW, db, dh and loss in float
 //
-// FLOPS counts 2 N V d per head call and 6 N V d per fused step. T = 1 and 2 OpenMP threads (Eigen and oneDNN both
-// follow omp_set_num_threads); wall-clock time. Before timing, the oneDNN logits are checked against the double product
-// of the bf16 inputs, and the Eigen ones against the fp32 inputs, on probe entries. Set ONEDNN_VERBOSE=1 to see the
-// kernel oneDNN dispatches (e.g. brg:avx512_core_bf16).
+// FLOPS counts 2 N V d per head call and 6 N V d per fused step. T = 1 and 2 OpenMP threads (the library and oneDNN
+// both follow omp_set_num_threads); wall-clock time. Before timing, the oneDNN logits are checked against the double
+// product of the bf16 inputs, and the fp32 ones against the fp32 inputs, on probe entries. Set ONEDNN_VERBOSE=1 to see
+// the kernel oneDNN dispatches (e.g. brg:avx512_core_bf16).
 #include "bench_support.hpp"  // first: its pragma must precede every other include
 
 #include "gbench_main.hpp"
@@ -94,13 +95,13 @@ void check_probes(const char* what, const HAt& h_at, const WAt& W_at, double sca
   }
 }
 
-void BM_EigenHeadFp32(benchmark::State& state) {
+void BM_HeadFp32(benchmark::State& state) {
   Problem& p = problem();
   set_threads(state);
   p.head.forward(p.h, p.logits);
   const auto W = static_cast<const OutputProjection<float>&>(p.head).weight().value();
   check_probes(
-      "EigenHeadFp32", [&](Index n, Index j) { return double{p.h(n, j)}; },
+      "HeadFp32", [&](Index n, Index j) { return double{p.h(n, j)}; },
       [&](Index v, Index j) { return double{W(v, j)}; }, 16 * std::ldexp(1.0, -24));
   for (auto _ : state) {
     p.head.forward(p.h, p.logits);
@@ -189,7 +190,7 @@ void BM_FusedStepBf16(benchmark::State& state) {
 
 void register_benchmarks() {
   // Each pair side by side, on 1 then 2 threads.
-  const std::pair<const char*, void (*)(benchmark::State&)> pairs[][2] = {{{"EigenHeadFp32", BM_EigenHeadFp32},
+  const std::pair<const char*, void (*)(benchmark::State&)> pairs[][2] = {{{"HeadFp32", BM_HeadFp32},
                                                                            {"OneDnnHeadBf16", BM_OneDnnHeadBf16}},
                                                                           {{"FusedStepFp32", BM_FusedStepFp32},
                                                                            {"FusedStepBf16", BM_FusedStepBf16}}};

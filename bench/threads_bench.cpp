@@ -6,7 +6,10 @@
 // The LM head at GPT-2 shape (N = 1024, d = 768, V = 50257, float), in GFLOP/s (FLOPS counter):
 //   HeadForward/threads:T/vchunk:C            logits = h W^T + b by chunks of C rows of W
 //   HeadBackward/threads:T/vchunk:C/tchunk:R  dW += dlogits^T h, db += .. by chunks of C rows of
-//                                             W, then dh = dlogits W by chunks of R tokens
+//                                             W, then dh = dlogits W by chunks of R tokens (on
+//                                             the packed kernel C and R are ignored: one chunk
+//                                             per thread, gemm::per_thread_plan)
+//   HeadBackwardTokens/threads:T/N:n          output_projection_backward on the first n tokens
 //   EigenHeadForward/threads:T, EigenHeadBackward/threads:T
 //                                             the same arithmetic as single Eigen products, split
 //                                             by Eigen's own GEMM threading (Eigen::setNbThreads)
@@ -225,6 +228,34 @@ void BM_HeadBackward(benchmark::State& state) {
   set_flops(state, 2 * kHeadFlops);
 }
 
+// The public backward (output_projection_backward: the library's own plan, on the packed kernel one
+// chunk per thread) on the first N tokens, N = 128, 256, 1024: at small N the fixed plan of 256
+// tokens a chunk ran dh on one thread. Checked against Eigen's products of the same rows first.
+void BM_HeadBackwardTokens(benchmark::State& state) {
+  HeadProblem& p = head_problem();
+  const Index N = state.range(1);
+  use_threads(static_cast<int>(state.range(0)), false);
+  const auto h = p.h.topRows(N);
+  const auto dlogits = p.dlogits.topRows(N);
+  auto dh = p.dh.topRows(N);
+  RowMatrix<float> no_db(0, 1);
+  auto run = [&] { embedhead::output_projection_backward<float>(h, p.W, dlogits, dh, p.dW, no_db); };
+  p.dW.setZero();
+  run();
+  Eigen::setNbThreads(1);
+  const RowMatrix<float> dh_ref = dlogits * p.W, dW_ref = dlogits.transpose() * h;
+  Eigen::setNbThreads(0);
+  check_close(RowMatrix<float>(dh), dh_ref, "HeadBackwardTokens dh");
+  check_close(p.dW, dW_ref, "HeadBackwardTokens dW");
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(p.dh.data());
+    benchmark::DoNotOptimize(p.dW.data());
+    benchmark::ClobberMemory();
+  }
+  set_flops(state, 4.0 * static_cast<double>(N) * kV * kD);
+}
+
 void BM_EigenHeadBackward(benchmark::State& state) {
   HeadProblem& p = head_problem();
   use_threads(static_cast<int>(state.range(0)), true);
@@ -441,6 +472,12 @@ void register_benchmarks() {
         ->ArgName("threads")
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
+    for (const Index tokens : {128, 256, 1024})
+      benchmark::RegisterBenchmark("HeadBackwardTokens", BM_HeadBackwardTokens)
+          ->Args({threads, tokens})
+          ->ArgNames({"threads", "N"})
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
   }
   // Decode shapes grouped so that each table is built once.
   for (const auto& shape : std::vector<std::pair<Index, Index>>{{kV, kD}, {256000, 2048}})
