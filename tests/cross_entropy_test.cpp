@@ -12,10 +12,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 using Catch::Contains;
@@ -26,6 +28,7 @@ using embedhead::Index;
 using embedhead::IdMatrix;
 using embedhead::Reduction;
 using embedhead::RowMatrix;
+using test_support::first_difference;
 using test_support::random_ids;
 using test_support::random_matrix;
 using test_support::same_values;
@@ -568,9 +571,11 @@ TEMPLATE_TEST_CASE("cross_entropy rejects bad input and writes nothing", "[cross
 
 TEMPLATE_TEST_CASE("cross_entropy: the loss and gradient do not depend on where the logits live",
                    "[cross_entropy][determinism]", float, double) {
-  // Vectorised reductions that peel to an aligned address sum in an order that depends on the
-  // pointer; the library's fixed 16-lane order must not. Copy the same logits to every offset
-  // of a buffer (0..15 scalars) and require bit-identical results.
+  // Vectorised loops over a row peel scalar iterations up to an aligned address, and the scalar
+  // exp and tanh round differently from the packet ones (up to 2 ulp): the library's fixed 16-lane
+  // order must not. Copy the same logits to every offset of a buffer (0..15 scalars), write dlogits
+  // at another offset (or in place), and require bit-identical results, with and without the
+  // soft-cap (its tanh and its gradient's exp run on every element).
   using S = TestType;
   const Index N = 3, V = 53;  // V not a multiple of 16: lanes and tail both used
   std::mt19937 gen(7);
@@ -579,19 +584,117 @@ TEMPLATE_TEST_CASE("cross_entropy: the loss and gradient do not depend on where 
   for (Index i = 0; i < logits.size(); ++i) logits.data()[i] = static_cast<S>(normal(gen));
   IdMatrix<std::int32_t> targets(1, N);
   targets << 4, 52, 0;
+  CrossEntropyOptions softcap;
+  softcap.softcap = 1.7;
+  CrossEntropyOptions everything = softcap;
+  everything.label_smoothing = 0.1;
+  everything.z_loss = 1e-2;
+  everything.ignore_index = 0;  // the third row
+  everything.reduction = Reduction::none;
 
-  RowMatrix<S> dlogits_ref(N, V);
-  const auto ref = embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits_ref);
-  std::vector<S> buffer(static_cast<std::size_t>(N * V + 16)), grad_buffer(buffer.size());
+  for (const CrossEntropyOptions& options : {CrossEntropyOptions{}, softcap, everything}) {
+    INFO("softcap " << options.softcap << ", label_smoothing " << options.label_smoothing);
+    RowMatrix<S> dlogits_ref(N, V), losses_ref(N, 1);
+    const auto ref = embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits_ref, losses_ref, options);
+    std::vector<S> buffer(static_cast<std::size_t>(N * V + 16)), grad_buffer(buffer.size());
+    for (Index offset = 0; offset < 16; ++offset) {
+      INFO("offset " << offset);
+      Eigen::Map<RowMatrix<S>> moved(buffer.data() + offset, N, V);
+      Eigen::Map<RowMatrix<S>> dmoved(grad_buffer.data() + (15 - offset), N, V);
+      moved = logits;
+      RowMatrix<S> losses(N, 1);
+      const auto r = embedhead::cross_entropy_forward_backward<S>(moved, targets, dmoved, losses, options);
+      CHECK(r.sum == ref.sum);
+      CHECK(embedhead::cross_entropy<S>(moved, targets, options).sum == ref.sum);
+      CHECK(first_difference(RowMatrix<S>(dmoved), dlogits_ref) == "");
+      CHECK(first_difference(losses, losses_ref) == "");
+      // In place: dlogits is the logits' own (misaligned) storage.
+      const auto in_place = embedhead::cross_entropy_forward_backward<S>(moved, targets, moved, options);
+      CHECK(in_place.sum == ref.sum);
+      CHECK(first_difference(RowMatrix<S>(moved), dlogits_ref) == "");
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("the softmax core's elementwise kernels give the same bits at every address and column",
+                   "[cross_entropy][determinism]", float, double) {
+  // detail/softmax.hpp, shared by every loss: the fused loss runs them on rows of its logits
+  // buffer, whose alignment varies from row to row, so the plain loss's offsets test above does
+  // not reach all of them. Each kernel runs on the same row copied to 16 offsets (in place and
+  // out of place); and on a row of one repeated value, whose outputs must all be equal: lanes and
+  // the padded tail alike. A peeled loop computes only the few values before the first aligned
+  // address apart, so the row is long and drawn 20 times.
+  using S = TestType;
+  namespace d = embedhead::detail;
+  const Index width = 997;  // 62 blocks of 16 and a tail of 5
+  const S cap = S(1.7);
+  d::SoftmaxTerms terms;
+  terms.classes = width;
+  terms.label_smoothing = 0.1;
+  d::SoftmaxTerms capped = terms;
+  capped.softcap = cap;
+  std::mt19937 gen(11);
+  std::normal_distribution<double> normal(0.0, 3.0);
+  std::vector<S> row(static_cast<std::size_t>(width));
+  for (int draw = 0; draw < 20; ++draw) {
+    INFO("draw " << draw);
+    for (S& x : row) x = static_cast<S>(normal(gen));
+    const S m = *std::max_element(row.begin(), row.end());
+    const auto k = d::softmax_gradient_at_lse<S>(static_cast<double>(m) + 1.5, 0.25, terms);
+    const auto k_exp = d::softmax_gradient_at_max<S>(d::SoftmaxRowStats{static_cast<double>(m), 9.0, 0, 0}, 3.0, 0.25,
+                                                     terms);
+    // Each kernel as a function of (input, output) pointers; sums are kept apart.
+    double sum = 0;
+    auto gradient = [&](const S* in, S* out, Index y, const auto& coefficients, const auto& options, bool holds_exp) {
+      if (in != out) std::copy_n(in, width, out);
+      d::apply_softmax_gradient(out, width, y, coefficients, options, holds_exp);
+    };
+    const std::vector<std::pair<const char*, std::function<void(const S*, S*)>>> kernels{
+        {"softcap_row", [&](const S* in, S* out) { d::softcap_row(in, out, width, cap); }},
+        {"sum_exp_shifted", [&](const S* in, S* out) { sum = d::sum_exp_shifted(in, width, m, out); }},
+        {"add_at_max: the sum of the logits (label smoothing)",
+         [&](const S* in, S* out) {
+           if (in != out) std::copy_n(in, width, out);  // (no output: the row passes through)
+           d::SoftmaxRowStats stats;
+           stats.max = static_cast<double>(m);
+           stats.add_at_max(in, width, 5, terms, static_cast<S*>(nullptr));
+           sum = stats.logit_sum;
+         }},
+        {"gradient at the lse", [&](const S* in, S* out) { gradient(in, out, 3, k, terms, false); }},
+        {"gradient with the soft-cap", [&](const S* in, S* out) { gradient(in, out, 30, k, capped, false); }},
+        {"gradient from the exponentials", [&](const S* in, S* out) { gradient(in, out, 7, k_exp, terms, true); }}};
+    for (const auto& [name, kernel] : kernels) {
+      INFO(name);
+      std::vector<S> expected(static_cast<std::size_t>(width));
+      kernel(row.data(), expected.data());
+      const double expected_sum = sum;
+      std::vector<S> in(static_cast<std::size_t>(width + 16)), out(in.size());
+      for (Index offset = 0; offset < 16; ++offset) {
+        INFO("offset " << offset);
+        std::copy(row.begin(), row.end(), in.begin() + offset);
+        kernel(in.data() + offset, out.data() + (15 - offset));
+        CHECK(std::equal(expected.begin(), expected.end(), out.begin() + (15 - offset)));
+        CHECK(sum == expected_sum);
+        kernel(in.data() + offset, in.data() + offset);  // in place
+        CHECK(std::equal(expected.begin(), expected.end(), in.begin() + offset));
+        CHECK(sum == expected_sum);
+      }
+    }
+  }
+  // A repeated value: every column's output the same (the capped values, the exponentials, dz).
+  const auto k = d::softmax_gradient_at_lse<S>(2.0, 0.25, terms);
   for (Index offset = 0; offset < 16; ++offset) {
     INFO("offset " << offset);
-    Eigen::Map<RowMatrix<S>> moved(buffer.data() + offset, N, V);
-    Eigen::Map<RowMatrix<S>> dmoved(grad_buffer.data() + (15 - offset), N, V);
-    moved = logits;
-    const auto r = embedhead::cross_entropy_forward_backward<S>(moved, targets, dmoved);
-    CHECK(r.sum == ref.sum);
-    CHECK(embedhead::cross_entropy<S>(moved, targets).sum == ref.sum);
-    CHECK(RowMatrix<S>(dmoved) == dlogits_ref);
+    std::vector<S> in(static_cast<std::size_t>(width + 16), S(-0.7)), out(in.size());
+    auto all_equal = [&](const std::vector<S>& v) {
+      return std::all_of(v.begin() + offset, v.begin() + offset + width, [&](S x) { return x == v[offset]; });
+    };
+    d::softcap_row(in.data() + offset, out.data() + offset, width, cap);
+    CHECK(all_equal(out));
+    d::sum_exp_shifted(in.data() + offset, width, S(0.3), out.data() + offset);
+    CHECK(all_equal(out));
+    d::apply_softmax_gradient(in.data() + offset, width, -1, k, capped, false);
+    CHECK(all_equal(in));
   }
 }
 

@@ -407,7 +407,8 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
       const Index p_width = p1 - p0;
       auto out = logits.middleCols(p0, p_width);
       if (bias.size() != 0) out.rowwise() += bias.col(0).segment(v0 + p0, p_width).transpose();
-      if (softcap > 0) out = softcapped(out.array(), cap).matrix();
+      if (softcap > 0)  // row by row: the same bits wherever a row lies (detail/softmax.hpp)
+        for (Index r = 0; r < rows; ++r) softcap_row(out.row(r).data(), out.row(r).data(), p_width, cap);
     };
     if (mixed && one_pass) {
       // Mixed precision, token chunks: each piece's product into a contiguous [rows, p_width]
