@@ -29,6 +29,7 @@ using embedhead::IdMatrix;
 using embedhead::Reduction;
 using embedhead::RowMatrix;
 using test_support::first_difference;
+using test_support::first_difference_nan;
 using test_support::random_ids;
 using test_support::random_matrix;
 using test_support::same_values;
@@ -912,4 +913,116 @@ TEMPLATE_TEST_CASE("Reduction::none: the per-token losses, and loss defined as t
   CHECK(per_token.loss == none.loss);
   CHECK(same_values(losses2, losses));
   CHECK(embedhead::cross_entropy<S>(logits, targets, with(Reduction::none)).loss == none.loss);
+}
+
+TEMPLATE_TEST_CASE("cross_entropy: non-finite logits give PyTorch's results, row by row", "[cross_entropy][nonfinite]",
+                   float, double) {
+  // docs/errors.md, "Non-finite values". Each row holds one case; the rows around it show that a
+  // bad row changes nothing else. A -inf logit is a class of probability exp(-inf) = 0, which is
+  // also what a logit of -1e30 gives (exp(-1e30 - m) underflows to 0): so wherever the result is
+  // defined, it equals the result on `finite`, the same logits with -inf replaced by -1e30, bit
+  // for bit. NaN and +inf logits (PyTorch: NaN) and rows with no finite class (NaN) are checked
+  // as NaN, the rest of their rows' columns included.
+  using S = TestType;
+  const S inf = std::numeric_limits<S>::infinity(), nan = std::numeric_limits<S>::quiet_NaN();
+  const Index N = 9, V = 37, classes = 36;  // column 36 is vocabulary padding; 36 = 2 blocks of 16 + 4
+  RowMatrix<S> logits = random_matrix<S>(N, V, 2101, kLogitSpread);
+  IdMatrix<std::int32_t> targets(1, N);
+  targets << 2, 2, 2, 2, 2, 2, 2, -100, 2;
+  logits(1, 4) = nan;                                                  // 1: a NaN logit (not the target)
+  logits(2, 0) = inf;                                                  // 2: a +inf logit
+  logits(3, 0) = logits(3, 1) = logits(3, 20) = logits(3, 35) = -inf;  // 3: masked classes (not the target)
+  logits(4, 2) = -inf;                                                 // 4: the target masked
+  logits.row(5).head(classes).setConstant(-inf);                       // 5: every class masked
+  logits(6, classes) = nan;                                            // 6: NaN in the padding column only
+  logits(7, 0) = nan;                                                  // 7: an ignored row, NaN and +inf
+  logits(7, 1) = inf;
+  RowMatrix<S> finite = logits;
+  for (Index i = 0; i < finite.size(); ++i)
+    if (finite.data()[i] == -inf) finite.data()[i] = S(-1e30);
+  const std::vector<Index> nan_rows{1, 2, 5};
+  for (const Index n : nan_rows) finite.row(n).setZero();  // any finite row: the others do not see it
+  finite(6, classes) = 0;
+  finite.row(7).setZero();
+
+  for (Reduction reduction : {Reduction::mean, Reduction::none}) {
+    CAPTURE(name_of(reduction));
+    CrossEntropyOptions o;
+    o.valid_vocab = classes;
+    o.reduction = reduction;
+    RowMatrix<S> dz(N, V), losses(N, 1), dz_finite(N, V), losses_finite(N, 1);
+    const auto r = embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, losses, o);
+    const auto r_finite = embedhead::cross_entropy_forward_backward<S>(finite, targets, dz_finite, losses_finite, o);
+    CHECK(r.count == 8);  // the NaN rows count (the mean is NaN), the ignored row does not
+    CHECK(r_finite.count == 8);
+    CHECK(std::isnan(r.loss));
+    CHECK(std::isnan(r.sum));
+    for (Index n = 0; n < N; ++n) {
+      CAPTURE(n);
+      const bool nan_row = std::find(nan_rows.begin(), nan_rows.end(), n) != nan_rows.end();
+      if (nan_row) {
+        CHECK(std::isnan(losses(n, 0)));
+        CHECK(dz.row(n).head(classes).array().isNaN().all());
+        CHECK(dz(n, classes) == S(0));  // padding: 0 whatever the row
+      } else if (n == 4) {
+        CHECK(losses(n, 0) == inf);  // -log 0: PyTorch's inf, the gradient stays finite
+        CHECK(first_difference(RowMatrix<S>(dz.row(n)), RowMatrix<S>(dz_finite.row(n))) == "");
+        CHECK(dz(n, 2) == S(-1) / S(8) * (reduction == Reduction::mean ? S(1) : S(8)));
+      } else {
+        CHECK(losses(n, 0) == losses_finite(n, 0));
+        CHECK(first_difference(RowMatrix<S>(dz.row(n)), RowMatrix<S>(dz_finite.row(n))) == "");
+      }
+    }
+    for (const Index j : {0, 1, 20, 35}) CHECK(dz(3, j) == S(0));  // a masked class: exactly 0
+    CHECK(dz.row(7).isZero(0));
+    CHECK(losses(7, 0) == S(0));
+    // The loss alone and the per-token losses alone: the same numbers.
+    RowMatrix<S> losses_only(N, 1);
+    embedhead::cross_entropy_per_token<S>(logits, targets, losses_only, o);
+    CHECK(first_difference_nan(losses_only, losses) == "");
+    CHECK(std::isnan(embedhead::cross_entropy<S>(logits, targets, o).loss));
+    // In place as well.
+    RowMatrix<S> in_place = logits;
+    embedhead::cross_entropy_forward_backward<S>(in_place, targets, in_place, o);
+    CHECK(first_difference_nan(in_place, dz) == "");
+  }
+
+  SECTION("label smoothing sums every class's logit: a masked class makes the loss +inf, dz stays finite") {
+    // PyTorch's smoothing term -sum_j log p_j / C is +inf too; its gradient at a masked class is
+    // -eps / C (times the scale), at the others p_j - eps / C - (1 - eps) [j = y].
+    CrossEntropyOptions o;
+    o.valid_vocab = classes;
+    o.reduction = Reduction::sum;
+    o.label_smoothing = 0.25;
+    RowMatrix<S> dz(N, V), losses(N, 1);
+    embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, losses, o);
+    CHECK(losses(3, 0) == inf);
+    CHECK(dz.row(3).allFinite());
+    for (const Index j : {0, 1, 20, 35}) CHECK(dz(3, j) == static_cast<S>(-0.25 / static_cast<double>(classes)));
+    CHECK(std::isfinite(losses(0, 0)));  // a row without -inf: finite as always
+  }
+  SECTION("soft-capping maps +-inf to +-c: only the NaN row stays NaN") {
+    // c tanh(+-inf / c) = +-c, as for any logit far beyond c: +-inf give what +-1e30 give.
+    CrossEntropyOptions o;
+    o.valid_vocab = classes;
+    o.softcap = 2.5;
+    RowMatrix<S> saturated = logits;
+    for (Index i = 0; i < saturated.size(); ++i)
+      if (std::isinf(saturated.data()[i])) saturated.data()[i] = saturated.data()[i] > 0 ? S(1e30) : S(-1e30);
+    RowMatrix<S> dz(N, V), losses(N, 1), dz_saturated(N, V), losses_saturated(N, 1);
+    embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, losses, o);
+    embedhead::cross_entropy_forward_backward<S>(saturated, targets, dz_saturated, losses_saturated, o);
+    CHECK(first_difference_nan(losses, losses_saturated) == "");
+    CHECK(first_difference_nan(dz, dz_saturated) == "");
+    CHECK(std::isnan(losses(1, 0)));
+    CHECK(dz.row(1).head(classes).array().isNaN().all());
+    for (const Index n : {0, 2, 3, 4, 5, 6, 8}) {
+      CAPTURE(n);
+      CHECK(std::isfinite(losses(n, 0)));
+      CHECK(dz.row(n).allFinite());
+    }
+    // Every class at -c: the uniform distribution, loss log 36, and a zero gradient (tanh saturated).
+    CHECK_THAT(static_cast<double>(losses(5, 0)), WithinRel(std::log(36.0), 1e-6));
+    CHECK(dz.row(5).isZero(0));
+  }
 }

@@ -13,6 +13,11 @@
 // z-loss (z_loss * lse^2 added per row, PaLM), final-logit soft-capping (z -> c tanh(z / c) before
 // the softmax, Gemma 2) and a padded vocabulary (only the first valid_vocab columns are classes;
 // the rest never count and get dz = 0).
+//
+// Non-finite logits (docs/errors.md, "Non-finite values"): as PyTorch, a NaN or +inf logit makes
+// its row's loss and every dz of the row NaN (and so the reduced loss); -inf is a class of
+// probability 0 (dz = 0; the loss is +inf if it is the target); a row of -inf classes is NaN.
+// Ignored rows and padding columns never reach the loss (loss 0, dz 0 whatever they hold).
 #ifndef EMBEDHEAD_CROSS_ENTROPY_HPP
 #define EMBEDHEAD_CROSS_ENTROPY_HPP
 

@@ -28,6 +28,12 @@
 // (fused_head_loss, FusedHeadLoss::forward: 2 N V d flops) walks the same way without the backward.
 // Tokens whose target is ignore_index are dropped before any arithmetic.
 //
+// Non-finite h, W or bias (docs/errors.md, "Non-finite values") give the plain loss's results on
+// the logits they make, in either plan: a NaN or +inf logit makes its row NaN (and, through dW =
+// dz^T h and db, every class row of dW and db), a -inf logit is a masked class -- a block of them
+// adds 0 to the running sum of exponentials -- and a row of -inf classes has lse = -inf and a NaN
+// loss.
+//
 // Every option of the plain loss applies (CrossEntropyOptions: ignore_index, reductions, label
 // smoothing, z-loss, soft-capping, a padded vocabulary, gradient_scale), plus per-token weights
 // w_n >= 0 (mean divides by their sum over counted tokens), the log-sum-exp of every row as an

@@ -42,6 +42,14 @@
 // normal number to 0, so exp(-inf) = 0 exactly: Eigen's packet exp clamps its argument and
 // returns about 2.9e-39 (float, SSE) or 5.6e-309 (double) there instead.
 //
+// Non-finite logits (docs/errors.md, "Non-finite values") follow IEEE arithmetic through these
+// formulas, which is PyTorch's answer: a NaN or +inf logit among a row's classes makes S, lse,
+// the loss and every dz of the row NaN; -inf is a class of probability exp(-inf) = 0 (dz = 0,
+// loss +inf if it is the target); a row whose classes are all -inf has S = 0, lse = -inf and a
+// NaN loss and dz. The one place that needs care is a running max of -inf (no finite column yet:
+// a block or shard of masked classes, or the whole row): exp(s_j - max) would be exp(-inf + inf)
+// = NaN, so add_at_max shifts by 0 there instead, and the block adds exp(-inf) = 0 (NaN stays NaN).
+//
 // A new loss option belongs here: a field of SoftmaxTerms (read in softmax_terms), the statistic
 // it needs in SoftmaxRowStats (add_at_max, and the summed parts if ranks must add it), its term in
 // row_loss and its coefficient in SoftmaxGradient / apply_softmax_gradient.
@@ -201,11 +209,15 @@ struct SoftmaxRowStats {
   // block's: exp(s_j - Scalar(max)) is summed (and written to exp_out when not null; exp_out may
   // be s: s_y and sum_j s_j are read first). target_column: y's column in the block (ignored outside
   // [0, width)).
+  // A max of -inf means every column so far is -inf (or NaN): the block is shifted by 0 instead,
+  // so that each -inf adds exp(-inf) = 0, its share at whatever max the row ends with, where
+  // exp(-inf - max) would be NaN.
   template <typename Scalar>
   void add_at_max(const Scalar* s, Index width, Index target_column, const SoftmaxTerms& terms, Scalar* exp_out) {
     if (target_column >= 0 && target_column < width) target = static_cast<double>(s[target_column]);
     if (terms.logit_sums()) logit_sum += sum_in_lanes(s, width);
-    sum_exp += static_cast<double>(sum_exp_shifted(s, width, static_cast<Scalar>(max), exp_out));
+    const Scalar shift = max == -std::numeric_limits<double>::infinity() ? Scalar(0) : static_cast<Scalar>(max);
+    sum_exp += static_cast<double>(sum_exp_shifted(s, width, shift, exp_out));
   }
 
   // The online step: the block's max, S rescaled when it exceeds the running max, then the block
