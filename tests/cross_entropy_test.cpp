@@ -1026,3 +1026,70 @@ TEMPLATE_TEST_CASE("cross_entropy: non-finite logits give PyTorch's results, row
     CHECK(dz.row(5).isZero(0));
   }
 }
+
+TEMPLATE_TEST_CASE("cross_entropy with error_if_nonfinite rejects a NaN or infinite logit and writes nothing",
+                   "[cross_entropy][nonfinite][errors]", float, double) {
+  using S = TestType;
+  const S inf = std::numeric_limits<S>::infinity(), nan = std::numeric_limits<S>::quiet_NaN();
+  const Index B = 2, T = 3, N = B * T, V = 6;
+  RowMatrix<S> logits = random_matrix<S>(N, V, 2201, kLogitSpread);
+  IdMatrix<std::int32_t> targets(B, T);
+  targets << 1, 2, 3, -100, 4, 0;
+  CrossEntropyOptions o;
+  o.error_if_nonfinite = true;
+  o.valid_vocab = 5;  // column 5 is padding
+  RowMatrix<S> dz = RowMatrix<S>::Constant(N, V, S(-3)), losses = RowMatrix<S>::Constant(N, 1, S(-4));
+  const RowMatrix<S> dz0 = dz, losses0 = losses;
+  auto unchanged = [&] {
+    CHECK(same_values(dz, dz0));
+    CHECK(same_values(losses, losses0));
+  };
+
+  SECTION("values that do not reach the loss are not checked: the ignored row, the padding column") {
+    logits(3, 2) = nan;  // n = 3 is ignored
+    logits(0, 5) = inf;  // padding
+    RowMatrix<S> expected_dz(N, V), expected_losses(N, 1);
+    CrossEntropyOptions off = o;
+    off.error_if_nonfinite = false;
+    const auto expected = embedhead::cross_entropy_forward_backward<S>(logits, targets, expected_dz, expected_losses,
+                                                                       off);
+    const auto r = embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, losses, o);
+    CHECK(r.loss == expected.loss);
+    CHECK(std::isfinite(r.loss));
+    CHECK(same_values(dz, expected_dz));
+    CHECK(same_values(losses, expected_losses));
+  }
+  SECTION("the first bad logit in row-major order, with its row, position and column") {
+    logits(4, 3) = -inf;  // n = 4: also reported, but after n = 2
+    logits(2, 4) = nan;
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, losses, o),
+                      embedhead::value_error);
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, losses, o),
+                        Contains("cross_entropy_forward_backward: logit nan at n=2 (b=0, t=2), column 4, outside the "
+                                 "finite numbers (error_if_nonfinite)"));
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy<S>(logits, targets, o), Contains("cross_entropy: logit nan at n=2"));
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_per_token<S>(logits, targets, losses, o),
+                        Contains("cross_entropy_per_token: logit nan at n=2"));
+    REQUIRE_THROWS_WITH(embedhead::CrossEntropyLoss<S>(o).forward_backward(logits, targets, dz),
+                        Contains("CrossEntropyLoss::forward_backward: logit nan at n=2"));
+    logits(2, 4) = 0;
+    // -inf too: the option makes every non-finite logit an error, masks included.
+    REQUIRE_THROWS_WITH(embedhead::CrossEntropyLoss<S>(o).forward(logits, targets),
+                        Contains("CrossEntropyLoss::forward: logit -inf at n=4 (b=1, t=1), column 3, outside the "
+                                 "finite numbers"));
+    unchanged();
+  }
+  SECTION("in place: logits (= dlogits) unchanged") {
+    logits(5, 0) = inf;
+    RowMatrix<S> buffer = logits;
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_forward_backward<S>(buffer, targets, buffer, o),
+                        Contains("logit inf at n=5 (b=1, t=2), column 0"));
+    CHECK(first_difference(buffer, logits) == "");
+  }
+  SECTION("checked after the other arguments: a bad target is reported first") {
+    logits(0, 0) = nan;
+    targets(1, 2) = 9;
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, o), embedhead::index_error);
+    unchanged();
+  }
+}

@@ -865,3 +865,78 @@ TEMPLATE_TEST_CASE("fused head loss: non-finite values give the plain loss's res
     }
   }
 }
+
+TEMPLATE_TEST_CASE("fused head loss with error_if_nonfinite rejects NaN or infinite inputs and writes nothing",
+                   "[fused_head_loss][nonfinite][errors]", float, double) {
+  using Scalar = TestType;
+  const Scalar inf = std::numeric_limits<Scalar>::infinity(), nan = std::numeric_limits<Scalar>::quiet_NaN();
+  const Index V = 9, d = 3, N = 4, classes = 7;
+  Problem<Scalar> p = make_problem<Scalar>(1, N, V, d, 2501, classes);
+  p.targets(0, 1) = -100;  // n = 1 ignored
+  FusedHeadLossOptions options;
+  options.error_if_nonfinite = true;
+  options.valid_vocab = classes;
+  RowMatrix<Scalar> dh = RowMatrix<Scalar>::Constant(N, d, 5), dW = RowMatrix<Scalar>::Constant(V, d, 6),
+                    db = RowMatrix<Scalar>::Constant(V, 1, 7), lse = RowMatrix<Scalar>::Constant(N, 1, 8),
+                    losses = RowMatrix<Scalar>::Constant(N, 1, 9);
+  const RowMatrix<Scalar> dh0 = dh, dW0 = dW, db0 = db, lse0 = lse, losses0 = losses, no_weights(0, 1);
+  FusedHeadLossWorkspace<Scalar> ws;
+  auto call = [&](const RowMatrix<Scalar>& h, const RowMatrix<Scalar>& W, const RowMatrix<Scalar>& bias) {
+    embedhead::fused_head_loss_forward_backward<Scalar>(h, W, bias, p.targets, dh, dW, db, ws, options,
+                                                        extras_of(no_weights, lse, losses));
+  };
+  auto unchanged = [&] {
+    CHECK(same_values(dh, dh0));
+    CHECK(same_values(dW, dW0));
+    CHECK(same_values(db, db0));
+    CHECK(same_values(lse, lse0));
+    CHECK(same_values(losses, losses0));
+  };
+  RowMatrix<Scalar> h = p.h, W = p.W, bias = p.bias;
+  options.plan = GENERATE(embedhead::FusedPlan::vocab_blocks, embedhead::FusedPlan::token_chunks);
+  SECTION("h, W and bias, each reported with its place; h first, then W, then the bias") {
+    h(3, 1) = nan;
+    W(4, 2) = -inf;
+    bias(6, 0) = inf;
+    CHECK_THROWS_AS(call(h, W, bias), embedhead::value_error);
+    CHECK_THROWS_WITH(call(h, W, bias), Contains("fused_head_loss_forward_backward: h nan at n=3 (b=0, t=3), column "
+                                                 "1, outside the finite numbers (error_if_nonfinite)"));
+    CHECK_THROWS_WITH(embedhead::fused_head_loss<Scalar>(h, W, bias, p.targets, ws, options),
+                      Contains("fused_head_loss: h nan at n=3"));
+    h(3, 1) = 0;
+    CHECK_THROWS_WITH(call(h, W, bias), Contains("fused_head_loss_forward_backward: W -inf at row 4, column 2, "
+                                                 "outside the finite numbers (error_if_nonfinite)"));
+    W(4, 2) = 0;
+    CHECK_THROWS_WITH(call(h, W, bias), Contains("fused_head_loss_forward_backward: bias inf at row 6 outside the "
+                                                 "finite numbers (error_if_nonfinite)"));
+    unchanged();
+  }
+  SECTION("not checked where nothing reaches the loss: an ignored token, padding rows of W and bias") {
+    h(1, 0) = nan;
+    W(7, 2) = inf;
+    bias(8, 0) = -inf;
+    FusedHeadLossOptions off = options;
+    off.error_if_nonfinite = false;
+    const Run<Scalar> expected = run_fused<Scalar>(h, W, bias, p.targets, off);
+    const Run<Scalar> got = run_fused<Scalar>(h, W, bias, p.targets, options);
+    CHECK(std::isfinite(got.result.loss));
+    CHECK(run_difference(got, expected) == "");
+  }
+  SECTION("the layer: the gradients stay as they were (sparse, untouched)") {
+    embedhead::TokenEmbedding<Scalar> emb(V, d);
+    embedhead::OutputProjection<Scalar> head(emb);
+    const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(1, 3, V, 2502);
+    emb.backward(ids, RowMatrix<Scalar>::Ones(3, d));
+    const RowMatrix<Scalar> before = emb.weight().grad().to_dense();
+    const Index touched = emb.weight().grad().num_touched();
+    FusedHeadLoss<Scalar> loss(options);
+    h(0, 2) = -inf;
+    CHECK_THROWS_WITH(loss.forward_backward(head, h, p.targets, dh),
+                      Contains("FusedHeadLoss::forward_backward: h -inf at n=0 (b=0, t=0), column 2"));
+    CHECK_THROWS_WITH(loss.forward(head, h, p.targets), Contains("FusedHeadLoss::forward: h -inf at n=0"));
+    CHECK(!emb.weight().grad().is_dense());
+    CHECK(emb.weight().grad().num_touched() == touched);
+    CHECK(same_values(emb.weight().grad().to_dense(), before));
+    unchanged();
+  }
+}

@@ -687,3 +687,46 @@ TEMPLATE_TEST_CASE("vocabulary-parallel fused loss: masked classes, whole shards
     set_bias(full_bias);
   }
 }
+
+TEST_CASE("vocabulary-parallel fused loss with error_if_nonfinite: agreed on every rank, nothing changed",
+          "[vocab_parallel_fused][nonfinite][errors]") {
+  using Scalar = float;
+  Communicator& comm = world();
+  const int R = comm.size();
+  const bool last = comm.rank() == R - 1;
+  Setup<Scalar> s = make_setup<Scalar>(53, 6, 2, 4, 71, true);
+  RowMatrix<Scalar> dh = RowMatrix<Scalar>::Constant(s.N, s.d, Scalar(7));
+  FusedHeadLossOptions options;
+  options.error_if_nonfinite = true;
+  VocabParallelFusedHeadLoss<Scalar> loss(options);
+  // A NaN in the last rank's rows of W: row 50 of the whole head.
+  const RowMatrix<Scalar> W_before = s.W_shard->value();
+  if (last) s.W_shard->value()(50 - s.shard.begin, 1) = std::numeric_limits<Scalar>::quiet_NaN();
+  std::string message = agreed_error<embedhead::value_error>(
+      [&] { loss.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, dh); });
+  CHECK_THAT(message, Contains("VocabParallelFusedHeadLoss::forward_backward_shard: W nan at row 50, column 1, "
+                               "outside the finite numbers (error_if_nonfinite)") &&
+                          EndsWith(on_last_rank()));
+  s.W_shard->value() = W_before;
+  // h is replicated: every rank finds its -inf, and rank 0's message is everyone's.
+  s.h(5, 2) = -std::numeric_limits<Scalar>::infinity();
+  message = agreed_error<embedhead::value_error>(
+      [&] { loss.forward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets); });
+  CHECK_THAT(message,
+             Contains("VocabParallelFusedHeadLoss::forward_shard: h -inf at n=5 (b=1, t=1), column 2") &&
+                 EndsWith(R > 1 ? " [on rank 0 of " + std::to_string(R) + "]" : std::string("(error_if_nonfinite)")));
+  s.h(5, 2) = 0;
+  CHECK(s.W_shard->grad().num_touched() == 0);
+  CHECK_FALSE(s.W_shard->grad().is_dense());
+  CHECK(s.b_shard->grad().num_touched() == 0);
+  CHECK(dh.isConstant(Scalar(7)));
+  // Ranks that disagree on the option (on finite inputs).
+  if (R > 1) {
+    FusedHeadLossOptions mixed;
+    mixed.error_if_nonfinite = last;
+    VocabParallelFusedHeadLoss<Scalar> mixed_loss(mixed);
+    message = agreed_error<embedhead::value_error>(
+        [&] { mixed_loss.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, dh); });
+    CHECK_THAT(message, Contains("loss options"));
+  }
+}

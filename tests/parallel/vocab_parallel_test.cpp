@@ -444,6 +444,50 @@ TEMPLATE_TEST_CASE("vocab_parallel_cross_entropy: non-finite logits give cross_e
   CHECK(vocab_parallel_cross_entropy<S>(comm, kV, local, defined).loss == std::numeric_limits<double>::infinity());
 }
 
+TEST_CASE("vocab_parallel_cross_entropy with error_if_nonfinite: agreed across ranks, nothing written",
+          "[vocab_parallel][nonfinite]") {
+  Communicator& comm = world();
+  const int R = comm.size(), me = comm.rank(), last = R - 1;
+  const VocabShard shard = vocab_shard(kV, me, R);
+  RowMatrix<float> logits = random_matrix<float>(4, kV, 91);
+  logits(2, 50) = std::numeric_limits<float>::quiet_NaN();  // on the last rank's columns
+  logits(3, 1) = -std::numeric_limits<float>::infinity();   // on rank 0's, in a later row
+  const RowMatrix<float> local = logits.middleCols(shard.begin, shard.rows());
+  RowMatrix<float> dlocal = RowMatrix<float>::Constant(4, shard.rows(), 2.0f);
+  IdMatrix<std::int32_t> targets(1, 4);
+  targets << 1, 2, 3, 4;
+  CrossEntropyOptions o;
+  o.error_if_nonfinite = true;
+  // Each rank checks its own columns; the lowest failing rank's message is everyone's: on one rank
+  // the first in row-major order (the NaN), on more rank 0's (the -inf).
+  std::string message = thrown_message<value_error>(
+      [&] { vocab_parallel_cross_entropy_forward_backward<float>(comm, kV, local, targets, dlocal, o); });
+  const std::string first = R == 1 ? "logit nan at n=2 (b=0, t=2), column 50"
+                                   : "logit -inf at n=3 (b=0, t=3), column 1";
+  CHECK_THAT(message, Catch::Contains("vocab_parallel_cross_entropy_forward_backward: " + first +
+                                      ", outside the finite numbers (error_if_nonfinite)"));
+  CHECK(ends_with(message, on_rank("", 0, R)));
+  for (const std::string& m : gather_strings(comm, message)) CHECK(m == message);
+  CHECK(dlocal.isConstant(2.0f));
+  // Without the -inf, the NaN on the last rank alone.
+  RowMatrix<float> local2 = local;
+  if (shard.begin <= 1 && 1 < shard.end) local2(3, 1 - shard.begin) = 0;
+  message = thrown_message<value_error>([&] { vocab_parallel_cross_entropy<float>(comm, kV, local2, targets, o); });
+  CHECK(message == on_rank("vocab_parallel_cross_entropy: logit nan at n=2 (b=0, t=2), column 50, outside the finite "
+                           "numbers (error_if_nonfinite)",
+                           last, R));
+  // Ranks that disagree on the option (on finite logits).
+  if (R > 1) {
+    CrossEntropyOptions mixed;
+    mixed.error_if_nonfinite = me == last;
+    const RowMatrix<float> clean = random_matrix<float>(4, shard.rows(), 92);
+    message = thrown_message<value_error>(
+        [&] { vocab_parallel_cross_entropy<float>(comm, kV, clean, targets, mixed); });
+    CHECK_THAT(message, Catch::Contains("disagree on the targets, N, V or the loss options"));
+  }
+  CHECK(dlocal.isConstant(2.0f));
+}
+
 TEST_CASE("vocab_parallel_cross_entropy: central differences in double on every rank's columns", "[vocab_parallel]") {
   Communicator& comm = world();
   const Index V = 7, N = 3;
