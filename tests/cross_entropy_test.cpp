@@ -12,10 +12,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 using Catch::Contains;
@@ -26,6 +28,8 @@ using embedhead::Index;
 using embedhead::IdMatrix;
 using embedhead::Reduction;
 using embedhead::RowMatrix;
+using test_support::first_difference;
+using test_support::first_difference_nan;
 using test_support::random_ids;
 using test_support::random_matrix;
 using test_support::same_values;
@@ -568,9 +572,11 @@ TEMPLATE_TEST_CASE("cross_entropy rejects bad input and writes nothing", "[cross
 
 TEMPLATE_TEST_CASE("cross_entropy: the loss and gradient do not depend on where the logits live",
                    "[cross_entropy][determinism]", float, double) {
-  // Vectorised reductions that peel to an aligned address sum in an order that depends on the
-  // pointer; the library's fixed 16-lane order must not. Copy the same logits to every offset
-  // of a buffer (0..15 scalars) and require bit-identical results.
+  // Vectorised loops over a row peel scalar iterations up to an aligned address, and the scalar
+  // exp and tanh round differently from the packet ones (up to 2 ulp): the library's fixed 16-lane
+  // order must not. Copy the same logits to every offset of a buffer (0..15 scalars), write dlogits
+  // at another offset (or in place), and require bit-identical results, with and without the
+  // soft-cap (its tanh and its gradient's exp run on every element).
   using S = TestType;
   const Index N = 3, V = 53;  // V not a multiple of 16: lanes and tail both used
   std::mt19937 gen(7);
@@ -579,19 +585,117 @@ TEMPLATE_TEST_CASE("cross_entropy: the loss and gradient do not depend on where 
   for (Index i = 0; i < logits.size(); ++i) logits.data()[i] = static_cast<S>(normal(gen));
   IdMatrix<std::int32_t> targets(1, N);
   targets << 4, 52, 0;
+  CrossEntropyOptions softcap;
+  softcap.softcap = 1.7;
+  CrossEntropyOptions everything = softcap;
+  everything.label_smoothing = 0.1;
+  everything.z_loss = 1e-2;
+  everything.ignore_index = 0;  // the third row
+  everything.reduction = Reduction::none;
 
-  RowMatrix<S> dlogits_ref(N, V);
-  const auto ref = embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits_ref);
-  std::vector<S> buffer(static_cast<std::size_t>(N * V + 16)), grad_buffer(buffer.size());
+  for (const CrossEntropyOptions& options : {CrossEntropyOptions{}, softcap, everything}) {
+    INFO("softcap " << options.softcap << ", label_smoothing " << options.label_smoothing);
+    RowMatrix<S> dlogits_ref(N, V), losses_ref(N, 1);
+    const auto ref = embedhead::cross_entropy_forward_backward<S>(logits, targets, dlogits_ref, losses_ref, options);
+    std::vector<S> buffer(static_cast<std::size_t>(N * V + 16)), grad_buffer(buffer.size());
+    for (Index offset = 0; offset < 16; ++offset) {
+      INFO("offset " << offset);
+      Eigen::Map<RowMatrix<S>> moved(buffer.data() + offset, N, V);
+      Eigen::Map<RowMatrix<S>> dmoved(grad_buffer.data() + (15 - offset), N, V);
+      moved = logits;
+      RowMatrix<S> losses(N, 1);
+      const auto r = embedhead::cross_entropy_forward_backward<S>(moved, targets, dmoved, losses, options);
+      CHECK(r.sum == ref.sum);
+      CHECK(embedhead::cross_entropy<S>(moved, targets, options).sum == ref.sum);
+      CHECK(first_difference(RowMatrix<S>(dmoved), dlogits_ref) == "");
+      CHECK(first_difference(losses, losses_ref) == "");
+      // In place: dlogits is the logits' own (misaligned) storage.
+      const auto in_place = embedhead::cross_entropy_forward_backward<S>(moved, targets, moved, options);
+      CHECK(in_place.sum == ref.sum);
+      CHECK(first_difference(RowMatrix<S>(moved), dlogits_ref) == "");
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("the softmax core's elementwise kernels give the same bits at every address and column",
+                   "[cross_entropy][determinism]", float, double) {
+  // detail/softmax.hpp, shared by every loss: the fused loss runs them on rows of its logits
+  // buffer, whose alignment varies from row to row, so the plain loss's offsets test above does
+  // not reach all of them. Each kernel runs on the same row copied to 16 offsets (in place and
+  // out of place); and on a row of one repeated value, whose outputs must all be equal: lanes and
+  // the padded tail alike. A peeled loop computes only the few values before the first aligned
+  // address apart, so the row is long and drawn 20 times.
+  using S = TestType;
+  namespace d = embedhead::detail;
+  const Index width = 997;  // 62 blocks of 16 and a tail of 5
+  const S cap = S(1.7);
+  d::SoftmaxTerms terms;
+  terms.classes = width;
+  terms.label_smoothing = 0.1;
+  d::SoftmaxTerms capped = terms;
+  capped.softcap = cap;
+  std::mt19937 gen(11);
+  std::normal_distribution<double> normal(0.0, 3.0);
+  std::vector<S> row(static_cast<std::size_t>(width));
+  for (int draw = 0; draw < 20; ++draw) {
+    INFO("draw " << draw);
+    for (S& x : row) x = static_cast<S>(normal(gen));
+    const S m = *std::max_element(row.begin(), row.end());
+    const auto k = d::softmax_gradient_at_lse<S>(static_cast<double>(m) + 1.5, 0.25, terms);
+    const auto k_exp = d::softmax_gradient_at_max<S>(d::SoftmaxRowStats{static_cast<double>(m), 9.0, 0, 0}, 3.0, 0.25,
+                                                     terms);
+    // Each kernel as a function of (input, output) pointers; sums are kept apart.
+    double sum = 0;
+    auto gradient = [&](const S* in, S* out, Index y, const auto& coefficients, const auto& options, bool holds_exp) {
+      if (in != out) std::copy_n(in, width, out);
+      d::apply_softmax_gradient(out, width, y, coefficients, options, holds_exp);
+    };
+    const std::vector<std::pair<const char*, std::function<void(const S*, S*)>>> kernels{
+        {"softcap_row", [&](const S* in, S* out) { d::softcap_row(in, out, width, cap); }},
+        {"sum_exp_shifted", [&](const S* in, S* out) { sum = d::sum_exp_shifted(in, width, m, out); }},
+        {"add_at_max: the sum of the logits (label smoothing)",
+         [&](const S* in, S* out) {
+           if (in != out) std::copy_n(in, width, out);  // (no output: the row passes through)
+           d::SoftmaxRowStats stats;
+           stats.max = static_cast<double>(m);
+           stats.add_at_max(in, width, 5, terms, static_cast<S*>(nullptr));
+           sum = stats.logit_sum;
+         }},
+        {"gradient at the lse", [&](const S* in, S* out) { gradient(in, out, 3, k, terms, false); }},
+        {"gradient with the soft-cap", [&](const S* in, S* out) { gradient(in, out, 30, k, capped, false); }},
+        {"gradient from the exponentials", [&](const S* in, S* out) { gradient(in, out, 7, k_exp, terms, true); }}};
+    for (const auto& [name, kernel] : kernels) {
+      INFO(name);
+      std::vector<S> expected(static_cast<std::size_t>(width));
+      kernel(row.data(), expected.data());
+      const double expected_sum = sum;
+      std::vector<S> in(static_cast<std::size_t>(width + 16)), out(in.size());
+      for (Index offset = 0; offset < 16; ++offset) {
+        INFO("offset " << offset);
+        std::copy(row.begin(), row.end(), in.begin() + offset);
+        kernel(in.data() + offset, out.data() + (15 - offset));
+        CHECK(std::equal(expected.begin(), expected.end(), out.begin() + (15 - offset)));
+        CHECK(sum == expected_sum);
+        kernel(in.data() + offset, in.data() + offset);  // in place
+        CHECK(std::equal(expected.begin(), expected.end(), in.begin() + offset));
+        CHECK(sum == expected_sum);
+      }
+    }
+  }
+  // A repeated value: every column's output the same (the capped values, the exponentials, dz).
+  const auto k = d::softmax_gradient_at_lse<S>(2.0, 0.25, terms);
   for (Index offset = 0; offset < 16; ++offset) {
     INFO("offset " << offset);
-    Eigen::Map<RowMatrix<S>> moved(buffer.data() + offset, N, V);
-    Eigen::Map<RowMatrix<S>> dmoved(grad_buffer.data() + (15 - offset), N, V);
-    moved = logits;
-    const auto r = embedhead::cross_entropy_forward_backward<S>(moved, targets, dmoved);
-    CHECK(r.sum == ref.sum);
-    CHECK(embedhead::cross_entropy<S>(moved, targets).sum == ref.sum);
-    CHECK(RowMatrix<S>(dmoved) == dlogits_ref);
+    std::vector<S> in(static_cast<std::size_t>(width + 16), S(-0.7)), out(in.size());
+    auto all_equal = [&](const std::vector<S>& v) {
+      return std::all_of(v.begin() + offset, v.begin() + offset + width, [&](S x) { return x == v[offset]; });
+    };
+    d::softcap_row(in.data() + offset, out.data() + offset, width, cap);
+    CHECK(all_equal(out));
+    d::sum_exp_shifted(in.data() + offset, width, S(0.3), out.data() + offset);
+    CHECK(all_equal(out));
+    d::apply_softmax_gradient(in.data() + offset, width, -1, k, capped, false);
+    CHECK(all_equal(in));
   }
 }
 
@@ -857,4 +961,183 @@ TEMPLATE_TEST_CASE("Reduction::none: the per-token losses, and loss defined as t
   CHECK(per_token.loss == none.loss);
   CHECK(same_values(losses2, losses));
   CHECK(embedhead::cross_entropy<S>(logits, targets, with(Reduction::none)).loss == none.loss);
+}
+
+TEMPLATE_TEST_CASE("cross_entropy: non-finite logits give PyTorch's results, row by row", "[cross_entropy][nonfinite]",
+                   float, double) {
+  // docs/errors.md, "Non-finite values". Each row holds one case; the rows around it show that a
+  // bad row changes nothing else. A -inf logit is a class of probability exp(-inf) = 0, which is
+  // also what a logit of -1e30 gives (exp(-1e30 - m) underflows to 0): so wherever the result is
+  // defined, it equals the result on `finite`, the same logits with -inf replaced by -1e30, bit
+  // for bit. NaN and +inf logits (PyTorch: NaN) and rows with no finite class (NaN) are checked
+  // as NaN, the rest of their rows' columns included.
+  using S = TestType;
+  const S inf = std::numeric_limits<S>::infinity(), nan = std::numeric_limits<S>::quiet_NaN();
+  const Index N = 9, V = 37, classes = 36;  // column 36 is vocabulary padding; 36 = 2 blocks of 16 + 4
+  RowMatrix<S> logits = random_matrix<S>(N, V, 2101, kLogitSpread);
+  IdMatrix<std::int32_t> targets(1, N);
+  targets << 2, 2, 2, 2, 2, 2, 2, -100, 2;
+  logits(1, 4) = nan;                                                  // 1: a NaN logit (not the target)
+  logits(2, 0) = inf;                                                  // 2: a +inf logit
+  logits(3, 0) = logits(3, 1) = logits(3, 20) = logits(3, 35) = -inf;  // 3: masked classes (not the target)
+  logits(4, 2) = -inf;                                                 // 4: the target masked
+  logits.row(5).head(classes).setConstant(-inf);                       // 5: every class masked
+  logits(6, classes) = nan;                                            // 6: NaN in the padding column only
+  logits(7, 0) = nan;                                                  // 7: an ignored row, NaN and +inf
+  logits(7, 1) = inf;
+  RowMatrix<S> finite = logits;
+  for (Index i = 0; i < finite.size(); ++i)
+    if (finite.data()[i] == -inf) finite.data()[i] = S(-1e30);
+  const std::vector<Index> nan_rows{1, 2, 5};
+  for (const Index n : nan_rows) finite.row(n).setZero();  // any finite row: the others do not see it
+  finite(6, classes) = 0;
+  finite.row(7).setZero();
+
+  for (Reduction reduction : {Reduction::mean, Reduction::none}) {
+    CAPTURE(name_of(reduction));
+    CrossEntropyOptions o;
+    o.valid_vocab = classes;
+    o.reduction = reduction;
+    RowMatrix<S> dz(N, V), losses(N, 1), dz_finite(N, V), losses_finite(N, 1);
+    const auto r = embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, losses, o);
+    const auto r_finite = embedhead::cross_entropy_forward_backward<S>(finite, targets, dz_finite, losses_finite, o);
+    CHECK(r.count == 8);  // the NaN rows count (the mean is NaN), the ignored row does not
+    CHECK(r_finite.count == 8);
+    CHECK(std::isnan(r.loss));
+    CHECK(std::isnan(r.sum));
+    for (Index n = 0; n < N; ++n) {
+      CAPTURE(n);
+      const bool nan_row = std::find(nan_rows.begin(), nan_rows.end(), n) != nan_rows.end();
+      if (nan_row) {
+        CHECK(std::isnan(losses(n, 0)));
+        CHECK(dz.row(n).head(classes).array().isNaN().all());
+        CHECK(dz(n, classes) == S(0));  // padding: 0 whatever the row
+      } else if (n == 4) {
+        CHECK(losses(n, 0) == inf);  // -log 0: PyTorch's inf, the gradient stays finite
+        CHECK(first_difference(RowMatrix<S>(dz.row(n)), RowMatrix<S>(dz_finite.row(n))) == "");
+        CHECK(dz(n, 2) == S(-1) / S(8) * (reduction == Reduction::mean ? S(1) : S(8)));
+      } else {
+        CHECK(losses(n, 0) == losses_finite(n, 0));
+        CHECK(first_difference(RowMatrix<S>(dz.row(n)), RowMatrix<S>(dz_finite.row(n))) == "");
+      }
+    }
+    for (const Index j : {0, 1, 20, 35}) CHECK(dz(3, j) == S(0));  // a masked class: exactly 0
+    CHECK(dz.row(7).isZero(0));
+    CHECK(losses(7, 0) == S(0));
+    // The loss alone and the per-token losses alone: the same numbers.
+    RowMatrix<S> losses_only(N, 1);
+    embedhead::cross_entropy_per_token<S>(logits, targets, losses_only, o);
+    CHECK(first_difference_nan(losses_only, losses) == "");
+    CHECK(std::isnan(embedhead::cross_entropy<S>(logits, targets, o).loss));
+    // In place as well.
+    RowMatrix<S> in_place = logits;
+    embedhead::cross_entropy_forward_backward<S>(in_place, targets, in_place, o);
+    CHECK(first_difference_nan(in_place, dz) == "");
+  }
+
+  SECTION("label smoothing sums every class's logit: a masked class makes the loss +inf, dz stays finite") {
+    // PyTorch's smoothing term -sum_j log p_j / C is +inf too; its gradient at a masked class is
+    // -eps / C (times the scale), at the others p_j - eps / C - (1 - eps) [j = y].
+    CrossEntropyOptions o;
+    o.valid_vocab = classes;
+    o.reduction = Reduction::sum;
+    o.label_smoothing = 0.25;
+    RowMatrix<S> dz(N, V), losses(N, 1);
+    embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, losses, o);
+    CHECK(losses(3, 0) == inf);
+    CHECK(dz.row(3).allFinite());
+    for (const Index j : {0, 1, 20, 35}) CHECK(dz(3, j) == static_cast<S>(-0.25 / static_cast<double>(classes)));
+    CHECK(std::isfinite(losses(0, 0)));  // a row without -inf: finite as always
+  }
+  SECTION("soft-capping maps +-inf to +-c: only the NaN row stays NaN") {
+    // c tanh(+-inf / c) = +-c, as for any logit far beyond c: +-inf give what +-1e30 give.
+    CrossEntropyOptions o;
+    o.valid_vocab = classes;
+    o.softcap = 2.5;
+    RowMatrix<S> saturated = logits;
+    for (Index i = 0; i < saturated.size(); ++i)
+      if (std::isinf(saturated.data()[i])) saturated.data()[i] = saturated.data()[i] > 0 ? S(1e30) : S(-1e30);
+    RowMatrix<S> dz(N, V), losses(N, 1), dz_saturated(N, V), losses_saturated(N, 1);
+    embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, losses, o);
+    embedhead::cross_entropy_forward_backward<S>(saturated, targets, dz_saturated, losses_saturated, o);
+    CHECK(first_difference_nan(losses, losses_saturated) == "");
+    CHECK(first_difference_nan(dz, dz_saturated) == "");
+    CHECK(std::isnan(losses(1, 0)));
+    CHECK(dz.row(1).head(classes).array().isNaN().all());
+    for (const Index n : {0, 2, 3, 4, 5, 6, 8}) {
+      CAPTURE(n);
+      CHECK(std::isfinite(losses(n, 0)));
+      CHECK(dz.row(n).allFinite());
+    }
+    // Every class at -c: the uniform distribution, loss log 36, and a zero gradient (tanh saturated).
+    CHECK_THAT(static_cast<double>(losses(5, 0)), WithinRel(std::log(36.0), 1e-6));
+    CHECK(dz.row(5).isZero(0));
+  }
+}
+
+TEMPLATE_TEST_CASE("cross_entropy with error_if_nonfinite rejects a NaN or infinite logit and writes nothing",
+                   "[cross_entropy][nonfinite][errors]", float, double) {
+  using S = TestType;
+  const S inf = std::numeric_limits<S>::infinity(), nan = std::numeric_limits<S>::quiet_NaN();
+  const Index B = 2, T = 3, N = B * T, V = 6;
+  RowMatrix<S> logits = random_matrix<S>(N, V, 2201, kLogitSpread);
+  IdMatrix<std::int32_t> targets(B, T);
+  targets << 1, 2, 3, -100, 4, 0;
+  CrossEntropyOptions o;
+  o.error_if_nonfinite = true;
+  o.valid_vocab = 5;  // column 5 is padding
+  RowMatrix<S> dz = RowMatrix<S>::Constant(N, V, S(-3)), losses = RowMatrix<S>::Constant(N, 1, S(-4));
+  const RowMatrix<S> dz0 = dz, losses0 = losses;
+  auto unchanged = [&] {
+    CHECK(same_values(dz, dz0));
+    CHECK(same_values(losses, losses0));
+  };
+
+  SECTION("values that do not reach the loss are not checked: the ignored row, the padding column") {
+    logits(3, 2) = nan;  // n = 3 is ignored
+    logits(0, 5) = inf;  // padding
+    RowMatrix<S> expected_dz(N, V), expected_losses(N, 1);
+    CrossEntropyOptions off = o;
+    off.error_if_nonfinite = false;
+    const auto expected = embedhead::cross_entropy_forward_backward<S>(logits, targets, expected_dz, expected_losses,
+                                                                       off);
+    const auto r = embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, losses, o);
+    CHECK(r.loss == expected.loss);
+    CHECK(std::isfinite(r.loss));
+    CHECK(same_values(dz, expected_dz));
+    CHECK(same_values(losses, expected_losses));
+  }
+  SECTION("the first bad logit in row-major order, with its row, position and column") {
+    logits(4, 3) = -inf;  // n = 4: also reported, but after n = 2
+    logits(2, 4) = nan;
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, losses, o),
+                      embedhead::value_error);
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, losses, o),
+                        Contains("cross_entropy_forward_backward: logit nan at n=2 (b=0, t=2), column 4, outside the "
+                                 "finite numbers (error_if_nonfinite)"));
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy<S>(logits, targets, o), Contains("cross_entropy: logit nan at n=2"));
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_per_token<S>(logits, targets, losses, o),
+                        Contains("cross_entropy_per_token: logit nan at n=2"));
+    REQUIRE_THROWS_WITH(embedhead::CrossEntropyLoss<S>(o).forward_backward(logits, targets, dz),
+                        Contains("CrossEntropyLoss::forward_backward: logit nan at n=2"));
+    logits(2, 4) = 0;
+    // -inf too: the option makes every non-finite logit an error, masks included.
+    REQUIRE_THROWS_WITH(embedhead::CrossEntropyLoss<S>(o).forward(logits, targets),
+                        Contains("CrossEntropyLoss::forward: logit -inf at n=4 (b=1, t=1), column 3, outside the "
+                                 "finite numbers"));
+    unchanged();
+  }
+  SECTION("in place: logits (= dlogits) unchanged") {
+    logits(5, 0) = inf;
+    RowMatrix<S> buffer = logits;
+    REQUIRE_THROWS_WITH(embedhead::cross_entropy_forward_backward<S>(buffer, targets, buffer, o),
+                        Contains("logit inf at n=5 (b=1, t=2), column 0"));
+    CHECK(first_difference(buffer, logits) == "");
+  }
+  SECTION("checked after the other arguments: a bad target is reported first") {
+    logits(0, 0) = nan;
+    targets(1, 2) = 9;
+    REQUIRE_THROWS_AS(embedhead::cross_entropy_forward_backward<S>(logits, targets, dz, o), embedhead::index_error);
+    unchanged();
+  }
 }

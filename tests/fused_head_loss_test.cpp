@@ -14,6 +14,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -749,5 +750,253 @@ TEMPLATE_TEST_CASE("FusedHeadLoss layer with a frozen W or bias: same loss and d
     CHECK(actual.loss == expected.loss);
     CHECK(same_values(dh, dh_expected));
     CHECK(same_values(db, reference.bias()->grad().to_dense()));
+  }
+}
+
+namespace {
+
+// Every output of one fused call (forward_backward, or the loss alone with gradient = false), in Scalar.
+template <typename Scalar>
+struct Run {
+  CrossEntropyResult result;
+  RowMatrix<Scalar> dh, dW, db, lse, losses;
+};
+template <typename Scalar>
+Run<Scalar> run_fused(const RowMatrix<Scalar>& h, const RowMatrix<Scalar>& W, const RowMatrix<Scalar>& bias,
+                      const IdMatrix<std::int64_t>& targets, const FusedHeadLossOptions& options,
+                      bool gradient = true) {
+  const Index N = h.rows(), V = W.rows(), d = W.cols();
+  Run<Scalar> out{{},
+                  RowMatrix<Scalar>::Constant(N, d, Scalar(7)),
+                  RowMatrix<Scalar>::Zero(V, d),
+                  RowMatrix<Scalar>::Zero(bias.rows(), 1),
+                  RowMatrix<Scalar>::Constant(N, 1, Scalar(7)),
+                  RowMatrix<Scalar>::Constant(N, 1, Scalar(7))};
+  const RowMatrix<Scalar> no_weights(0, 1);
+  FusedHeadLossWorkspace<Scalar> ws;
+  if (gradient)
+    out.result = embedhead::fused_head_loss_forward_backward<Scalar>(h, W, bias, targets, out.dh, out.dW, out.db, ws,
+                                                                     options,
+                                                                     extras_of(no_weights, out.lse, out.losses));
+  else
+    out.result = embedhead::fused_head_loss<Scalar>(h, W, bias, targets, ws, options,
+                                                    extras_of(no_weights, out.lse, out.losses));
+  return out;
+}
+
+// "" when every output of a and b is the same value (NaN matching NaN), else the first difference.
+template <typename Scalar>
+std::string run_difference(const Run<Scalar>& a, const Run<Scalar>& b) {
+  for (const auto& [name, x, y] :
+       {std::tuple{"dh", &a.dh, &b.dh}, std::tuple{"dW", &a.dW, &b.dW}, std::tuple{"db", &a.db, &b.db},
+        std::tuple{"lse", &a.lse, &b.lse}, std::tuple{"losses", &a.losses, &b.losses}}) {
+    const std::string difference = test_support::first_difference_nan(*x, *y);
+    if (!difference.empty()) return std::string(name) + " " + difference;
+  }
+  const bool same_loss = a.result.loss == b.result.loss || (std::isnan(a.result.loss) && std::isnan(b.result.loss));
+  return same_loss ? "" : "loss " + std::to_string(a.result.loss) + " vs " + std::to_string(b.result.loss);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("fused head loss: non-finite values give the plain loss's results, in both plans",
+                   "[fused_head_loss][nonfinite]", float, double) {
+  // docs/errors.md, "Non-finite values". The fused loss sums each row's exponentials block by
+  // block at a running maximum; a block whose logits are all -inf (masked classes) must add 0
+  // there, as exp(-inf) = 0 does in the plain loss, not exp(-inf - (-inf)) = NaN. Masks are
+  // compared with -1e30 in their place (exp underflows to 0: the same numbers, bit for bit) and
+  // with the unfused path; NaN and +inf against the same call on clean inputs.
+  using Scalar = TestType;
+  const Scalar inf = std::numeric_limits<Scalar>::infinity(), nan = std::numeric_limits<Scalar>::quiet_NaN();
+  const Index V = 40, d = 5, classes = 37, block = 8;
+  Problem<Scalar> p = make_problem<Scalar>(2, 3, V, d, 2301, classes);
+  p.targets(0, 1) = 11;
+  p.targets(1, 2) = -100;  // n = 5 ignored
+  const PlanCase& plan = plan_cases()[static_cast<std::size_t>(GENERATE(0, 1, 2, 3))];
+  CAPTURE(plan.name);
+  FusedHeadLossOptions options = with_plan<Scalar>(FusedHeadLossOptions{}, plan, classes);
+  options.valid_vocab = classes;
+  options.vocab_block = block;
+  {
+    SECTION("masked classes: a whole block of -inf logits (through the bias) and one more") {
+      RowMatrix<Scalar> masked = p.bias, floored = p.bias;
+      masked.topRows(block).setConstant(-inf);  // columns [0, 8): the first block, every row
+      masked(20, 0) = -inf;
+      floored.topRows(block).setConstant(Scalar(-1e30));
+      floored(20, 0) = Scalar(-1e30);
+      const Run<Scalar> got = run_fused<Scalar>(p.h, p.W, masked, p.targets, options);
+      const Run<Scalar> expected = run_fused<Scalar>(p.h, p.W, floored, p.targets, options);
+      CHECK(std::isfinite(got.result.loss));
+      CHECK(run_difference(got, expected) == "");
+      CHECK(got.dW.topRows(block).isZero(0));  // a masked class gets exactly no gradient
+      CHECK(got.db.topRows(block).isZero(0));
+      const Run<Scalar> loss_only = run_fused<Scalar>(p.h, p.W, masked, p.targets, options, false);
+      CHECK(loss_only.result.loss == got.result.loss);
+      CHECK(same_values(loss_only.lse, got.lse));
+      // The unfused path: -inf logits in the plain loss.
+      Problem<Scalar> q = p;
+      q.bias = masked;
+      const Outputs unfused_out = unfused<Scalar>(q, true, options);
+      CHECK_THAT(got.result.loss, WithinRel(unfused_out.result.loss, tolerance<Scalar>()));
+      CHECK(close(got.dh, unfused_out.dh, tolerance<Scalar>()));
+      CHECK(close(got.dW, unfused_out.dW, tolerance<Scalar>()));
+    }
+    SECTION("every class masked: lse = -inf (the log of an empty sum), loss and gradients NaN") {
+      RowMatrix<Scalar> masked = p.bias;
+      masked.topRows(classes).setConstant(-inf);
+      const Run<Scalar> got = run_fused<Scalar>(p.h, p.W, masked, p.targets, options);
+      CHECK(std::isnan(got.result.loss));
+      for (Index n = 0; n < 5; ++n) {
+        CAPTURE(n);
+        CHECK(got.lse(n, 0) == -inf);
+        CHECK(std::isnan(got.losses(n, 0)));
+        CHECK(got.dh.row(n).array().isNaN().all());
+      }
+      CHECK(got.lse(5, 0) == Scalar(0));  // the ignored token
+      CHECK(got.dh.row(5).isZero(0));
+      CHECK(got.dW.topRows(classes).array().isNaN().all());
+      CHECK(got.dW.bottomRows(V - classes).isZero(0));  // padding rows: nothing
+      // The plain loss on the same logits agrees: NaN for every counted row.
+      Problem<Scalar> q = p;
+      q.bias = masked;
+      const Outputs unfused_out = unfused<Scalar>(q, true, options);
+      CHECK(std::isnan(unfused_out.result.loss));
+      CHECK(test_support::first_difference_nan(RowMatrix<double>(got.losses.template cast<double>()),
+                                               unfused_out.losses) == "");
+    }
+    SECTION("a NaN in a counted row of h: that row's loss and dh are NaN, and every row of dW and db") {
+      RowMatrix<Scalar> bad = p.h, clean = p.h;
+      bad(2, 3) = nan;
+      clean.row(2).setZero();
+      const Run<Scalar> got = run_fused<Scalar>(bad, p.W, p.bias, p.targets, options);
+      const Run<Scalar> expected = run_fused<Scalar>(clean, p.W, p.bias, p.targets, options);
+      CHECK(std::isnan(got.result.loss));
+      CHECK(std::isnan(got.lse(2, 0)));
+      CHECK(std::isnan(got.losses(2, 0)));
+      CHECK(got.dh.row(2).array().isNaN().all());
+      for (const Index n : {0, 1, 3, 4, 5}) {
+        CAPTURE(n);
+        CHECK(got.lse(n, 0) == expected.lse(n, 0));
+        CHECK(got.losses(n, 0) == expected.losses(n, 0));
+        CHECK(same_values(RowMatrix<Scalar>(got.dh.row(n)), RowMatrix<Scalar>(expected.dh.row(n))));
+      }
+      // dW = dz^T h sums every row of dz, the NaN one too (as the unfused path and PyTorch).
+      CHECK(got.dW.topRows(classes).array().isNaN().all());
+      CHECK(got.db.topRows(classes).array().isNaN().all());
+      CHECK(got.dW.bottomRows(V - classes).isZero(0));
+      Problem<Scalar> q = p;
+      q.h = bad;
+      const Outputs unfused_out = unfused<Scalar>(q, true, options);
+      CHECK(unfused_out.dW.topRows(classes).array().isNaN().all());
+      // A per-token weight of 0 does not drop the row (0 * NaN = NaN, as in PyTorch): ignore_index does.
+      RowMatrix<Scalar> weights = RowMatrix<Scalar>::Ones(q.N, 1);
+      weights(2, 0) = 0;
+      CHECK(std::isnan(fused<Scalar>(q, true, options, weights).result.loss));
+      q.targets(0, 2) = options.ignore_index;
+      const Outputs dropped = fused<Scalar>(q, true, options, weights);
+      CHECK(std::isfinite(dropped.result.loss));
+      CHECK(dropped.dW.allFinite());
+    }
+    SECTION("a NaN in a class row of W, or +inf in the bias: every row's loss is NaN") {
+      // (+-inf in W or h give logits of either sign, or NaN where they meet a 0: see the docs.)
+      RowMatrix<Scalar> W = p.W, bias = p.bias;
+      W(13, 0) = nan;
+      bias(21, 0) = inf;  // class 21's logit is +inf in every row
+      for (const Run<Scalar>& got : {run_fused<Scalar>(p.h, W, p.bias, p.targets, options),
+                                     run_fused<Scalar>(p.h, p.W, bias, p.targets, options)}) {
+        CHECK(std::isnan(got.result.loss));
+        CHECK(got.lse.topRows(5).array().isNaN().all());
+        CHECK(got.losses.topRows(5).array().isNaN().all());
+        CHECK(got.dh.topRows(5).array().isNaN().all());
+        CHECK(got.dW.topRows(classes).array().isNaN().all());
+        CHECK(got.lse(5, 0) == Scalar(0));
+        CHECK(got.dh.row(5).isZero(0));
+      }
+    }
+    SECTION("values that never reach the loss change nothing: an ignored token's h, a padding row of W") {
+      RowMatrix<Scalar> h = p.h, W = p.W, bias = p.bias;
+      h(5, 0) = nan;   // n = 5 is ignored
+      W(38, 1) = inf;  // padding
+      bias(39, 0) = nan;
+      const Run<Scalar> got = run_fused<Scalar>(h, W, bias, p.targets, options);
+      const Run<Scalar> expected = run_fused<Scalar>(p.h, p.W, p.bias, p.targets, options);
+      CHECK(std::isfinite(got.result.loss));
+      CHECK(run_difference(got, expected) == "");
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("fused head loss with error_if_nonfinite rejects NaN or infinite inputs and writes nothing",
+                   "[fused_head_loss][nonfinite][errors]", float, double) {
+  using Scalar = TestType;
+  const Scalar inf = std::numeric_limits<Scalar>::infinity(), nan = std::numeric_limits<Scalar>::quiet_NaN();
+  const Index V = 9, d = 3, N = 4, classes = 7;
+  Problem<Scalar> p = make_problem<Scalar>(1, N, V, d, 2501, classes);
+  p.targets(0, 1) = -100;  // n = 1 ignored
+  FusedHeadLossOptions options;
+  options.error_if_nonfinite = true;
+  options.valid_vocab = classes;
+  RowMatrix<Scalar> dh = RowMatrix<Scalar>::Constant(N, d, 5), dW = RowMatrix<Scalar>::Constant(V, d, 6),
+                    db = RowMatrix<Scalar>::Constant(V, 1, 7), lse = RowMatrix<Scalar>::Constant(N, 1, 8),
+                    losses = RowMatrix<Scalar>::Constant(N, 1, 9);
+  const RowMatrix<Scalar> dh0 = dh, dW0 = dW, db0 = db, lse0 = lse, losses0 = losses, no_weights(0, 1);
+  FusedHeadLossWorkspace<Scalar> ws;
+  auto call = [&](const RowMatrix<Scalar>& h, const RowMatrix<Scalar>& W, const RowMatrix<Scalar>& bias) {
+    embedhead::fused_head_loss_forward_backward<Scalar>(h, W, bias, p.targets, dh, dW, db, ws, options,
+                                                        extras_of(no_weights, lse, losses));
+  };
+  auto unchanged = [&] {
+    CHECK(same_values(dh, dh0));
+    CHECK(same_values(dW, dW0));
+    CHECK(same_values(db, db0));
+    CHECK(same_values(lse, lse0));
+    CHECK(same_values(losses, losses0));
+  };
+  RowMatrix<Scalar> h = p.h, W = p.W, bias = p.bias;
+  options.plan = GENERATE(embedhead::FusedPlan::vocab_blocks, embedhead::FusedPlan::token_chunks);
+  SECTION("h, W and bias, each reported with its place; h first, then W, then the bias") {
+    h(3, 1) = nan;
+    W(4, 2) = -inf;
+    bias(6, 0) = inf;
+    CHECK_THROWS_AS(call(h, W, bias), embedhead::value_error);
+    CHECK_THROWS_WITH(call(h, W, bias), Contains("fused_head_loss_forward_backward: h nan at n=3 (b=0, t=3), column "
+                                                 "1, outside the finite numbers (error_if_nonfinite)"));
+    CHECK_THROWS_WITH(embedhead::fused_head_loss<Scalar>(h, W, bias, p.targets, ws, options),
+                      Contains("fused_head_loss: h nan at n=3"));
+    h(3, 1) = 0;
+    CHECK_THROWS_WITH(call(h, W, bias), Contains("fused_head_loss_forward_backward: W -inf at row 4, column 2, "
+                                                 "outside the finite numbers (error_if_nonfinite)"));
+    W(4, 2) = 0;
+    CHECK_THROWS_WITH(call(h, W, bias), Contains("fused_head_loss_forward_backward: bias inf at row 6 outside the "
+                                                 "finite numbers (error_if_nonfinite)"));
+    unchanged();
+  }
+  SECTION("not checked where nothing reaches the loss: an ignored token, padding rows of W and bias") {
+    h(1, 0) = nan;
+    W(7, 2) = inf;
+    bias(8, 0) = -inf;
+    FusedHeadLossOptions off = options;
+    off.error_if_nonfinite = false;
+    const Run<Scalar> expected = run_fused<Scalar>(h, W, bias, p.targets, off);
+    const Run<Scalar> got = run_fused<Scalar>(h, W, bias, p.targets, options);
+    CHECK(std::isfinite(got.result.loss));
+    CHECK(run_difference(got, expected) == "");
+  }
+  SECTION("the layer: the gradients stay as they were (sparse, untouched)") {
+    embedhead::TokenEmbedding<Scalar> emb(V, d);
+    embedhead::OutputProjection<Scalar> head(emb);
+    const IdMatrix<std::int32_t> ids = random_ids<std::int32_t>(1, 3, V, 2502);
+    emb.backward(ids, RowMatrix<Scalar>::Ones(3, d));
+    const RowMatrix<Scalar> before = emb.weight().grad().to_dense();
+    const Index touched = emb.weight().grad().num_touched();
+    FusedHeadLoss<Scalar> loss(options);
+    h(0, 2) = -inf;
+    CHECK_THROWS_WITH(loss.forward_backward(head, h, p.targets, dh),
+                      Contains("FusedHeadLoss::forward_backward: h -inf at n=0 (b=0, t=0), column 2"));
+    CHECK_THROWS_WITH(loss.forward(head, h, p.targets), Contains("FusedHeadLoss::forward: h -inf at n=0"));
+    CHECK(!emb.weight().grad().is_dense());
+    CHECK(emb.weight().grad().num_touched() == touched);
+    CHECK(same_values(emb.weight().grad().to_dense(), before));
+    unchanged();
   }
 }

@@ -152,6 +152,53 @@ TEST_CASE("quantized embedding: representable rows come back exactly", "[quantiz
   CHECK(first_difference(lookup_all(QuantizedEmbedding(same)), same) == "");
 }
 
+TEST_CASE("quantized embedding: subnormal rows keep the error bound and never collapse to scale 0",
+          "[quantized][nonfinite]") {
+  // Below 127 * FLT_MIN (about 1.5e-36) the scale amax / 127 is a subnormal float, with fewer
+  // significant bits, or rounds to 0: rounded to nearest it can fall below amax / 127, and the
+  // absmax entry's code then exceeds 127 (clamped: an error of up to half the row). The scale is
+  // rounded up there instead, so 127 * scale >= amax holds for every row and each element
+  // dequantizes within scale / 2 (plus the rounding of the product), as for normal rows.
+  const float tiny = std::numeric_limits<float>::denorm_min();  // 2^-149
+  const float least = std::numeric_limits<float>::min();        // 2^-126
+  std::mt19937_64 gen(15);
+  std::uniform_int_distribution<int> steps(-(1 << 22), 1 << 22);  // subnormal multiples of 2^-149
+  RowMatrix<float> E(8, 5);
+  E.row(0) << tiny, 0, -tiny, 0, tiny;                     // amax / 127 rounds to 0
+  E.row(1) << 190 * tiny, -95 * tiny, 3 * tiny, 0, -tiny;  // amax / 127 = 1.496 * 2^-149 rounds down
+  E.row(2) << least, -least / 3, least / 128, 0, tiny;     // amax normal, the scale subnormal
+  E.row(3) << 127 * least, 1.5f * least, -least, tiny, 0;  // the scale exactly 2^-126: normal
+  E.row(4) << 126.9f * least, -least, 100 * tiny, 0, 0;    // just below: subnormal again
+  for (Index r = 5; r < 8; ++r)
+    for (Index j = 0; j < 5; ++j) E(r, j) = static_cast<float>(steps(gen)) * tiny;
+  const QuantizedEmbedding q(E);
+  const RowMatrix<float> got = lookup_all(q);
+  CHECK(first_difference(got, q.dequantize()) == "");
+  for (Index v = 0; v < E.rows(); ++v) {
+    double amax = 0;
+    for (Index j = 0; j < E.cols(); ++j) amax = std::max(amax, std::abs(static_cast<double>(E(v, j))));
+    const double scale = q.scales()(v, 0);
+    INFO("row " << v << ", amax " << amax << ", scale " << scale);
+    CHECK(scale > 0);
+    CHECK(127 * scale >= amax);  // exact in double
+    // The nearest float at or above amax / 127: one float less would be below it.
+    CHECK(127 * static_cast<double>(std::nextafter(static_cast<float>(scale), 0.0f)) < amax);
+    for (Index j = 0; j < E.cols(); ++j) {
+      const int code = q.values()(v, j);
+      CHECK(code >= -127);
+      CHECK(code <= 127);
+      const double error = std::abs(static_cast<double>(got(v, j)) - E(v, j));
+      CHECK(error <= scale / 2 + std::ldexp(std::abs(static_cast<double>(got(v, j))), -24));
+    }
+  }
+  // The worked cases: the single-ulp row comes back exactly; 190 ulps use scale 2^-148.
+  CHECK(first_difference(RowMatrix<float>(got.row(0)), RowMatrix<float>(E.row(0))) == "");
+  CHECK(q.scales()(1, 0) == 2 * tiny);
+  CHECK(q.values()(1, 0) == 95);
+  CHECK(got(1, 0) == 190 * tiny);
+  CHECK(q.scales()(3, 0) == least);  // normal: amax / 127 as before
+}
+
 TEST_CASE("quantized embedding: lookup gathers dequantized rows, int32 and int64, both overloads", "[quantized]") {
   std::mt19937_64 gen(11);
   for (const Index V : {1, 6, 300}) {

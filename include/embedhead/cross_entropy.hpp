@@ -13,6 +13,12 @@
 // z-loss (z_loss * lse^2 added per row, PaLM), final-logit soft-capping (z -> c tanh(z / c) before
 // the softmax, Gemma 2) and a padded vocabulary (only the first valid_vocab columns are classes;
 // the rest never count and get dz = 0).
+//
+// Non-finite logits (docs/errors.md, "Non-finite values"): as PyTorch, a NaN or +inf logit makes
+// its row's loss and every dz of the row NaN (and so the reduced loss); -inf is a class of
+// probability 0 (dz = 0; the loss is +inf if it is the target); a row of -inf classes is NaN.
+// Ignored rows and padding columns never reach the loss (loss 0, dz 0 whatever they hold). With
+// error_if_nonfinite, a NaN or infinite logit among the counted rows' classes throws instead.
 #ifndef EMBEDHEAD_CROSS_ENTROPY_HPP
 #define EMBEDHEAD_CROSS_ENTROPY_HPP
 
@@ -47,6 +53,11 @@ struct CrossEntropyOptions {
   double softcap = 0;          // c > 0 caps logits to c tanh(z / c) (30 in Gemma 2); 0: off
   Index valid_vocab = -1;      // classes are columns [0, valid_vocab); -1: all V columns
   double gradient_scale = 1;   // multiplies every gradient (e.g. 1 / micro-batches), finite
+  // NaN and infinite logits (in the fused loss: h, W, bias) that reach the loss throw value_error,
+  // naming the first, instead of giving PyTorch's NaN / inf results (docs/errors.md, "Non-finite
+  // values"). Off by default, as in PyTorch; -inf masks are rejected too. Costs a scan of the
+  // counted rows' classes (fused: of the counted rows of h and the class rows of W).
+  bool error_if_nonfinite = false;
 };
 
 struct CrossEntropyResult {
@@ -118,6 +129,25 @@ void check_targets(const char* where, const TypedTokenIds<Id>& targets, Index N,
   }
 }
 
+// With error_if_nonfinite: throws value_error naming the first NaN or infinite logit, in row-major
+// order, among the columns [0, columns) of the counted rows -- the values that reach the loss (an
+// ignored row, a padding column never does). first_column: the global column of logits' column 0
+// (a vocabulary shard's begin), for the message.
+template <typename Scalar, typename Id>
+void check_finite_logits(const char* where, const ConstMatrixRef<Scalar>& logits, const TypedTokenIds<Id>& targets,
+                         Index columns, const CrossEntropyOptions& options, Index first_column = 0) {
+  if (!options.error_if_nonfinite) return;
+  const Index T = targets.cols();
+  for (Index n = 0; n < logits.rows(); ++n) {
+    if (static_cast<Index>(targets(n / T, n % T)) == options.ignore_index) continue;
+    const Index j = first_nonfinite_column(logits, n, columns);
+    if (j < 0) continue;
+    std::ostringstream place;
+    place << "n=" << n << " (b=" << n / T << ", t=" << n % T << "), column " << first_column + j << ",";
+    throw_nonfinite(where, "logit", logits(n, j), place.str());
+  }
+}
+
 // Adds a row's (weighted) loss to the result and stores it in losses[n] when asked.
 template <typename Scalar>
 void add_row_loss(const RowLoss& row, double weight, CrossEntropyResult& result, MatrixRef<Scalar>* losses, Index n) {
@@ -156,6 +186,7 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
   check_loss_options<Scalar>(where, options, V);
   const Index classes = classes_of(options, V);
   check_targets(where, targets, N, classes, options.ignore_index, V);
+  check_finite_logits(where, logits, targets, classes, options);
 
   CrossEntropyResult result;
   for (Index n = 0; n < N; ++n)
@@ -191,7 +222,9 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
 // logits [N, V], targets (N ids) -> loss; dlogits [N, V] written as (softmax - one_hot) * scale.
 // \throws index_error for a target outside [0, V) that is not ignore_index (first one, with its
 // n); shape_error if targets has not N entries or dlogits is not [N, V]; value_error for an option
-// out of range (see CrossEntropyOptions; in Scalar too). Nothing written on throw.
+// out of range (see CrossEntropyOptions; in Scalar too), or with error_if_nonfinite a NaN or
+// infinite logit among the counted rows' classes (the first, with its n and column). Nothing
+// written on throw.
 // dlogits may be logits itself (computed in place, so the [N, V] gradient needs no second
 // buffer). Cost: 3 passes over the logits, no allocation.
 template <typename Scalar>

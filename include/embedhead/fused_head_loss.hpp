@@ -28,6 +28,13 @@
 // (fused_head_loss, FusedHeadLoss::forward: 2 N V d flops) walks the same way without the backward.
 // Tokens whose target is ignore_index are dropped before any arithmetic.
 //
+// Non-finite h, W or bias (docs/errors.md, "Non-finite values") give the plain loss's results on
+// the logits they make, in either plan: a NaN or +inf logit makes its row NaN (and, through dW =
+// dz^T h and db, every class row of dW and db), a -inf logit is a masked class -- a block of them
+// adds 0 to the running sum of exponentials -- and a row of -inf classes has lse = -inf and a NaN
+// loss. With error_if_nonfinite, a NaN or infinity in the counted rows of h, W's class rows or the
+// bias throws instead (check_finite_inputs).
+//
 // Every option of the plain loss applies (CrossEntropyOptions: ignore_index, reductions, label
 // smoothing, z-loss, soft-capping, a padded vocabulary, gradient_scale), plus per-token weights
 // w_n >= 0 (mean divides by their sum over counted tokens), the log-sum-exp of every row as an
@@ -66,6 +73,7 @@
 #include <cstdint>
 #include <limits>
 #include <sstream>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -245,6 +253,38 @@ void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, I
   check_token_weights(where, weights);
 }
 
+// With options.error_if_nonfinite: throws value_error naming the first NaN or infinite value that
+// reaches the loss -- in a counted token's row of h (in token order), then in W's class rows, then
+// in the bias's -- before anything is written. W holds rows [begin, begin + W.rows()) of the
+// global head of V rows (a shard's, vocabulary-parallel; named by their global row). A finite h
+// and W whose logits overflow are not caught: they give the non-finite logits' results.
+template <typename Scalar, typename Storage, typename Id>
+void check_finite_inputs(const char* where, const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Storage>& W,
+                         const ConstMatrixRef<Scalar>& bias, const TypedTokenIds<Id>& targets,
+                         const FusedHeadLossOptions& options, Index V, Index begin = 0) {
+  if (!options.error_if_nonfinite) return;
+  const Index T = targets.cols();
+  for (Index n = 0; n < h.rows(); ++n) {
+    if (static_cast<Index>(targets(n / T, n % T)) == options.ignore_index) continue;
+    const Index j = first_nonfinite_column(h, n, h.cols());
+    if (j < 0) continue;
+    std::ostringstream place;
+    place << "n=" << n << " (b=" << n / T << ", t=" << n % T << "), column " << j << ",";
+    throw_nonfinite(where, "h", h(n, j), place.str());
+  }
+  const Index local_classes = std::clamp<Index>(classes_of(options, V) - begin, 0, W.rows());
+  for (Index r = 0; r < local_classes; ++r) {
+    const Index j = first_nonfinite_column(W, r, W.cols());
+    if (j < 0) continue;
+    std::ostringstream place;
+    place << "row " << begin + r << ", column " << j << ",";
+    throw_nonfinite(where, "W", W(r, j), place.str());
+  }
+  if (bias.size() == 0) return;
+  for (Index r = 0; r < local_classes; ++r)
+    if (!std::isfinite(bias(r, 0))) throw_nonfinite(where, "bias", bias(r, 0), "row " + std::to_string(begin + r));
+}
+
 // The fused pass (see the top of this file), in either plan; dh == nullptr: the loss alone.
 //
 // slice == nullptr: W is the whole head [V, d]. With a slice, W is one rank's shard of rows
@@ -295,6 +335,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   // ---- every check before anything is written ----
   check_fused_head_loss<Scalar, Id>(where, h, rows, d, bias, targets, weights, dh, dW, db, lse, losses, options, V,
                                     bytes_per_logit);
+  check_finite_inputs<Scalar, Storage, Id>(where, h, W, bias, targets, options, V, begin);
   const Index classes = classes_of(options, V);
   // The classes among W's rows, in W's local numbering.
   const Index local_classes = slice ? std::clamp<Index>(classes - begin, 0, rows) : classes;
@@ -416,7 +457,8 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
       const Index p_width = p1 - p0;
       auto out = logits.middleCols(p0, p_width);
       if (bias.size() != 0) out.rowwise() += bias.col(0).segment(v0 + p0, p_width).transpose();
-      if (softcap > 0) out = softcapped(out.array(), cap).matrix();
+      if (softcap > 0)  // row by row: the same bits wherever a row lies (detail/softmax.hpp)
+        for (Index r = 0; r < rows; ++r) softcap_row(out.row(r).data(), out.row(r).data(), p_width, cap);
     };
     if (mixed && one_pass) {
       // Mixed precision, token chunks: each piece's product into a contiguous [rows, p_width]
@@ -596,8 +638,10 @@ struct FusedHeadLossExtras {
 // empty; lse [N, 1], each row's log-sum-exp, 0 for ignored rows; losses [N, 1], w_n * loss_n, 0
 // for ignored rows; each used when not empty). \throws shape_error for any shape mismatch;
 // index_error for a target outside [0, classes) that is not ignore_index (a target in the padding
-// names it); value_error for an option out of range or a negative / non-finite weight. Nothing is
-// written on throw. \pre no output aliases W or the other outputs; dh may be h.
+// names it); value_error for an option out of range, a negative / non-finite weight, or with
+// error_if_nonfinite a NaN or infinity in a counted row of h, a class row of W or the bias (the
+// first, with its place). Nothing is written on throw. \pre no output aliases W or the other
+// outputs; dh may be h.
 
 // ... -> loss; dh [N, d] = dz W (written), dW [V, d] += dz^T h, db [V, 1] += sums of dz (each
 // skipped when empty: a frozen W, no bias). Cost: 6 N V d flops in GEMMs in token chunks (4 N V d
@@ -751,6 +795,8 @@ class FusedHeadLoss {
       detail::check_fused_head_loss<Scalar, Id>(where, h, head.vocab_size(), head.dim(), bias_of(head), targets,
                                                 extras.weights, &dh_ref, nullptr, nullptr, &lse_ref, &losses_ref,
                                                 options_, head.vocab_size());
+      detail::check_finite_inputs<Scalar, Scalar, Id>(where, h, weight.value(), bias_of(head), targets, options_,
+                                                      head.vocab_size());
     }
     auto dW = weight.frozen() ? no_output : head.weight().grad().dense_accumulator();
     auto db = head.bias() && !head.bias()->frozen() ? head.bias()->grad().dense_accumulator() : no_output;

@@ -4,14 +4,20 @@
 //            [-127, 127]  (an all-zero row gets scale 0 and Q = 0; where 127 * scale_v would
 //            overflow, for max_j |E[v, j]| near FLT_MAX, scale_v is the float just below, so every
 //            dequantized value of a finite table is finite)
+//            Where amax / 127 is below the smallest normal float (amax < 127 FLT_MIN, about
+//            1.5e-36), a subnormal has fewer significant bits and amax / 127 may round down, or to
+//            0: scale_v is then rounded up instead, to the smallest float with 127 scale_v >= amax
+//            (never 0 for a non-zero row), so that the bound below holds for such rows too.
 //   lookup   out[b*T + t] = scale_v * float(Q[v])  with v = ids(b, t)
 //
 // Symmetric per-row ("per-channel") absmax quantization: a row dequantizes with an error of at
-// most scale_v / 2 per element (plus float rounding), and the table takes V*d bytes plus V floats,
-// a quarter of float's. This is the scheme of CTranslate2's int8 weights (one scale per output
-// row, 127 / amax, stored as its inverse; https://opennmt.net/CTranslate2/quantization.html) and
-// of ggml's Q8_0 blocks (d = amax / 127, q = round(x / d); ggml.c quantize_row_q8_0), here with
-// one block per row. -128 is never produced, so the range is symmetric and -q is always valid.
+// most scale_v / 2 per element (plus float rounding), subnormal rows included (their absmax entry
+// may then map to less than 127: 190 * 2^-149 has scale 2^-148 and code 95, exact), and the table
+// takes V*d bytes plus V floats, a quarter of float's. This is the scheme of CTranslate2's int8
+// weights (one scale per output row, 127 / amax, stored as its inverse;
+// https://opennmt.net/CTranslate2/quantization.html) and of ggml's Q8_0 blocks (d = amax / 127,
+// q = round(x / d); ggml.c quantize_row_q8_0), here with one block per row. -128 is never
+// produced, so the range is symmetric and -q is always valid.
 //
 // Only the gathered rows are dequantized; there is no backward (the table is for inference).
 #ifndef EMBEDHEAD_QUANTIZED_EMBEDDING_HPP
@@ -25,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <sstream>
 
 namespace embedhead {
@@ -85,6 +92,10 @@ class QuantizedEmbedding {
       // 127 * scale overflow for amax near FLT_MAX (FLT_MAX / 127 * 127 = +inf in float). The
       // float below it gives 127 * scale < amax, so a finite row never dequantizes to +-inf.
       if (!std::isfinite(127.0f * scale)) scale = std::nextafter(scale, 0.0f);
+      // A subnormal (or zero) quotient rounded down: one float up, the least with 127 scale >= amax
+      // (127 * scale is exact in double).
+      if (scale < std::numeric_limits<float>::min() && 127.0 * static_cast<double>(scale) < static_cast<double>(amax))
+        scale = std::nextafter(scale, std::numeric_limits<float>::infinity());
       scales_(v, 0) = scale;
       for (Index j = 0; j < E.cols(); ++j) {
         // round() of x / scale, not x * (1 / scale): one rounding fewer. |x| <= amax, so the
@@ -131,14 +142,14 @@ class QuantizedEmbedding {
   static int check(const ConstMatrixRef<float>& E) {
     detail::check_size("QuantizedEmbedding", "V", E.rows());
     detail::check_size("QuantizedEmbedding", "d", E.cols());
-    for (Index r = 0; r < E.rows(); ++r)
-      for (Index c = 0; c < E.cols(); ++c)
-        if (!std::isfinite(E(r, c))) {
-          std::ostringstream message;
-          message << "QuantizedEmbedding: value " << E(r, c) << " at (" << r << ", " << c
-                  << ") is not finite; only finite tables can be quantized";
-          throw value_error(message.str());
-        }
+    for (Index r = 0; r < E.rows(); ++r) {
+      const Index c = detail::first_nonfinite_column(E, r, E.cols());
+      if (c < 0) continue;
+      std::ostringstream message;
+      message << "QuantizedEmbedding: value " << E(r, c) << " at (" << r << ", " << c
+              << ") is not finite; only finite tables can be quantized";
+      throw value_error(message.str());
+    }
     return 0;
   }
   template <typename Id>

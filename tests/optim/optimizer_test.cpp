@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../reference/test_support.hpp"
@@ -417,6 +418,91 @@ TEMPLATE_TEST_CASE("clip_grad_norm counts each touched row once, sparse and dens
                       Contains("parameter 1 is a null pointer"));
     CHECK(close(sparse->grad().to_dense(), masked(GS, {1, 6}), tolerance<Scalar>()));
   }
+}
+
+TEMPLATE_TEST_CASE("clip_grad_norm with a NaN or infinite gradient: PyTorch's result, or an error",
+                   "[optimizer][clip][nonfinite]", float, double) {
+  // docs/errors.md, "Non-finite values". PyTorch multiplies every gradient by
+  // clamp(max_norm / (norm + 1e-6), max = 1): a NaN norm makes every gradient NaN, an infinite one
+  // makes the factor 0. error_if_nonfinite throws instead, before anything is scaled.
+  using Scalar = TestType;
+  const Scalar inf = std::numeric_limits<Scalar>::infinity(), nan = std::numeric_limits<Scalar>::quiet_NaN();
+  auto sparse = make_parameter<Scalar>(8, 3, 90, "E");
+  auto dense = make_parameter<Scalar>(2, 3, 91, "W");
+  RowMatrix<double> GS = random_matrix<double>(8, 3, 92), GD = random_matrix<double>(2, 3, 93);
+  auto gradients = [&] { return std::pair{sparse->grad().to_dense(), dense->grad().to_dense()}; };
+
+  SECTION("a NaN: the norm is NaN and every stored gradient entry becomes NaN") {
+    GS(6, 1) = nan;
+    set_gradient(*sparse, GS, {1, 6});
+    set_gradient(*dense, GD, {});
+    const double norm = embedhead::clip_grad_norm<Scalar>({sparse, dense}, 1e3);  // far above any finite norm
+    CHECK(std::isnan(norm));
+    CHECK(sparse->grad().touched_values().array().isNaN().all());
+    CHECK(dense->grad().touched_values().array().isNaN().all());
+    // A row-sparse gradient's untouched rows are not stored: they stay zero (PyTorch's dense
+    // gradient would be NaN there too).
+    CHECK(sparse->grad().num_touched() == 2);
+    CHECK(sparse->grad().to_dense().row(0).isZero(0));
+  }
+  SECTION("an infinity: the norm is inf, the factor 0: finite entries become 0, infinite ones NaN") {
+    GD(1, 2) = -inf;
+    set_gradient(*sparse, GS, {1, 6});
+    set_gradient(*dense, GD, {});
+    const double norm = embedhead::clip_grad_norm<Scalar>({sparse, dense}, 1.0);
+    CHECK(norm == std::numeric_limits<double>::infinity());
+    CHECK(sparse->grad().touched_values().isZero(0));
+    RowMatrix<Scalar> d = dense->grad().to_dense();
+    CHECK(std::isnan(d(1, 2)));
+    d(1, 2) = 0;
+    CHECK(d.isZero(0));
+  }
+  SECTION("error_if_nonfinite: value_error naming the first non-finite entry; nothing scaled") {
+    GS(6, 1) = nan;
+    GD(0, 2) = inf;
+    set_gradient(*sparse, GS, {1, 6});
+    set_gradient(*dense, GD, {});
+    const auto before = gradients();
+    auto unchanged = [&] {
+      const auto now = gradients();
+      CHECK(test_support::first_difference_nan(now.first, before.first) == "");
+      CHECK(test_support::first_difference_nan(now.second, before.second) == "");
+      CHECK(sparse->grad().num_touched() == 2);
+    };
+    CHECK_THROWS_AS(embedhead::clip_grad_norm<Scalar>({sparse, dense}, 1.0, true), embedhead::value_error);
+    CHECK_THROWS_WITH(embedhead::clip_grad_norm<Scalar>({sparse, dense}, 1.0, true),
+                      Contains("clip_grad_norm: gradient nan at (6, 1) of parameter 0 ('E'): the norm is nan, "
+                               "outside the finite numbers (error_if_nonfinite)"));
+    // In the order given, each parameter once; the dense one first here.
+    CHECK_THROWS_WITH(embedhead::clip_grad_norm<Scalar>({dense, sparse, dense}, 1.0, true),
+                      Contains("gradient inf at (0, 2) of parameter 0 ('W')"));
+    unchanged();
+  }
+  SECTION("error_if_nonfinite with finite gradients: the same as without") {
+    set_gradient(*sparse, GS, {1, 6});
+    set_gradient(*dense, GD, {});
+    const double with_option = embedhead::clip_grad_norm<Scalar>({sparse, dense}, 0.5, true);
+    const auto clipped = gradients();
+    set_gradient(*sparse, GS, {1, 6});
+    set_gradient(*dense, GD, {});
+    CHECK(embedhead::clip_grad_norm<Scalar>({sparse, dense}, 0.5) == with_option);
+    CHECK(same_values(gradients().first, clipped.first));
+    CHECK(same_values(gradients().second, clipped.second));
+  }
+}
+
+TEST_CASE("clip_grad_norm: double gradients whose squares overflow still have a finite norm", "[optimizer][clip]") {
+  // Each entry below 1.8e308, their squares above: the norm is computed rescaled, not as inf (which
+  // would scale every gradient by 0).
+  const double big = std::numeric_limits<double>::max() / 4;
+  auto p = std::make_shared<Parameter<double>>(2, 2, "W");
+  RowMatrix<double> G(2, 2);
+  G << big, 0, -big, big;
+  set_gradient(*p, G, {});
+  const double norm = embedhead::clip_grad_norm<double>({p}, 1.0, true);
+  CHECK_THAT(norm, WithinRel(std::sqrt(3.0) * big, 1e-12));
+  CHECK_THAT(p->grad().to_dense()(0, 0), WithinRel(1 / std::sqrt(3.0), 1e-12));
+  CHECK_THAT(p->grad().to_dense()(1, 0), WithinRel(-1 / std::sqrt(3.0), 1e-12));
 }
 
 TEST_CASE("learning-rate schedules", "[optimizer][schedule]") {

@@ -19,7 +19,9 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -631,4 +633,100 @@ TEST_CASE("vocabulary-parallel fused loss: errors agreed on every rank, nothing 
   CHECK(dh.isConstant(Scalar(7)));
   CHECK(lse.isConstant(Scalar(8)));
   CHECK(losses.isConstant(Scalar(9)));
+}
+
+TEMPLATE_TEST_CASE("vocabulary-parallel fused loss: masked classes, whole shards of them, and non-finite inputs",
+                   "[vocab_parallel_fused][nonfinite]", float, double) {
+  // docs/errors.md, "Non-finite values". A shard whose every class is masked (-inf through the
+  // bias: rank 0's [0, 27) on 2 ranks, [0, 18) on 3) has no finite logit: its statistics must add
+  // nothing (a sum of exponentials of 0), not NaN. -1e30 in place of -inf gives the same numbers,
+  // bit for bit; FusedHeadLoss on the whole head gives them to rounding (exactly on one rank).
+  using Scalar = TestType;
+  const Scalar inf = std::numeric_limits<Scalar>::infinity();
+  Setup<Scalar> s = make_setup<Scalar>(53, 6, 2, 4, 61, true);
+  for (Index i = 0; i < s.targets.size(); ++i) s.targets.data()[i] = 27 + s.targets.data()[i] % 26;  // not masked
+  const RowMatrix<Scalar> full_bias = s.full.bias()->value();
+  const RowMatrix<Scalar> no_weights(0, 1);
+  auto set_bias = [&](const RowMatrix<Scalar>& bias) {
+    s.full.bias()->value() = bias;
+    s.b_shard->value() = bias.middleRows(s.shard.begin, s.shard.rows());
+  };
+  for (int plan : {0, 1}) {
+    CAPTURE(plan, world().size());
+    FusedHeadLossOptions options;
+    options.vocab_block = 4;
+    options.plan = plan == 0 ? embedhead::FusedPlan::vocab_blocks : embedhead::FusedPlan::token_chunks;
+    if (plan == 1)
+      options.memory_budget = 3 * embedhead::vocab_shard(s.V, 0, world().size()).rows() *
+                              static_cast<Index>(sizeof(Scalar));
+    RowMatrix<Scalar> masked = full_bias, floored = full_bias;
+    masked.topRows(27).setConstant(-inf);
+    floored.topRows(27).setConstant(Scalar(-1e30));
+    set_bias(floored);
+    const Outputs<Scalar> expected = on_shard(s, options, no_weights, s.targets);
+    set_bias(masked);
+    const Outputs<Scalar> got = on_shard(s, options, no_weights, s.targets);
+    CHECK(std::isfinite(got.result.loss));
+    CHECK(got.result.loss == expected.result.loss);
+    CHECK(same_values(got.dh, expected.dh));
+    CHECK(same_values(got.dW, expected.dW));
+    CHECK(same_values(got.db, expected.db));
+    CHECK(same_values(got.lse, expected.lse));
+    CHECK(replicated(got));
+    FusedHeadLossOptions reference = options;
+    if (world().size() > 1) reference = FusedHeadLossOptions{};
+    reference.vocab_block = 4;
+    check_matches(got, on_full_head(s, reference, no_weights), world().size() == 1);
+    // Every class masked: lse -inf, loss NaN, on every rank alike.
+    RowMatrix<Scalar> all_masked = RowMatrix<Scalar>::Constant(53, 1, -inf);
+    set_bias(all_masked);
+    const Outputs<Scalar> none = on_shard(s, options, no_weights, s.targets);
+    CHECK(std::isnan(none.result.loss));
+    CHECK((none.lse.array() == -inf).all());
+    CHECK(none.dh.array().isNaN().all());
+    set_bias(full_bias);
+  }
+}
+
+TEST_CASE("vocabulary-parallel fused loss with error_if_nonfinite: agreed on every rank, nothing changed",
+          "[vocab_parallel_fused][nonfinite][errors]") {
+  using Scalar = float;
+  Communicator& comm = world();
+  const int R = comm.size();
+  const bool last = comm.rank() == R - 1;
+  Setup<Scalar> s = make_setup<Scalar>(53, 6, 2, 4, 71, true);
+  RowMatrix<Scalar> dh = RowMatrix<Scalar>::Constant(s.N, s.d, Scalar(7));
+  FusedHeadLossOptions options;
+  options.error_if_nonfinite = true;
+  VocabParallelFusedHeadLoss<Scalar> loss(options);
+  // A NaN in the last rank's rows of W: row 50 of the whole head.
+  const RowMatrix<Scalar> W_before = s.W_shard->value();
+  if (last) s.W_shard->value()(50 - s.shard.begin, 1) = std::numeric_limits<Scalar>::quiet_NaN();
+  std::string message = agreed_error<embedhead::value_error>(
+      [&] { loss.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, dh); });
+  CHECK_THAT(message, Contains("VocabParallelFusedHeadLoss::forward_backward_shard: W nan at row 50, column 1, "
+                               "outside the finite numbers (error_if_nonfinite)") &&
+                          EndsWith(on_last_rank()));
+  s.W_shard->value() = W_before;
+  // h is replicated: every rank finds its -inf, and rank 0's message is everyone's.
+  s.h(5, 2) = -std::numeric_limits<Scalar>::infinity();
+  message = agreed_error<embedhead::value_error>(
+      [&] { loss.forward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets); });
+  CHECK_THAT(message,
+             Contains("VocabParallelFusedHeadLoss::forward_shard: h -inf at n=5 (b=1, t=1), column 2") &&
+                 EndsWith(R > 1 ? " [on rank 0 of " + std::to_string(R) + "]" : std::string("(error_if_nonfinite)")));
+  s.h(5, 2) = 0;
+  CHECK(s.W_shard->grad().num_touched() == 0);
+  CHECK_FALSE(s.W_shard->grad().is_dense());
+  CHECK(s.b_shard->grad().num_touched() == 0);
+  CHECK(dh.isConstant(Scalar(7)));
+  // Ranks that disagree on the option (on finite inputs).
+  if (R > 1) {
+    FusedHeadLossOptions mixed;
+    mixed.error_if_nonfinite = last;
+    VocabParallelFusedHeadLoss<Scalar> mixed_loss(mixed);
+    message = agreed_error<embedhead::value_error>(
+        [&] { mixed_loss.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, dh); });
+    CHECK_THAT(message, Contains("loss options"));
+  }
 }

@@ -11,8 +11,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <set>
 #include <string>
@@ -393,6 +395,97 @@ TEMPLATE_TEST_CASE("vocab_parallel_cross_entropy: the loss and dlogits columns o
   CHECK(none.loss == 0);
   CHECK(none.count == 0);
   CHECK(dlocal.isZero(0));
+}
+
+TEMPLATE_TEST_CASE("vocab_parallel_cross_entropy: non-finite logits give cross_entropy's results on the full logits",
+                   "[vocab_parallel][nonfinite]", float, double) {
+  // docs/errors.md, "Non-finite values": the same cases as cross_entropy_test.cpp's, with masks
+  // covering whole shards (rank 0's columns [0, 27) on 2 ranks, [0, 18) on 3).
+  using S = TestType;
+  Communicator& comm = world();
+  const VocabShard shard = vocab_shard(kV, comm.rank(), comm.size());
+  const S inf = std::numeric_limits<S>::infinity(), nan = std::numeric_limits<S>::quiet_NaN();
+  const Index N = 7;
+  RowMatrix<S> logits = random_matrix<S>(N, kV, 90, 4.0);
+  IdMatrix<std::int32_t> targets(1, N);
+  targets << 3, 3, 3, 30, 3, 3, -100;
+  logits(1, 40) = nan;                       // 1: NaN (on the last rank's shard)
+  logits(2, 5) = inf;                        // 2: +inf
+  logits.row(3).head(27).setConstant(-inf);  // 3: rank 0's shard masked (target 30 is not)
+  logits.row(4).setConstant(-inf);           // 4: everything masked
+  logits(5, 3) = -inf;                       // 5: the target masked
+  logits(6, 0) = nan;                        // 6: ignored
+  const RowMatrix<S> local = logits.middleCols(shard.begin, shard.rows());
+  RowMatrix<S> dlogits(N, kV), dlocal(N, shard.rows());
+  const CrossEntropyResult expected = cross_entropy_forward_backward<S>(logits, targets, dlogits);
+  const CrossEntropyResult got = vocab_parallel_cross_entropy_forward_backward<S>(comm, kV, local, targets, dlocal);
+  CHECK(std::isnan(expected.loss));
+  CHECK(std::isnan(got.loss));
+  CHECK(got.count == expected.count);
+  const RowMatrix<S> expected_local = dlogits.middleCols(shard.begin, shard.rows());
+  // NaN exactly where the plain loss has NaN: the whole rows 1, 2 and 4; the rest to rounding
+  // (bit for bit on one rank).
+  CHECK((dlocal.array().isNaN() == expected_local.array().isNaN()).all());
+  for (const Index n : {1, 2, 4}) CHECK(dlocal.row(n).array().isNaN().all());
+  for (const Index n : {0, 3, 5, 6}) {
+    CAPTURE(n);
+    CHECK(close(RowMatrix<S>(dlocal.row(n)), RowMatrix<S>(expected_local.row(n)), test_support::tolerance<S>()));
+  }
+  if (comm.size() == 1) CHECK(test_support::first_difference_nan(dlocal, expected_local) == "");
+  CHECK(dlocal.row(3).head(std::max<Index>(0, std::min<Index>(27 - shard.begin, shard.rows()))).isZero(0));
+  // The rows with a defined loss alone: row 3 finite, row 5 +inf (-log 0).
+  IdMatrix<std::int32_t> defined = targets;
+  defined(0, 1) = defined(0, 2) = defined(0, 4) = defined(0, 5) = -100;
+  const CrossEntropyResult finite_expected = cross_entropy<S>(logits, defined);
+  const CrossEntropyResult finite_got = vocab_parallel_cross_entropy<S>(comm, kV, local, defined);
+  CHECK(std::isfinite(finite_got.loss));
+  CHECK(close_scalar(finite_got.loss, finite_expected.loss, loss_tolerance<S>()));
+  defined(0, 5) = 3;
+  CHECK(vocab_parallel_cross_entropy<S>(comm, kV, local, defined).loss == std::numeric_limits<double>::infinity());
+}
+
+TEST_CASE("vocab_parallel_cross_entropy with error_if_nonfinite: agreed across ranks, nothing written",
+          "[vocab_parallel][nonfinite]") {
+  Communicator& comm = world();
+  const int R = comm.size(), me = comm.rank(), last = R - 1;
+  const VocabShard shard = vocab_shard(kV, me, R);
+  RowMatrix<float> logits = random_matrix<float>(4, kV, 91);
+  logits(2, 50) = std::numeric_limits<float>::quiet_NaN();  // on the last rank's columns
+  logits(3, 1) = -std::numeric_limits<float>::infinity();   // on rank 0's, in a later row
+  const RowMatrix<float> local = logits.middleCols(shard.begin, shard.rows());
+  RowMatrix<float> dlocal = RowMatrix<float>::Constant(4, shard.rows(), 2.0f);
+  IdMatrix<std::int32_t> targets(1, 4);
+  targets << 1, 2, 3, 4;
+  CrossEntropyOptions o;
+  o.error_if_nonfinite = true;
+  // Each rank checks its own columns; the lowest failing rank's message is everyone's: on one rank
+  // the first in row-major order (the NaN), on more rank 0's (the -inf).
+  std::string message = thrown_message<value_error>(
+      [&] { vocab_parallel_cross_entropy_forward_backward<float>(comm, kV, local, targets, dlocal, o); });
+  const std::string first = R == 1 ? "logit nan at n=2 (b=0, t=2), column 50"
+                                   : "logit -inf at n=3 (b=0, t=3), column 1";
+  CHECK_THAT(message, Catch::Contains("vocab_parallel_cross_entropy_forward_backward: " + first +
+                                      ", outside the finite numbers (error_if_nonfinite)"));
+  CHECK(ends_with(message, on_rank("", 0, R)));
+  for (const std::string& m : gather_strings(comm, message)) CHECK(m == message);
+  CHECK(dlocal.isConstant(2.0f));
+  // Without the -inf, the NaN on the last rank alone.
+  RowMatrix<float> local2 = local;
+  if (shard.begin <= 1 && 1 < shard.end) local2(3, 1 - shard.begin) = 0;
+  message = thrown_message<value_error>([&] { vocab_parallel_cross_entropy<float>(comm, kV, local2, targets, o); });
+  CHECK(message == on_rank("vocab_parallel_cross_entropy: logit nan at n=2 (b=0, t=2), column 50, outside the finite "
+                           "numbers (error_if_nonfinite)",
+                           last, R));
+  // Ranks that disagree on the option (on finite logits).
+  if (R > 1) {
+    CrossEntropyOptions mixed;
+    mixed.error_if_nonfinite = me == last;
+    const RowMatrix<float> clean = random_matrix<float>(4, shard.rows(), 92);
+    message = thrown_message<value_error>(
+        [&] { vocab_parallel_cross_entropy<float>(comm, kV, clean, targets, mixed); });
+    CHECK_THAT(message, Catch::Contains("disagree on the targets, N, V or the loss options"));
+  }
+  CHECK(dlocal.isConstant(2.0f));
 }
 
 TEST_CASE("vocab_parallel_cross_entropy: central differences in double on every rank's columns", "[vocab_parallel]") {

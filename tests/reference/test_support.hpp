@@ -79,6 +79,29 @@ std::string first_difference(const A& a, const B& b) {
   return {};
 }
 
+// first_difference that also matches a NaN with a NaN (and still -0 with +0): "" when both have
+// the same shape and every entry is equal or NaN in both. For the non-finite tests, where a NaN
+// is the expected value in some places and a bug in others.
+template <typename A, typename B>
+std::string first_difference_nan(const A& a, const B& b) {
+  std::ostringstream out;
+  if (a.rows() != b.rows() || a.cols() != b.cols()) {
+    out << "shapes [" << a.rows() << ", " << a.cols() << "] vs [" << b.rows() << ", " << b.cols() << "]";
+    return out.str();
+  }
+  for (Index r = 0; r < a.rows(); ++r)
+    for (Index c = 0; c < a.cols(); ++c) {
+      const auto x = a(r, c);
+      const auto y = b(r, c);
+      if (!(x == y) && !(x != x && y != y)) {
+        out.precision(17);
+        out << "(" << r << ", " << c << "): " << x << " vs " << y;
+        return out.str();
+      }
+    }
+  return {};
+}
+
 // -> [first, first + 1, ..., last - 1]; empty if last <= first. Expected touched-row lists and
 // "every id" batches.
 inline std::vector<Index> range(Index first, Index last) {

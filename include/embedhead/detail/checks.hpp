@@ -121,6 +121,32 @@ void check_ids(const char* where, const TypedTokenIds<Id>& ids, Index V, const c
   }
 }
 
+// The first column j < cols of row r of m whose value is NaN or infinite, or -1. Float and double
+// rows are scanned vectorised first (allFinite); other types (bf16) one value at a time.
+template <typename Matrix>
+Index first_nonfinite_column(const Matrix& m, Index r, Index cols) {
+  using T = typename Matrix::Scalar;
+  if constexpr (std::is_floating_point_v<T>)
+    if (m.row(r).head(cols).allFinite()) return -1;
+  for (Index j = 0; j < cols; ++j)
+    if (!(Eigen::numext::isfinite)(m(r, j))) return j;
+  return -1;
+}
+
+// Throws value_error for a non-finite input under error_if_nonfinite, e.g.
+//   cross_entropy: logit nan at n=2 (b=0, t=2), column 4, outside the finite numbers (error_if_nonfinite)
+// place is everything between "at " and " outside".
+template <typename T>
+[[noreturn]] void throw_nonfinite(const char* where, const char* what, const T& value, const std::string& place) {
+  std::ostringstream message;
+  if constexpr (std::is_floating_point_v<T>)
+    message << where << ": " << what << " " << value;
+  else
+    message << where << ": " << what << " " << static_cast<float>(value);
+  message << " at " << place << " outside the finite numbers (error_if_nonfinite)";
+  throw value_error(message.str());
+}
+
 }  // namespace detail
 }  // namespace embedhead
 

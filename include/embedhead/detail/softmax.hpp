@@ -32,6 +32,24 @@
 // the exponentials S was summed from are reused when there is no softcap) and from exp(s_j - lse)
 // (the fused loss, whose logits are recomputed block by block).
 //
+// Elementwise arithmetic (the soft-cap's tanh, every exp, the sum of the logits) runs in blocks of
+// kSoftmaxLanes = 16 values evaluated in aligned local arrays, the last block padded (map_lanes,
+// load_partial_lanes): each element goes through the same packet code whatever its address and
+// its column, so the loss and the gradient are bit-identical wherever the logits and dlogits rows
+// lie in memory. (Eigen's own loops over a row peel scalar iterations up to an aligned address,
+// and its scalar exp and tanh round differently from the packet ones, by up to 2 ulp; its sum of
+// a double row changes order with the alignment.) exp_lanes flushes results below the smallest
+// normal number to 0, so exp(-inf) = 0 exactly: Eigen's packet exp clamps its argument and
+// returns about 2.9e-39 (float, SSE) or 5.6e-309 (double) there instead.
+//
+// Non-finite logits (docs/errors.md, "Non-finite values") follow IEEE arithmetic through these
+// formulas, which is PyTorch's answer: a NaN or +inf logit among a row's classes makes S, lse,
+// the loss and every dz of the row NaN; -inf is a class of probability exp(-inf) = 0 (dz = 0,
+// loss +inf if it is the target); a row whose classes are all -inf has S = 0, lse = -inf and a
+// NaN loss and dz. The one place that needs care is a running max of -inf (no finite column yet:
+// a block or shard of masked classes, or the whole row): exp(s_j - max) would be exp(-inf + inf)
+// = NaN, so add_at_max shifts by 0 there instead, and the block adds exp(-inf) = 0 (NaN stays NaN).
+//
 // A new loss option belongs here: a field of SoftmaxTerms (read in softmax_terms), the statistic
 // it needs in SoftmaxRowStats (add_at_max, and the summed parts if ranks must add it), its term in
 // row_loss and its coefficient in SoftmaxGradient / apply_softmax_gradient.
@@ -40,6 +58,7 @@
 
 #include "../types.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <limits>
@@ -68,17 +87,63 @@ SoftmaxTerms softmax_terms(const Options& options, Index classes) {
   return terms;
 }
 
-// c tanh(z / c), elementwise, as an Eigen array expression (z an array expression, c > 0).
-template <typename Derived>
-auto softcapped(const Eigen::ArrayBase<Derived>& z, typename Derived::Scalar c) {
-  return (z / c).tanh() * c;
+// The elementwise kernels' block: 16 values, a multiple of every packet width (4 to 16 floats, 2
+// to 8 doubles), held in an aligned local array so that Eigen evaluates it without peeling.
+constexpr Index kSoftmaxLanes = 16;
+template <typename Scalar>
+using SoftmaxLanes = Eigen::Array<Scalar, kSoftmaxLanes, 1>;
+
+// The count values at p (count < kSoftmaxLanes: a row's last, partial block) as one block, the
+// rest of it set to pad.
+template <typename Scalar>
+SoftmaxLanes<Scalar> load_partial_lanes(const Scalar* p, Index count, Scalar pad) {
+  SoftmaxLanes<Scalar> x = SoftmaxLanes<Scalar>::Constant(pad);
+  std::copy_n(p, count, x.data());
+  return x;
+}
+
+// out[j] = f(x)[j] for j < width, with f an elementwise function of a block returning a block (by
+// value, evaluated). Full blocks are loaded straight from in, the last partial one copied into a
+// padded block (with 0) and given to the same f, so every element takes the same arithmetic
+// whatever its address and column. out may be in.
+template <typename Scalar, typename F>
+void map_lanes(const Scalar* in, Scalar* out, Index width, const F& f) {
+  using Lanes = SoftmaxLanes<Scalar>;
+  Index j = 0;
+  for (; j + kSoftmaxLanes <= width; j += kSoftmaxLanes) {
+    const Lanes y = f(Lanes(Eigen::Map<const Lanes>(in + j)));
+    Eigen::Map<Lanes> block(out + j);
+    block = y;
+  }
+  if (j == width) return;
+  const Lanes y = f(load_partial_lanes(in + j, width - j, Scalar(0)));
+  std::copy_n(y.data(), width - j, out + j);
+}
+
+// exp(x) of a block of arguments x <= 0 (or NaN), 0 where x is below ln(smallest normal number):
+// exp(-inf) = 0 exactly, as std::exp gives and the sums and gradients of masked classes need.
+// Written on Eigen's packets (pexp is what Array::exp() runs): the compare and mask stay in
+// registers, where a select on the array (not vectorised) cost a third of the exp's time.
+template <typename Scalar>
+SoftmaxLanes<Scalar> exp_lanes(const SoftmaxLanes<Scalar>& x) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<Scalar>::type;
+  constexpr Index packet = ei::packet_traits<Scalar>::size;
+  static_assert(kSoftmaxLanes % packet == 0, "a block is a whole number of packets");
+  const Packet lowest = ei::pset1<Packet>(Scalar(std::numeric_limits<Scalar>::min_exponent - 1) *
+                                          Scalar(0.693147180559945309417));
+  SoftmaxLanes<Scalar> e;
+  for (Index i = 0; i < kSoftmaxLanes; i += packet) {
+    const Packet p = ei::ploadu<Packet>(x.data() + i);
+    ei::pstoreu(e.data() + i, ei::pandnot(ei::pexp(p), ei::pcmp_lt(p, lowest)));
+  }
+  return e;
 }
 
 // out [width] = c tanh(z / c) of z [width] (out may be z).
 template <typename Scalar>
 void softcap_row(const Scalar* z, Scalar* out, Index width, Scalar c) {
-  using Row = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
-  Eigen::Map<Row>(out, width) = softcapped(Eigen::Map<const Row>(z, width), c);
+  map_lanes(z, out, width, [c](const SoftmaxLanes<Scalar>& x) -> SoftmaxLanes<Scalar> { return (x / c).tanh() * c; });
 }
 
 // max_j s_j over s [width], width >= 1.
@@ -88,27 +153,43 @@ Scalar row_max(const Scalar* s, Index width) {
 }
 
 // s [width] -> sum_j exp(s_j - m), also writing exp(s_j - m) to out[j] when out is not null (out
-// may be s). The summation order -- 16 running lanes, a fixed tree over them, then the tail --
-// depends only on width: not on the row's alignment, nor on whether out is written. So the loss is
-// bit-identical with or without the gradient and wherever the logits live in memory.
+// may be s). The summation order -- 16 running lanes (the last block padded with -inf, which adds
+// 0), then a fixed tree over them -- depends only on width: not on the row's alignment, nor on
+// whether out is written. So the loss is bit-identical with or without the gradient and wherever
+// the logits live in memory.
 template <typename Scalar>
 Scalar sum_exp_shifted(const Scalar* s, Index width, Scalar m, Scalar* out) {
-  constexpr Index kLanes = 16;
-  using Lanes = Eigen::Array<Scalar, kLanes, 1>;
+  using Lanes = SoftmaxLanes<Scalar>;
   Lanes acc = Lanes::Zero();
   Index j = 0;
-  for (; j + kLanes <= width; j += kLanes) {
-    const Lanes e = (Eigen::Map<const Lanes>(s + j) - m).exp();
-    if (out) Eigen::Map<Lanes>(out + j) = e;
+  for (; j + kSoftmaxLanes <= width; j += kSoftmaxLanes) {
+    const Lanes e = exp_lanes<Scalar>(Eigen::Map<const Lanes>(s + j) - m);
+    if (out) {
+      Eigen::Map<Lanes> block(out + j);
+      block = e;
+    }
     acc += e;
   }
-  Scalar tail(0);
-  for (; j < width; ++j) {
-    const Scalar e = std::exp(s[j] - m);
-    if (out) out[j] = e;
-    tail += e;
+  if (j < width) {
+    const Lanes e = exp_lanes<Scalar>(load_partial_lanes(s + j, width - j, -std::numeric_limits<Scalar>::infinity()) -
+                                      m);
+    if (out) std::copy_n(e.data(), width - j, out + j);
+    acc += e;
   }
-  return acc.sum() + tail;
+  return acc.sum();
+}
+
+// sum_j s_j of s [width] in double, summed in 16 running lanes (the last block padded with 0) and
+// a fixed tree over them: the same bits wherever s lies (Eigen's own sum peels to an aligned
+// address, which changes the order of a double sum).
+template <typename Scalar>
+double sum_in_lanes(const Scalar* s, Index width) {
+  Eigen::Array<double, kSoftmaxLanes, 1> acc = Eigen::Array<double, kSoftmaxLanes, 1>::Zero();
+  Index j = 0;
+  for (; j + kSoftmaxLanes <= width; j += kSoftmaxLanes)
+    acc += Eigen::Map<const SoftmaxLanes<Scalar>>(s + j).template cast<double>();
+  if (j < width) acc += load_partial_lanes(s + j, width - j, Scalar(0)).template cast<double>();
+  return acc.sum();
 }
 
 // One row's statistics over the columns seen so far (a block of them, a shard, or all), in double.
@@ -128,12 +209,15 @@ struct SoftmaxRowStats {
   // block's: exp(s_j - Scalar(max)) is summed (and written to exp_out when not null; exp_out may
   // be s: s_y and sum_j s_j are read first). target_column: y's column in the block (ignored outside
   // [0, width)).
+  // A max of -inf means every column so far is -inf (or NaN): the block is shifted by 0 instead,
+  // so that each -inf adds exp(-inf) = 0, its share at whatever max the row ends with, where
+  // exp(-inf - max) would be NaN.
   template <typename Scalar>
   void add_at_max(const Scalar* s, Index width, Index target_column, const SoftmaxTerms& terms, Scalar* exp_out) {
     if (target_column >= 0 && target_column < width) target = static_cast<double>(s[target_column]);
-    if (terms.logit_sums())
-      logit_sum += Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(s, width).template cast<double>().sum();
-    sum_exp += static_cast<double>(sum_exp_shifted(s, width, static_cast<Scalar>(max), exp_out));
+    if (terms.logit_sums()) logit_sum += sum_in_lanes(s, width);
+    const Scalar shift = max == -std::numeric_limits<double>::infinity() ? Scalar(0) : static_cast<Scalar>(max);
+    sum_exp += static_cast<double>(sum_exp_shifted(s, width, shift, exp_out));
   }
 
   // The online step: the block's max, S rescaled when it exceeds the running max, then the block
@@ -249,20 +333,24 @@ SoftmaxGradient<Scalar> softmax_gradient_at_lse(double lse, double weight, const
 template <typename Scalar>
 void apply_softmax_gradient(Scalar* w, Index width, Index target_column, const SoftmaxGradient<Scalar>& k,
                             const SoftmaxTerms& terms, bool holds_exp) {
-  Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> row(w, width);
+  using Lanes = SoftmaxLanes<Scalar>;
   const bool target_here = target_column >= 0 && target_column < width;
   if (terms.softcap > 0) {
     // dz = g (1 - (s / cap)^2), the derivative of cap tanh(z / cap).
     const Scalar cap = static_cast<Scalar>(terms.softcap);
     const Scalar t_y = target_here ? w[target_column] / cap : Scalar(0);
-    row = ((row - k.shift).exp() * k.a - k.b) * (Scalar(1) - (row / cap).square());
+    map_lanes(w, w, width, [&](const Lanes& s) -> Lanes {
+      return (exp_lanes<Scalar>(s - k.shift) * k.a - k.b) * (Scalar(1) - (s / cap).square());
+    });
     if (target_here) w[target_column] -= k.c * (Scalar(1) - t_y * t_y);
   } else if (holds_exp) {
+    // Products and differences round the same in any lane: no blocks needed.
+    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> row(w, width);
     row *= k.a;
     if (k.smoothing) row -= k.b;
     if (target_here) w[target_column] -= k.c;
   } else {
-    row = (row - k.shift).exp() * k.a - k.b;
+    map_lanes(w, w, width, [&](const Lanes& s) -> Lanes { return exp_lanes<Scalar>(s - k.shift) * k.a - k.b; });
     if (target_here) w[target_column] -= k.c;
   }
 }

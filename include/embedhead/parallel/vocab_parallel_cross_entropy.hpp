@@ -44,8 +44,9 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   const Index N = local_logits.rows(), T = targets.cols();
   VocabShard shard;
-  std::uint64_t fingerprint = fingerprint_values(
-      {V, N, options.ignore_index, static_cast<std::int64_t>(options.reduction), options.valid_vocab});
+  std::uint64_t fingerprint = fingerprint_values({V, N, options.ignore_index,
+                                                  static_cast<std::int64_t>(options.reduction), options.valid_vocab,
+                                                  options.error_if_nonfinite ? 1 : 0});
   for (const double x : {options.label_smoothing, options.z_loss, options.softcap, options.gradient_scale})
     fingerprint = fingerprint_double(x, fingerprint);
   check_on_every_rank(
@@ -58,6 +59,10 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
         if (dlocal) check_shape(where, "dlocal_logits", *dlocal, N, shard.rows());
         check_loss_options<Scalar>(where, options, V);
         check_targets(where, targets, N, classes_of(options, V), options.ignore_index, V);
+        // This rank's classes only; the lowest failing rank's message is everyone's.
+        check_finite_logits(where, local_logits, targets,
+                            std::clamp<Index>(classes_of(options, V) - shard.begin, 0, shard.rows()), options,
+                            shard.begin);
       },
       fingerprint_ids(targets, fingerprint), "the targets, N, V or the loss options");
 
@@ -141,7 +146,10 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
 // smoothing). \throws (on every rank, before any collective or write) shape_error if local_logits
 // or dlocal_logits is not [N, shard.rows()] or targets has not N entries; index_error for a target
 // outside [0, classes) that is not ignore_index; value_error for an option out of range, V < R,
-// or targets, N, V or options that differ across ranks. Cost: 3 passes over the local logits.
+// targets, N, V or options that differ across ranks, or with error_if_nonfinite a NaN or infinite
+// logit among a rank's classes of the counted rows (named with its global column; the lowest
+// failing rank's). Non-finite logits otherwise give cross_entropy's results (docs/errors.md).
+// Cost: 3 passes over the local logits.
 template <typename Scalar>
 CrossEntropyResult vocab_parallel_cross_entropy_forward_backward(Communicator& comm, Index V,
                                                                  const ConstMatrixRef<Scalar>& local_logits,

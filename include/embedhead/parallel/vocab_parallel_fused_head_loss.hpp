@@ -86,10 +86,12 @@ class VocabParallelFusedHeadLoss {
   // [shard.begin, shard.end) of the global head, shard = vocab_shard(V, comm.rank(), comm.size()).
   // Collective: every rank of comm calls it with the same V, h, targets, weights and options.
   // \throws value_error for V < comm.size(), an option out of range, a negative or non-finite
-  //   weight, or targets / weights / shapes / options that differ across ranks; shape_error for a
-  //   shard of the wrong shape or any other shape mismatch; index_error for a target outside
-  //   [0, classes) that is not ignore_index. On every rank alike (the message of the lowest
-  //   failing rank, ending "[on rank r of R]" when R > 1); nothing is changed on throw.
+  //   weight, with error_if_nonfinite a NaN or infinity in a counted row of h or in this rank's
+  //   class rows of W or bias (named by its global row), or targets / weights / shapes / options
+  //   that differ across ranks; shape_error for a shard of the wrong shape or any other shape
+  //   mismatch; index_error for a target outside [0, classes) that is not ignore_index. On every
+  //   rank alike (the message of the lowest failing rank, ending "[on rank r of R]" when R > 1);
+  //   nothing is changed on throw.
   // \pre dh does not alias W, the gradients or the extras (it may be h).
   CrossEntropyResult forward_backward_shard(Communicator& comm, Index V, Parameter<Scalar>& weight_shard,
                                             Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
@@ -170,6 +172,8 @@ class VocabParallelFusedHeadLoss {
       detail::check_fused_head_loss<Scalar, Id>(where, h, shard.rows(), weight_shard.cols(), bias_of(bias_shard),
                                                 targets, extras.weights, dh, nullptr, nullptr, &lse_ref, &losses_ref,
                                                 options_, V);
+      detail::check_finite_inputs<Scalar, Scalar, Id>(where, h, weight_shard.value(), bias_of(bias_shard), targets,
+                                                      options_, V, shard.begin);
     };
     // Whether dh is asked for is part of it: forward_shard on one rank and forward_backward_shard on
     // another would make different numbers of collectives.
@@ -185,15 +189,16 @@ class VocabParallelFusedHeadLoss {
   template <typename Id>
   std::uint64_t fingerprint(Index V, const ConstMatrixRef<Scalar>& h, bool has_bias, bool gradient,
                             const TypedTokenIds<Id>& targets, const FusedHeadLossExtras<Scalar>& extras) const {
-    const std::int64_t sizes[9] = {static_cast<std::int64_t>(h.rows()),
-                                   static_cast<std::int64_t>(h.cols()),
-                                   static_cast<std::int64_t>(V),
-                                   has_bias ? 1 : 0,
-                                   gradient ? 1 : 0,
-                                   static_cast<std::int64_t>(options_.ignore_index),
-                                   static_cast<std::int64_t>(options_.valid_vocab),
-                                   static_cast<std::int64_t>(options_.plan),
-                                   static_cast<std::int64_t>(options_.memory_budget)};
+    const std::int64_t sizes[10] = {static_cast<std::int64_t>(h.rows()),
+                                    static_cast<std::int64_t>(h.cols()),
+                                    static_cast<std::int64_t>(V),
+                                    has_bias ? 1 : 0,
+                                    gradient ? 1 : 0,
+                                    static_cast<std::int64_t>(options_.ignore_index),
+                                    static_cast<std::int64_t>(options_.valid_vocab),
+                                    static_cast<std::int64_t>(options_.plan),
+                                    static_cast<std::int64_t>(options_.memory_budget),
+                                    options_.error_if_nonfinite ? 1 : 0};
     const double values[5] = {static_cast<double>(static_cast<int>(options_.reduction)), options_.label_smoothing,
                               options_.z_loss, options_.softcap, options_.gradient_scale};
     std::uint64_t hash = detail::fingerprint_bytes(sizes, sizeof(sizes));
