@@ -6,13 +6,15 @@
 #ifndef EMBEDHEAD_BENCH_BENCH_SUPPORT_HPP
 #define EMBEDHEAD_BENCH_BENCH_SUPPORT_HPP
 
-// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsics (the deliberately
-// undefined _mm512_undefined_ps operand, GCC bug 105593) when Eigen code (GEMM in particular) is
-// inlined under -march=native; the benchmarks also build with -Werror. The pragma must come before
-// any include so that it covers the intrinsic headers; it is deliberately not pushed and popped,
-// so it stays in force to the end of the including translation unit.
+// GCC 12 reports -Wmaybe-uninitialized and -Wuninitialized inside its own AVX-512 intrinsics (the
+// deliberately undefined _mm512_undefined_ps / _mm256_undefined_pd operands, GCC bug 105593) when
+// Eigen code (GEMM, a 16-lane double sum's reduction) is inlined under -march=native; the
+// benchmarks also build with -Werror. The pragmas must come before any include so that they cover
+// the intrinsic headers; they are deliberately not pushed and popped, so they stay in force to the
+// end of the including translation unit.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 #include <embedhead/init.hpp>
