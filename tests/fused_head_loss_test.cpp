@@ -376,6 +376,10 @@ TEMPLATE_TEST_CASE("fused head loss: the automatic plan is token chunks when the
   CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 300), 1000, V, sizeof(Scalar)) == 256);
   CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 999), 1000, V, sizeof(Scalar)) == 768);
   CHECK(embedhead::detail::fused_token_chunk(with(FusedPlan::automatic, 1000), 1000, V, sizeof(Scalar)) == 1000);
+  // A budget below one row: automatic takes the two passes even for a single token.
+  FusedHeadLossOptions tiny = with(FusedPlan::automatic, 1);
+  tiny.memory_budget = row - 1;
+  CHECK(embedhead::detail::fused_token_chunk(tiny, 1, V, sizeof(Scalar)) == 0);
   CHECK(same(fused<Scalar>(p, true, with(FusedPlan::automatic, 127), no),
              fused<Scalar>(p, true, with(FusedPlan::vocab_blocks, 127), no)));
   CHECK(same(fused<Scalar>(p, true, with(FusedPlan::automatic, 128), no),

@@ -277,10 +277,13 @@ void check_packed_sequences() {
   struct Shape {
     Index M, N, K;
   };
-  // Edges of the tiles (6 rows; 8 to 64 columns by build), of the depth block (256), of the row
-  // block (240) and of the column block (1024).
+  // Edges of the tiles (6 or 8 rows; 8 to 32 columns by build), of the depth block (256), of the
+  // row block (240) and pass (1200), of the column block (1024; two of them in each of the two
+  // column chunks at N = 2100), op(A) transposed in registers at K > 256 (M = 32), and op(B)
+  // packed a depth block at a time (K * 64 columns > 2^20 at K = 16400: the dh = dz W path).
   for (const Shape s : {Shape{1, 1, 1}, Shape{7, 65, 255}, Shape{13, 17, 256}, Shape{6, 64, 257}, Shape{2, 33, 700},
-                        Shape{245, 9, 40}, Shape{5, 1030, 20}, Shape{3, 5, 0}}) {
+                        Shape{245, 9, 40}, Shape{5, 1030, 20}, Shape{3, 5, 0}, Shape{32, 40, 300}, Shape{1300, 9, 40},
+                        Shape{3, 2100, 30}, Shape{5, 64, 16400}}) {
     check_packed_sequence<Scalar, BStorage, AStorage, Layout::row_major, Layout::col_major>(s.M, s.N, s.K, 11);
     check_packed_sequence<Scalar, BStorage, AStorage, Layout::row_major, Layout::row_major>(s.M, s.N, s.K, 12);
     check_packed_sequence<Scalar, BStorage, AStorage, Layout::col_major, Layout::row_major>(s.M, s.N, s.K, 13);

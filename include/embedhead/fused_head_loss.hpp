@@ -22,9 +22,9 @@
 //                 vocab_block (about 2 % of the logits): for a vocabulary so large that the budget
 //                 holds too few tokens for dW's product to run at GEMM speed.
 // automatic (the default) takes token_chunks when the budget holds kFusedMinTokenChunk (128)
-// tokens or all of them (GPT-2's V = 50,257: 250 tokens), else vocab_blocks; bench/RESULTS.md has
-// the measurements behind it. The two agree within float rounding (the loss of each row is summed
-// over the same blocks of columns; dW's sums over tokens are split differently). The loss alone
+// tokens or all of them (GPT-2's V = 50,257: 333 tokens, chunks of 256: fused_token_chunk), else
+// vocab_blocks; bench/RESULTS.md has the measurements behind it. The two agree within float rounding (the loss of each
+// row is summed over the same blocks of columns; dW's sums over tokens are split differently). The loss alone
 // (fused_head_loss, FusedHeadLoss::forward: 2 N V d flops) walks the same way without the backward.
 // Tokens whose target is ignore_index are dropped before any arithmetic.
 //
@@ -50,11 +50,13 @@
 // token chunk (once for the two passes) and dh at the end (detail::fused_head_loss_pass's
 // VocabSlice, implemented there over the Communicator).
 //
-// Threads (when built with OpenMP): each GEMM is cut into fixed pieces -- rows of W for the logits
-// and dW (256 within a two-pass block, 1024 across a token chunk's vocabulary), 128 columns of d
-// for dh -- and each row's softmax is one thread's, so the result is bit-identical for any thread
-// count and across runs (for the default Eigen backend, the serial CBLAS one and, for the bf16
-// products, oneDNN: detail/gemm.hpp, detail/gemm_onednn.hpp). The idea of never
+// Threads (when built with OpenMP): each GEMM is cut into pieces -- rows of W for the logits (256
+// within a two-pass block, 1024 across a token chunk's vocabulary); dW and dh one piece per
+// thread on the default packed kernel, whose results do not depend on the pieces, else fixed
+// pieces (rows of W for dW as for the logits, 128 columns of d for dh) -- and each row's softmax
+// is one thread's, so the result is bit-identical for any thread count and across runs (for the
+// default packed kernel, Eigen's, the serial CBLAS one and, for the bf16 products, oneDNN:
+// detail/gemm.hpp, detail/gemm_onednn.hpp). The idea of never
 // materialising the logits is Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024) and Cut
 // Cross-Entropy's (Wijmans et al. 2024); the code is this library's own.
 #ifndef EMBEDHEAD_FUSED_HEAD_LOSS_HPP
@@ -173,15 +175,17 @@ inline Index fused_memory_budget(const FusedHeadLossOptions& options) {
 // two-pass plan; automatic takes token chunks when the budget holds kFusedMinTokenChunk tokens (or
 // all count of them). With `fits` tokens in memory_budget: all count of them if they fit; else a
 // multiple of kPackedDepth (256) tokens when fits is at least that, so that on the packed kernel
-// dW += dz^T h over the chunks sums the tokens in the same blocks as one unfused product does
-// (detail/gemm_packed.hpp); else chunks of equal length (count / chunks, rounded up), so that no
-// short last chunk streams W and dW for a few tokens. \pre check_fused_head_loss passed
-// (token_chunks: at least one row fits).
+// dW += dz^T h over the chunks sums the tokens in the same blocks as one unfused product over the
+// same counted tokens does (detail/gemm_packed.hpp; ignored tokens are dropped first, so with some
+// the blocks fall elsewhere than in an unfused product over all N rows); else chunks of equal
+// length (count / chunks, rounded up), so that no short last chunk streams W and dW for a few
+// tokens. \pre check_fused_head_loss passed (token_chunks: at least one row fits).
 inline Index fused_token_chunk(const FusedHeadLossOptions& options, Index count, Index columns, Index scalar_bytes) {
   if (options.plan == FusedPlan::vocab_blocks || count == 0) return 0;
   const Index row_bytes = std::max<Index>(columns, 1) * scalar_bytes;
-  const Index fits = std::max<Index>(std::min(count, fused_memory_budget(options) / row_bytes), 1);
-  if (options.plan == FusedPlan::automatic && fits < std::min(count, kFusedMinTokenChunk)) return 0;
+  const Index held = std::min(count, fused_memory_budget(options) / row_bytes);  // may be 0
+  if (options.plan == FusedPlan::automatic && held < std::min(count, kFusedMinTokenChunk)) return 0;
+  const Index fits = std::max<Index>(held, 1);  // token_chunks: check_fused_head_loss saw one row fit
   if (fits == count) return count;
   if (fits >= gemm::kPackedDepth) return fits / gemm::kPackedDepth * gemm::kPackedDepth;
   const Index chunks = (count + fits - 1) / fits;
@@ -689,13 +693,13 @@ CrossEntropyResult fused_head_loss(const ConstMatrixRef<Scalar>& h, const ConstM
 // chunks and calls, never rounded. bf16(x) rounds to nearest even (8 significant bits). The
 // products run on gemm::MixedBackend: oneDNN's bf16 kernels (AMX or AVX512_BF16) when the program
 // links embedhead::onednn and oneDNN has native bf16 kernels on this CPU (OneDnnBackend::usable),
-// else the float GEMM on the rounded values (the same products within float rounding, slower
-// than the float call: its rounded dz is held in float, so at GPT-2's V the default budget holds
-// 125 tokens and automatic takes the two-pass plan); Backend names one explicitly (a
+// else the float GEMM on the rounded values (the same products within float rounding, at about
+// the float call's speed: the default packed kernel widens the bf16 operands while it packs them;
+// on Eigen or CBLAS the rounded dz and h are held in float); Backend names one explicitly (a
 // detail::gemm backend). Plans, options, extras, checks and thread-count invariance are the
 // float call's. Memory: the rounded dz beside the float logits (a token chunk is memory_budget /
-// (6 C) tokens on oneDNN, / (8 C) otherwise), the counted rows of h rounded (count d values,
-// bf16 on oneDNN, else float) and their dh (count d floats); in token chunks, also one
+// (6 C) tokens on oneDNN and the packed kernel, / (8 C) on Eigen and CBLAS), the counted rows of h
+// rounded (count d values, bf16 or float likewise) and their dh (count d floats); in token chunks, also one
 // [n, min(1024, C)] float buffer (and the widened tiles of W, without oneDNN) per thread.
 // Accuracy against the float head: bench/RESULTS.md and tests/fused_head_loss_bf16_test.cpp.
 

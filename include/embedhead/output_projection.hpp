@@ -170,7 +170,8 @@ void head_decode(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& 
 // may differ in the last bits from the same token's in a larger batch.
 // \pre logits aliases neither h nor W. \throws shape_error on any shape mismatch (nothing written).
 // Cost: 2 N V d flops. Nothing of size N*V is allocated; the packed kernel keeps per-thread packing
-// buffers (at most about 5 MiB a thread, grown on first use; Eigen's GEMM allocates its own per call).
+// buffers (at most about 5 MiB a thread in float, 10 in double, grown on first use and kept for the
+// thread's life; Eigen's GEMM allocates its own per call).
 namespace detail {
 
 template <typename Scalar>

@@ -41,7 +41,7 @@
 // defines EMBEDHEAD_GEMM_EIGEN; CblasBackend when it defines EMBEDHEAD_GEMM_CBLAS (the CMake target
 // embedhead::cblas, which links a serial OpenBLAS or BLIS; docs/performance.md, "GEMM backends").
 // Every translation unit of a program must agree. The packed kernel computes every element of C by
-// one fixed sequence of fused multiply-adds that depends on K and the element's own operands only,
+// one fixed sequence of multiply-adds that depends on K and the element's own operands only,
 // so on it results do not depend on the chunking either: a row of logits is the same bits in any
 // batch (any_chunking below; tests/gemm_test.cpp checks the sequence bit for bit).
 //
@@ -380,10 +380,10 @@ struct CblasBackend {
 #endif
 
 // The library's own kernel (detail/gemm_packed.hpp): every element of C by one fixed sequence of
-// fused multiply-adds that depends on K and its own operands only, so results are the same for any
-// batch, chunking and thread count. It takes A and B stored as bf16 / fp16 itself (widened while
-// packed), so the bf16 fused loss on it holds its rounded dz in bf16.
-// Kernel::gemm and Kernel::expression are the same on it; Kernel::decode is the decode kernel.
+// multiply-adds (fused where the build has FMA) that depends on K and its own operands only, so results are the same
+// for any batch, chunking and thread count. It takes A and B stored as bf16 / fp16 itself (widened while packed), so
+// the bf16 fused loss on it holds its rounded dz in bf16. Kernel::gemm and Kernel::expression are the same on it;
+// Kernel::decode is the decode kernel.
 struct PackedBackend {
   // An operand stored as Scalar, or as bf16 / fp16 with Scalar float.
   template <typename Scalar, typename Storage>
@@ -456,8 +456,9 @@ struct NoEpilogue {
 // C (init) op(A) op(B) by the chunks of plan (see the top of this file); epilogue(begin, end) after
 // each chunk's product. tiles: the float scratch of a mixed-precision op (ignored otherwise).
 // \pre op's views cover their [M, K], [K, N], [M, N] extents; C aliases neither A nor B. No checks:
-// the public functions check first. Nothing allocated but Eigen's packing buffers and, for mixed
-// precision, tiles' growth.
+// the public functions check first. Nothing allocated but the backend's packing buffers (the packed
+// kernel's per thread, grown once; Eigen's per call) and, for mixed precision on a backend that
+// does not take the storage, tiles' growth.
 template <Kernel kKernel, typename Backend = DefaultBackend, typename Scalar, Layout LA, Layout LB, typename BStorage,
           typename AStorage, typename Epilogue = NoEpilogue>
 void run(const Op<Scalar, LA, LB, BStorage, AStorage>& op, const Plan& plan, const Epilogue& epilogue = {},
@@ -513,7 +514,10 @@ Plan per_thread_plan(Index M, Index N, Index min_rows, const Plan& fixed, bool r
     if (threads <= 1) return Plan{Split::rows, std::max<Index>(M, 1), false};
     if (M >= threads * min_rows) return Plan{Split::rows, (M + threads - 1) / threads, true};
     if (rows_only) return fixed;
-    return Plan{Split::cols, std::max<Index>(1, (N + threads - 1) / threads), true};
+    // Columns in multiples of 64 (whole tiles and cache lines of C for every build's tile width).
+    constexpr Index kColumnGrain = 64;
+    const Index columns = (N + threads - 1) / threads;
+    return Plan{Split::cols, (columns + kColumnGrain - 1) / kColumnGrain * kColumnGrain, true};
   }
 }
 

@@ -9,15 +9,16 @@
 //     C[i, j]  = C[i, j] + bias[j]                                           Init::bias, last
 //
 //   with the summation index cut into blocks of kPackedDepth = 256 from k = 0 (the last one
-//   shorter) and fma the packet multiply-add of the build: one rounding where the target has FMA
-//   (EIGEN_VECTORIZE_FMA: x86 with -mfma / -march=haswell and later, AVX-512, NEON, ...), a
-//   product and a sum rounded apart otherwise (packed_gemm_fuses()).
+//   shorter) and fma the packet multiply-add of the build: one rounding where the target has a
+//   fused multiply-add (x86 with -mfma / -march=haswell and later or AVX-512, AArch64 NEON, POWER
+//   VSX), a product and a sum rounded apart otherwise (the portable x86-64 build: SSE2);
+//   packed_gemm_fuses() says which.
 //
 // That sequence depends on K and the element's own operands only: not on M or N, not on where
 // the element falls in the kernel's tiles, not on the chunk or thread that computes it. So a row of
 // C (a token's logits, a row of dh) is bitwise the same whatever the batch it is computed in, any
-// chunking of the seam gives the same bits, and a scalar loop of std::fma written from the lines
-// above reproduces the kernel exactly (tests/gemm_test.cpp does).
+// chunking of the seam gives the same bits, and a scalar loop written from the lines above
+// (std::fma where the build fuses) reproduces the kernel exactly (tests/gemm_test.cpp does).
 //
 // How (the BLIS / GotoBLAS structure, on Eigen's packet primitives so that one source serves
 // AVX-512, AVX2, SSE and NEON): op(B) is copied, kPackedDepth rows by up to kPackedCols columns at a
@@ -64,13 +65,18 @@ constexpr Index kPackedRows = 240;
 constexpr Index kPackedPassRows = 5 * kPackedRows;
 constexpr Index kPackedCols = 1024;
 // op(B) is packed whole depth at a time when that is at most this many scalars (4 MiB of floats:
-// K up to 1024 at 1024 columns, as the head's forward and dW are), so that C is swept once for
-// all the depth blocks instead of once per block; longer sums (dh = dz W over V) a block at a time.
+// K up to 1024 at 1024 columns, as the head's forward is for d <= 1024 and its dW for N <= 1365
+// tokens at d = 768), so that C is swept once for all the depth blocks instead of once per block;
+// longer sums (dh = dz W over V) a block at a time.
 constexpr Index kPackedWholeB = Index{1} << 20;
 
-// Whether the build's packet multiply-add rounds once (a fused multiply-add).
+// Whether the build's packet multiply-add rounds once (a fused multiply-add): Eigen's pmadd is
+// _mm*_fmadd_* on x86 with FMA (EIGEN_VECTORIZE_FMA, always set with AVX-512), vfmaq on NEON with
+// __ARM_FEATURE_FMA (every AArch64 target) and vec_madd on POWER (fused); unvectorised builds use
+// the scalar branch of packed_madd, std::fma where the target has FMA.
 constexpr bool packed_gemm_fuses() {
-#if defined(EIGEN_VECTORIZE_FMA)
+#if defined(EIGEN_VECTORIZE_FMA) || (defined(EIGEN_VECTORIZE_NEON) && defined(__ARM_FEATURE_FMA)) || \
+    defined(EIGEN_VECTORIZE_VSX) || defined(EIGEN_VECTORIZE_ALTIVEC) || defined(__FMA__) || defined(__ARM_FEATURE_FMA)
   return true;
 #else
   return false;
@@ -86,16 +92,23 @@ struct PackedTile {
   static constexpr int rows = vectorised ? (wide ? 8 : 6) : 4;
   static constexpr int packets = vectorised ? 2 : 4;
   static constexpr int cols = packets * lanes;
+  // The blocking assumes whole panels: row blocks of A and column blocks of B are multiples of
+  // the tile (pack offsets p0 / rows, and B's whole-depth blocks at k0 * nc_padded <= k0 * nc_max).
+  static_assert(kPackedRows % rows == 0 && kPackedPassRows % rows == 0 && kPackedCols % cols == 0,
+                "kPackedRows, kPackedPassRows and kPackedCols must be multiples of the tile");
 };
 
 // a b + c as the packet multiply-add of the build (one rounding where packed_gemm_fuses()).
 template <typename Packet>
 EIGEN_STRONG_INLINE Packet packed_madd(const Packet& a, const Packet& b, const Packet& c) {
   if constexpr (std::is_floating_point_v<Packet>) {
-    if constexpr (packed_gemm_fuses())
+    if constexpr (packed_gemm_fuses()) {
       return std::fma(a, b, c);
-    else
-      return a * b + c;
+    } else {
+      // No fused multiply-add on this target, so the compiler cannot contract these two roundings.
+      const Packet product = a * b;
+      return product + c;
+    }
   } else {
     return Eigen::internal::pmadd(a, b, c);
   }
@@ -371,8 +384,9 @@ void packed_gemm(const Op<Scalar, LA, LB, BStorage, AStorage>& op) {
     }
     if (whole_depth) {
       // All of op(B)'s depth for these columns packed first (block k0 at k0 * nc_padded), then C
-      // a pass of rows at a time through every depth block: the pass's rows of C stay in cache
-      // between the blocks (dW = dz^T h: rows of dW, instead of all of dW once per block).
+      // a pass of rows at a time through every depth block: the pass's rows of C (up to 1200 x
+      // 1024 values) stay in the last-level cache between the blocks (dW = dz^T h: rows of dW,
+      // instead of all of dW once per block).
       for (Index k0 = 0; k0 < K; k0 += kPackedDepth)
         pack_b<Scalar, LB>(op.b, op.ldb, k0, std::min(kPackedDepth, K - k0), j0, nc, packed_b + k0 * nc_padded);
       for (Index a0 = 0; a0 < M; a0 += kPackedPassRows)
