@@ -114,7 +114,7 @@ struct FusedHeadLossOptions : CrossEntropyOptions {
   Index memory_budget = 0;
 };
 
-// Buffers reused across calls, so the steady state allocates nothing but Eigen's GEMM packing
+// Buffers reused across calls, so the steady state allocates nothing but the GEMM backend's packing
 // buffers. Contents are internal; a default-constructed one is always valid.
 template <typename Scalar>
 struct FusedHeadLossWorkspace {
