@@ -696,6 +696,28 @@ TEST_CASE("checkpoint: add_checkpoint and add_optimizer_state add all or nothing
   std::remove(path.c_str());
 }
 
+// An F64 buffer read as float with a finite value beyond float's range used to become an infinity.
+TEST_CASE("checkpoint: read_optimizer_state<float> refuses an F64 buffer value float cannot hold",
+          "[checkpoint][errors]") {
+  const std::string path = temp_path("optimizer_beyond_float.safetensors");
+  RowMatrix<double> m = RowMatrix<double>::Ones(3, 2);
+  m(2, 1) = 1e300;
+  SafetensorsWriter writer;
+  writer.add<double>("optimizer.0.exp_avg", m, DType::F64)
+      .set_metadata("optimizer", "AdamW")
+      .set_metadata("optimizer.step", "1")
+      .set_metadata("optimizer.parameters", R"([["E",3,2]])");
+  writer.write(path);
+  const auto file = SafetensorsFile::open(path);
+  REQUIRE_THROWS_AS(embedhead::read_optimizer_state<float>(file), format_error);
+  REQUIRE_THROWS_WITH(embedhead::read_optimizer_state<float>(file),
+                      "safetensors: tensor 'optimizer.0.exp_avg' in '" + path +
+                          "' has the F64 value 1e+300 at (2, 1), outside float's range [-3.40282e+38, "
+                          "3.40282e+38]: read as float it would become an infinity (read it as double)");
+  CHECK(embedhead::read_optimizer_state<double>(file).parameters.at(0).buffers.at("exp_avg") == m);
+  std::remove(path.c_str());
+}
+
 // Issue 15, class 9: a buffer whose shape disagrees with the metadata's [rows, cols] was a
 // shape_error; read_optimizer_state documents format_error (malformed optimizer state).
 TEST_CASE("checkpoint: read_optimizer_state reports buffers that disagree with the metadata as format_error",

@@ -111,12 +111,7 @@ const TensorInfo& check_loadable(const SafetensorsFile& file, const std::string&
   const char* problem = "a non-finite value";
   if (bad < 0 && std::is_same_v<Scalar, float> && t.dtype == DType::F64) {
     // Finite in the file but beyond float's range: it would load as an infinity.
-    const unsigned char* data = file.raw(t);
-    for (std::uint64_t i = 0; i < t.numel() && bad < 0; ++i) {
-      double x;
-      std::memcpy(&x, data + i * sizeof(double), sizeof(double));
-      if (!std::isfinite(static_cast<float>(x))) bad = static_cast<std::int64_t>(i);
-    }
+    bad = first_beyond_float(file.raw(t), t.numel());
     problem = "an F64 value beyond float's range (it would become an infinity)";
   }
   if (bad >= 0) {

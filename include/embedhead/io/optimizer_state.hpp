@@ -46,7 +46,9 @@ void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state
 // The optimizer state stored by add_optimizer_state, to pass to Optimizer::load_state (which
 // checks it against the optimizer). \throws format_error naming what is missing or malformed: the
 // metadata, or a buffer whose dtype is not a float dtype or whose shape is not the [rows, cols]
-// the metadata gives its parameter. Sizes are trusted only once a tensor of that shape exists.
+// the metadata gives its parameter, or (Scalar float) an F64 buffer holding a finite value beyond
+// float's range, which would become an infinity (SafetensorsFile::read: the tensor, the value,
+// its (row, col) and float's range). Sizes are trusted only once a tensor of that shape exists.
 template <typename Scalar>
 OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
   const auto& metadata = file.metadata();

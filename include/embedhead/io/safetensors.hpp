@@ -17,7 +17,9 @@
 // unknown fields, nesting deeper than the format allows and sizes that overflow 64 bits.
 //
 // Conversion to the layer's Scalar: F32, F64, F16 and BF16 (every F16/BF16/F32 value is exact in
-// float and double; F64 -> float rounds to nearest-even, as a C++ cast does). Writing float or
+// float and double; F64 -> float rounds to nearest-even, as a C++ cast does, and a finite F64
+// value beyond float's range, which would become an infinity, is a format_error naming the tensor,
+// the value and its position; NaN and +-inf are read as they are). Writing float or
 // double to F16/BF16 rounds to nearest-even (Eigen::half / Eigen::bfloat16); a finite value that
 // would round to +-inf there (or in F32, from double) is refused, as convert_table refuses it. The
 // writer owns or shares everything it writes (a copy, or a Parameter's shared_ptr). The other
@@ -106,6 +108,24 @@ void convert_rows(const unsigned char* p, MatrixRef<Scalar>& out, Widen widen) {
     for (Index c = 0; c < cols; ++c)
       dst[c] = static_cast<Scalar>(widen(load_le<Source>(src, static_cast<std::uint64_t>(c))));
   }
+}
+
+// The first of the n F64 values at p that is finite but becomes an infinity as a float (|x| at or
+// beyond float's largest value plus half an ulp, 2^128 - 2^103), or -1. NaN and +-inf are not
+// counted: they stay what they are. Blocks are scanned branch-free; only a block with a hit is
+// searched again for its position.
+inline std::int64_t first_beyond_float(const unsigned char* p, std::uint64_t n) {
+  const auto beyond = [](double x) { return std::isfinite(x) && !std::isfinite(static_cast<float>(x)); };
+  constexpr std::uint64_t kBlock = 4096;
+  for (std::uint64_t begin = 0; begin < n; begin += kBlock) {
+    const std::uint64_t end = std::min(n, begin + kBlock);
+    bool any = false;
+    for (std::uint64_t i = begin; i < end; ++i) any |= beyond(load_le<double>(p, i));
+    if (any)
+      for (std::uint64_t i = begin; i < end; ++i)
+        if (beyond(load_le<double>(p, i))) return static_cast<std::int64_t>(i);
+  }
+  return -1;
 }
 
 // out.size() values of `dtype` (F32, F64, F16 or BF16), stored row-major from p on, into out.
@@ -350,11 +370,15 @@ class SafetensorsFile {
   }
 
   // Tensor t, converted element by element into out (row-major, numel entries). t must describe
-  // one of this file's tensors: a reference from tensors(), find(), at() or expect(), or a copy of
-  // one (equal name, dtype, shape and offsets) -- a TensorInfo of another file is refused, never
-  // read outside this file's data.
+  // one of this file's tensors: a reference from tensors(), find(), at() or expect(), or any
+  // TensorInfo equal to one (name, dtype, shape and offsets; a copy) -- any other, e.g. a
+  // TensorInfo of another file whose tensor of that name differs, is refused, never read outside
+  // this file's data.
   // \throws value_error if t is not one of this file's tensors; format_error if its dtype is not
-  // convertible; shape_error if out.size() != t.numel(). `out` is unchanged on throw.
+  // convertible, or (Scalar float, t F64) for a finite value beyond float's range, which would
+  // become an infinity (naming the tensor, the value, its position and float's range); shape_error
+  // if out.size() != t.numel(). `out` is unchanged on throw. Cost: one pass over the values, two
+  // for F64 read as float (the range check first).
   template <typename Scalar>
   void read(const TensorInfo& t, MatrixRef<Scalar> out) const {
     static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
@@ -366,6 +390,7 @@ class SafetensorsFile {
               << " elements; the destination is [" << out.rows() << ", " << out.cols() << "]";
       throw shape_error(message.str());
     }
+    if (std::is_same_v<Scalar, float> && t.dtype == DType::F64) check_fits_float(t);
     // Nothing to convert. Also required: the rows of an empty matrix ([3, 0]) have a null data(),
     // which must not reach memcpy (its arguments are declared non-null even for 0 bytes).
     if (out.size() == 0) return;
@@ -373,8 +398,9 @@ class SafetensorsFile {
   }
 
   // Tensor `name` as a new [rows, cols] matrix (1-D tensors become [n, 1], scalars [1, 1]).
-  // \throws format_error if there is no such tensor or its dtype is not convertible; shape_error
-  // if it has more than 2 dimensions or a dimension beyond Index.
+  // \throws format_error if there is no such tensor, its dtype is not convertible or (as above) an
+  // F64 value read as float would become an infinity; shape_error if it has more than 2
+  // dimensions or a dimension beyond Index.
   template <typename Scalar>
   RowMatrix<Scalar> read(const std::string& name) const {
     const TensorInfo& t = at(name);
@@ -406,6 +432,23 @@ class SafetensorsFile {
     if (!is_convertible(t.dtype))
       throw format_error("safetensors: tensor '" + t.name + "' in '" + path_ + "' has dtype " + dtype_name(t.dtype) +
                          ", which cannot be converted to a floating-point table");
+  }
+
+  // format_error for the first finite value of the F64 tensor t that float cannot hold.
+  void check_fits_float(const TensorInfo& t) const {
+    const std::int64_t bad = detail::first_beyond_float(data_ + t.begin, t.numel());
+    if (bad < 0) return;
+    const auto i = static_cast<std::uint64_t>(bad);
+    std::ostringstream message;
+    message << "safetensors: tensor '" << t.name << "' in '" << path_ << "' has the F64 value "
+            << detail::load_le<double>(data_ + t.begin, i) << " at ";
+    if (t.shape.size() == 2)
+      message << "(" << i / t.shape[1] << ", " << i % t.shape[1] << ")";
+    else
+      message << "index " << i;
+    message << ", outside float's range [" << -std::numeric_limits<float>::max() << ", "
+            << std::numeric_limits<float>::max() << "]: read as float it would become an infinity (read it as double)";
+    throw format_error(message.str());
   }
 
   // The first element whose bits have all of `mask` set, or -1; blocks are scanned branch-free
