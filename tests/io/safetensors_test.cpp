@@ -20,6 +20,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -469,6 +470,25 @@ TEST_CASE("safetensors: writer errors and the atomic write", "[safetensors]") {
   CHECK_THROWS_AS(writer.add<float>("", a, DType::F32), value_error);
   CHECK_THROWS_WITH(writer.add<float>("b", a, DType::I32), Catch::Contains("dtype I32"));
   CHECK_THROWS_AS(writer.add<float>("b", a, DType::F32, true), shape_error);  // a vector needs one column
+  const std::shared_ptr<const embedhead::Parameter<float>> none;
+  CHECK_THROWS_AS(writer.add<float>("p", none, DType::F32), value_error);
+  CHECK_THROWS_WITH(writer.add<float>("p", none, DType::F32), "SafetensorsWriter::add: tensor 'p' is a null Parameter");
+  CHECK_FALSE(writer.contains("p"));
+  // A Parameter is written as it is at write(), in the shape it was added with.
+  {
+    auto parameter = std::make_shared<embedhead::Parameter<double>>(RowMatrix<double>::Ones(3, 2), "p");
+    SafetensorsWriter shared;
+    shared.add<double>("p", parameter, DType::F64);
+    parameter->resize_rows(2);
+    const std::string path = temp_path("resized_parameter.safetensors");
+    CHECK_THROWS_AS(shared.write(path), shape_error);
+    CHECK_THROWS_WITH(shared.write(path),
+                      "SafetensorsWriter::write: tensor 'p' was added as a Parameter of shape "
+                      "[3, 2] but it is [2, 2] now (resized since add); nothing was written. "
+                      "Add it to a new writer to write the new shape");
+    CHECK_FALSE(std::ifstream(path).good());
+    CHECK_FALSE(std::ifstream(path + ".tmp").good());
+  }
 
   // A directory that does not exist: io_error, nothing created.
   CHECK_THROWS_AS(writer.write("/nonexistent/dir/x.safetensors"), io_error);

@@ -646,8 +646,11 @@ class SafetensorsFile {
 //
 // Nothing the writer holds can dangle: add(name, values) keeps its own copy of the values (or
 // takes an rvalue RowMatrix over, without a copy), and add(name, parameter) shares the Parameter
-// (std::shared_ptr) and writes its value as it is when write() runs -- the zero-copy way to write
-// a large table, which add_checkpoint takes. A copyable value type: copies share what was added.
+// (std::shared_ptr) and writes its values as they are when write() runs -- the zero-copy way to
+// write a large table, which add_checkpoint takes. Its shape is the one it had when it was added:
+// a parameter resized since (Parameter::resize_rows) makes write() throw, so a file never mixes
+// shapes from before and after a resize (a head and its table, or a table and the optimizer state
+// added beside it). A copyable value type: copies share what was added.
 class SafetensorsWriter {
  public:
   // Adds a copy of `values` [rows, cols] as tensor `name` stored as `dtype` (F32, F64, F16 or BF16),
@@ -676,8 +679,9 @@ class SafetensorsWriter {
     return *this;
   }
   // Adds a Parameter's value [rows, cols] as tensor `name`, shared, not copied: write() writes the
-  // value (and the shape) the parameter has then, and the parameter lives as long as the writer
-  // needs it. \throws as above, and value_error for a null parameter.
+  // values the parameter has then, and the parameter lives as long as the writer needs it. Its
+  // shape is recorded now: write() throws shape_error if the parameter has another one by then.
+  // \throws as above, and value_error for a null parameter.
   template <typename Scalar>
   SafetensorsWriter& add(const std::string& name, std::shared_ptr<const Parameter<Scalar>> parameter, DType dtype,
                          bool as_vector = false) {
@@ -685,6 +689,8 @@ class SafetensorsWriter {
       throw value_error("SafetensorsWriter::add: tensor '" + detail::escaped(name) + "' is a null Parameter");
     check_entry<Scalar>(name, dtype, as_vector, parameter->cols(), "add");
     Entry entry = make_entry(name, dtype, as_vector);
+    entry.added_rows = parameter->rows();
+    entry.added_cols = parameter->cols();
     holder<Scalar>(entry).parameter = std::move(parameter);
     entries_.push_back(std::move(entry));
     return *this;
@@ -706,11 +712,14 @@ class SafetensorsWriter {
   // value that its dtype cannot hold -- it would round to +-inf, which load_checkpoint refuses --
   // is an error, as in convert_table (F16: |x| >= 65520; BF16: |x| >= 2^128 - 2^119 ~ 3.3962e38;
   // F32 from double: beyond float's range). NaN and +-inf are written as they are.
-  // \throws value_error naming the tensor, the value, its (row, col) and the dtype's largest
-  // finite value, before the file is opened; io_error naming the path and the reason (`path.tmp`
-  // exists and is not a regular file, cannot be created or written, the rename fails). Nothing at
-  // `path` changes on throw. Cost: two passes over the tensors (check, then convert in rows).
+  // \throws shape_error naming the tensor and both shapes if a Parameter added with add(name,
+  // parameter) was resized since; value_error naming the tensor, the value, its (row, col) and the
+  // dtype's largest finite value; both before the file is opened. io_error naming the path and
+  // the reason (`path.tmp` exists and is not a regular file, cannot be created or written, the
+  // rename fails). Nothing at `path` changes on throw. Cost: two passes over the tensors (check,
+  // then convert in rows).
   void write(const std::string& path) const {
+    for (const auto& e : entries_) check_shape(e);
     for (const auto& e : entries_) check_values(e);
     nlohmann::json header = nlohmann::json::object();
     if (!metadata_.empty()) header["__metadata__"] = metadata_;
@@ -763,6 +772,7 @@ class SafetensorsWriter {
     std::string name;
     DType dtype = DType::F32;
     bool as_vector = false;
+    Index added_rows = 0, added_cols = 0;  // a Parameter's shape when it was added
     Holder<float> f32;
     Holder<double> f64;
   };
@@ -821,6 +831,18 @@ class SafetensorsWriter {
       throw value_error(prefix + "tensor '" + name + "' dtype " + dtype_name(dtype) + " is not F32, F64, F16 or BF16");
     if (as_vector && cols != 1)
       throw shape_error(prefix + "tensor '" + name + "' as a vector needs one column, it has " + std::to_string(cols));
+  }
+
+  // shape_error if e is a Parameter whose shape is no longer the one it was added with.
+  static void check_shape(const Entry& e) {
+    if (!e.f32.parameter && !e.f64.parameter) return;
+    const View v = view(e);
+    if (v.rows == e.added_rows && v.cols == e.added_cols) return;
+    std::ostringstream message;
+    message << "SafetensorsWriter::write: tensor '" << e.name << "' was added as a Parameter of shape [" << e.added_rows
+            << ", " << e.added_cols << "] but it is [" << v.rows << ", " << v.cols
+            << "] now (resized since add); nothing was written. Add it to a new writer to write the new shape";
+    throw shape_error(message.str());
   }
 
   // value_error for the first finite value of e that its dtype cannot hold (see write).
