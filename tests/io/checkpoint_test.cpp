@@ -723,6 +723,14 @@ TEST_CASE("checkpoint: add_checkpoint and add_optimizer_state add all or nothing
   REQUIRE_THROWS_WITH(embedhead::add_optimizer_state(writer, adam.state()),
                       Catch::Contains("add_optimizer_state: parameter 1's name 'emb\\xff' is not valid UTF-8"));
   CHECK_FALSE(writer.contains("optimizer.0.exp_avg"));
+  auto bad_kind = adam.state();
+  bad_kind.parameters.pop_back();
+  bad_kind.optimizer = "adam\xc3";
+  REQUIRE_THROWS_AS(embedhead::add_optimizer_state(writer, bad_kind), value_error);
+  REQUIRE_THROWS_WITH(embedhead::add_optimizer_state(writer, bad_kind),
+                      Catch::Contains("add_optimizer_state: the optimizer's kind 'adam\\xc3' is not valid UTF-8 (at "
+                                      "byte 4)"));
+  CHECK_FALSE(writer.contains("optimizer.0.exp_avg"));
   const std::string path = temp_path("all_or_nothing.safetensors");
   writer.write(path);
   const auto file = SafetensorsFile::open(path);
