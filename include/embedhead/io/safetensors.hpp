@@ -26,7 +26,9 @@
 // dtypes of the format (integers, bool, F8) are read and validated but not converted: reading one
 // as a table throws, naming the tensor and its dtype.
 //
-// Needs nlohmann/json (Debian: nlohmann-json3-dev) and POSIX mmap; not part of the umbrella
+// Needs nlohmann/json (Debian: nlohmann-json3-dev), and POSIX mmap for ReadMode::map where
+// detail/files.hpp uses POSIX calls (elsewhere, or with EMBEDHEAD_PORTABLE_FILES defined,
+// ReadMode::map reads the file into memory as ReadMode::copy does); not part of the umbrella
 // header so that the core layers keep no dependency beyond Eigen. CMake target:
 // embedhead::safetensors.
 #ifndef EMBEDHEAD_IO_SAFETENSORS_HPP
@@ -39,7 +41,9 @@
 
 #include <nlohmann/json.hpp>
 
+#if EMBEDHEAD_DETAIL_POSIX_FILES
 #include <sys/mman.h>
+#endif
 
 #include <algorithm>
 #include <cerrno>
@@ -263,6 +267,8 @@ struct TensorInfo {
 //         costs the file's size in memory and one read, and nothing another process does to the
 //         file afterwards can change what is read or fault the process (a file truncated while it
 //         is being read is an io_error).
+// Without POSIX file calls (a system that has none, or EMBEDHEAD_PORTABLE_FILES defined: see
+// detail/files.hpp) there is no mapping: map reads the file into memory, as copy does.
 enum class ReadMode { map, copy };
 
 // A validated, read-only safetensors file. Opening reads and checks the header only; tensor data
@@ -282,6 +288,7 @@ class SafetensorsFile {
         throw io_error("safetensors: '" + path + "' is too large to address");
     const auto size = static_cast<std::size_t>(file.size());
     std::shared_ptr<const unsigned char> bytes;
+#if EMBEDHEAD_DETAIL_POSIX_FILES
     if (size > 0 && mode == ReadMode::map) {
       void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, file.descriptor(), 0);
       if (mapped == MAP_FAILED) throw io_error("safetensors: cannot map '" + path + "': " + std::strerror(errno));
@@ -290,6 +297,10 @@ class SafetensorsFile {
                                                      ::munmap(const_cast<unsigned char*>(p), size);
                                                    });
     } else if (size > 0) {
+#else
+    (void)mode;  // no mapping without POSIX file calls: both modes read the file into memory
+    if (size > 0) {
+#endif
       std::shared_ptr<unsigned char> copy = owned_bytes(size);
       file.read_at(0, copy.get(), size);
       bytes = std::move(copy);
