@@ -615,6 +615,10 @@ TEMPLATE_TEST_CASE("low precision: without a bias, bias_grad() is an untouched g
                    "[low_precision][head]", Eigen::bfloat16, Eigen::half) {
   using Storage = TestType;
   LowPrecisionOutputProjection<Storage> head(random_table<Storage>(5, 4, 201));
+  // Made with the layer: calls change nothing while V stays (const ones may run side by side).
+  const embedhead::RowGradient<float>* made = &std::as_const(head).bias_grad();
+  CHECK(&std::as_const(head).bias_grad() == made);
+  CHECK(&head.bias_grad() == made);
   CHECK(head.bias_grad().rows() == 5);
   CHECK(head.bias_grad().num_touched() == 0);
   head.weight().resize_rows(8);

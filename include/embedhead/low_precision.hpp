@@ -380,13 +380,15 @@ class LowPrecisionOutputProjection {
   explicit LowPrecisionOutputProjection(const ConstMatrixRef<Storage>& W,
                                         const ConstMatrixRef<float>& bias = RowMatrix<float>(0, 1))
       : weight_((validate(W, bias), std::make_shared<ParameterType>(RowMatrix<Storage>(W), "lm_head.weight"))),
-        bias_(make_bias(bias)) {}
+        bias_(make_bias(bias)),
+        absent_bias_grad_(make_absent_bias_grad()) {}
   // W float [V, d], rounded to Storage (convert_table); bias as above. \throws as above and as
   // convert_table.
   explicit LowPrecisionOutputProjection(const ConstMatrixRef<float>& W,
                                         const ConstMatrixRef<float>& bias = RowMatrix<float>(0, 1))
       : weight_((validate(W, bias), std::make_shared<ParameterType>(convert_table<Storage>(W), "lm_head.weight"))),
-        bias_(make_bias(bias)) {}
+        bias_(make_bias(bias)),
+        absent_bias_grad_(make_absent_bias_grad()) {}
 
   Index vocab_size() const { return weight_->rows(); }
   Index dim() const { return weight_->cols(); }
@@ -411,8 +413,12 @@ class LowPrecisionOutputProjection {
   }
   Index parameter_count() const { return weight_->size() + (bias_ ? bias_->size() : 0); }
 
-  // weight().grad(); bias()->grad(), or an untouched [V, 1] gradient when there is no bias (made
-  // on first use, and again at the new V if W's rows changed since).
+  // weight().grad(); bias()->grad(), or an untouched [V, 1] gradient when there is no bias. That
+  // one is made with the layer, so bias_grad() changes nothing while V stays as it was: const calls
+  // may then run side by side. After W's rows change (weight().resize_rows), the next bias_grad()
+  // -- const or not -- replaces it by one of the new V: that call changes the layer (it must not
+  // run concurrently with any other use of it, as a non-const call), and references returned
+  // before it dangle.
   RowGradient<float>& weight_grad() { return weight_->grad(); }
   const RowGradient<float>& weight_grad() const { return weight_->grad(); }
   RowGradient<float>& bias_grad() { return bias_ ? bias_->grad() : absent_bias_grad(); }
@@ -476,9 +482,12 @@ class LowPrecisionOutputProjection {
     if (bias.size() == 0) return nullptr;
     return std::make_shared<Parameter<float>>(RowMatrix<float>(bias), "lm_head.bias");
   }
+  std::unique_ptr<RowGradient<float>> make_absent_bias_grad() const {
+    return bias_ ? nullptr : std::make_unique<RowGradient<float>>(vocab_size(), 1);
+  }
+  // Replaces the gradient only when W's rows changed since it was made (see bias_grad).
   RowGradient<float>& absent_bias_grad() const {
-    if (!absent_bias_grad_ || absent_bias_grad_->rows() != vocab_size())
-      absent_bias_grad_ = std::make_unique<RowGradient<float>>(vocab_size(), 1);
+    if (!absent_bias_grad_ || absent_bias_grad_->rows() != vocab_size()) absent_bias_grad_ = make_absent_bias_grad();
     return *absent_bias_grad_;
   }
   Eigen::Map<const RowMatrix<Storage>> weight_value() const {
@@ -491,8 +500,9 @@ class LowPrecisionOutputProjection {
 
   std::shared_ptr<ParameterType> weight_;
   std::shared_ptr<Parameter<float>> bias_;
-  // What bias_grad() returns without a bias: never touched by the layer. Held by pointer (a
-  // gradient keeps its shape, so moving a layer of another V into this one could not assign it).
+  // What bias_grad() returns without a bias: never touched by the layer, made with it (null with a
+  // bias). Held by pointer (a gradient keeps its shape, so moving a layer of another V into this
+  // one could not assign it). Mutable: a const bias_grad() after W's rows changed replaces it.
   mutable std::unique_ptr<RowGradient<float>> absent_bias_grad_;
   HeadTileWorkspace workspace_;
 };

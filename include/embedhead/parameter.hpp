@@ -77,7 +77,7 @@ class RowGradient {
   // Parameter's changes only through Parameter::resize_rows), as PyTorch refuses a .grad of
   // another size. So a Parameter's gradient always has its value's shape, which the layers and
   // optimizers rely on (a parameter's shape is its gradient's).
-  // 	hrows shape_error if other is not [rows, cols] (nothing changed).
+  // \throws shape_error if other is not [rows, cols] (nothing changed).
   RowGradient& operator=(const RowGradient& other) {
     if (this == &other) return *this;
     check_same_shape(other);

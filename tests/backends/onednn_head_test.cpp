@@ -9,6 +9,7 @@
 #include <embedhead/backends/onednn_head.hpp>
 
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "../reference/test_support.hpp"
@@ -63,6 +64,23 @@ TEST_CASE("to_bf16 rounds to nearest even and keeps representable values", "[one
   CHECK(static_cast<float>(y(0, 3)) == -2.5f);
   RowMatrix<bfloat16> wrong(2, 4);
   CHECK_THROWS_WITH(embedhead::to_bf16(x, wrong), Contains("to_bf16: out has shape [2, 4], expected [1, 4]"));
+}
+
+TEST_CASE("to_bf16: a finite value beyond bf16's range becomes an infinity, as in PyTorch", "[onednn_head]") {
+  // bf16's largest finite value is 255 * 2^120 (bits 0x7F7F); half-way to 2^128 is 511 * 2^119.
+  // Below it: the largest value; at it (a tie, to the even 2^128) and beyond: +-inf, no error, as
+  // c10::BFloat16's round to nearest even gives. NaN and +-inf stay.
+  const float largest = std::ldexp(255.0f, 120), halfway = std::ldexp(511.0f, 119);
+  RowMatrix<float> x(1, 6);
+  x << std::nextafter(halfway, 0.0f), halfway, -3.4e38f, std::numeric_limits<float>::max(),
+      std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN();
+  const RowMatrix<bfloat16> y = embedhead::to_bf16(x);
+  CHECK(static_cast<float>(y(0, 0)) == largest);
+  CHECK(static_cast<float>(y(0, 1)) == std::numeric_limits<float>::infinity());
+  CHECK(static_cast<float>(y(0, 2)) == -std::numeric_limits<float>::infinity());
+  CHECK(static_cast<float>(y(0, 3)) == std::numeric_limits<float>::infinity());
+  CHECK(static_cast<float>(y(0, 4)) == std::numeric_limits<float>::infinity());
+  CHECK(std::isnan(static_cast<float>(y(0, 5))));
 }
 
 TEST_CASE("OneDnnHead: worked example", "[onednn_head]") {

@@ -600,7 +600,7 @@ void overwrite_freed_memory() {
 
 // Issue 15, class 1: add_checkpoint stored pointers into the layers' storage, which dangled when
 // the layers went (or a parameter was resized) before write().
-TEST_CASE("checkpoint: add_checkpoint shares the layers' parameters until write(), which writes them as they are",
+TEST_CASE("checkpoint: add_checkpoint shares the layers' parameters until write(), which writes their values then",
           "[checkpoint][lifetime]") {
   const Index V = 12, d = 4;
   const auto names = embedhead::hugging_face_names(ModelFamily::llama);
@@ -616,10 +616,11 @@ TEST_CASE("checkpoint: add_checkpoint shares the layers' parameters until write(
     e.weight().value()(0, 0) = 7.5f;
     table_values = e.weight().value();
     head_values = h.weight().value();
-    // ... and so is a resize (the old storage is freed by it).
+    // ... also after a resize that came back to the added shape (each resize frees the old storage).
     kept_bias = h.bias_ptr();
     kept_bias->resize_rows(V + 4);
-    kept_bias->value().bottomRows(4).setConstant(2.0f);
+    kept_bias->resize_rows(V);
+    kept_bias->value()(3, 0) = 2.5f;
     bias_values = kept_bias->value();
   }  // the layers are gone; the writer still holds their parameters
   overwrite_freed_memory();
@@ -628,7 +629,41 @@ TEST_CASE("checkpoint: add_checkpoint shares the layers' parameters until write(
   CHECK(file.read<float>(names.token_embedding) == table_values);
   CHECK(file.read<float>(names.head_weight) == head_values);
   CHECK(file.read<float>(names.head_bias) == bias_values);
-  CHECK(file.at(names.head_bias).shape_string() == "[16]");
+  CHECK(file.at(names.head_bias).shape_string() == "[12]");
+  std::remove(path.c_str());
+}
+
+// A parameter resized between add_checkpoint and write() would have been written in its new shape
+// beside tensors (or optimizer state) of the old one: write() refuses it, naming the tensor.
+TEST_CASE("checkpoint: write() refuses a parameter resized since add_checkpoint; nothing written",
+          "[checkpoint][lifetime][errors]") {
+  const Index V = 12, d = 4;
+  const auto names = embedhead::hugging_face_names(ModelFamily::llama);
+  const std::string path = temp_path("resized.safetensors");
+  auto e = table(V, d, 133);
+  auto h = untied_head(V, d, 134, /*bias=*/true);
+  embedhead::save_checkpoint<float>(path, names, e, &h);
+  const std::string before = read_bytes(path);
+  SafetensorsWriter writer;
+  embedhead::add_checkpoint<float>(writer, names, e, &h);
+  h.bias()->resize_rows(V + 4);
+  REQUIRE_THROWS_AS(writer.write(path), shape_error);
+  REQUIRE_THROWS_WITH(writer.write(path),
+                      Catch::Contains("SafetensorsWriter::write: tensor 'lm_head.bias' was added as a Parameter of "
+                                      "shape [12, 1] but it is [16, 1] now (resized since add); nothing was "
+                                      "written"));
+  CHECK(read_bytes(path) == before);
+  CHECK(h.bias()->rows() == V + 4);  // the parameter is left as it is
+  // The table too (a resize_vocabulary between add and write).
+  h.bias()->resize_rows(V);
+  e.weight().resize_rows(V - 2);
+  REQUIRE_THROWS_WITH(writer.write(path), Catch::Contains("tensor 'model.embed_tokens.weight' was added as a "
+                                                          "Parameter of shape [12, 4] but it is [10, 4] now"));
+  CHECK(read_bytes(path) == before);
+  // Back at the added shapes, the writer writes again.
+  e.weight().resize_rows(V);
+  writer.write(path);
+  CHECK(SafetensorsFile::open(path).read<float>(names.head_bias) == h.bias()->value());
   std::remove(path.c_str());
 }
 
@@ -688,11 +723,41 @@ TEST_CASE("checkpoint: add_checkpoint and add_optimizer_state add all or nothing
   REQUIRE_THROWS_WITH(embedhead::add_optimizer_state(writer, adam.state()),
                       Catch::Contains("add_optimizer_state: parameter 1's name 'emb\\xff' is not valid UTF-8"));
   CHECK_FALSE(writer.contains("optimizer.0.exp_avg"));
+  auto bad_kind = adam.state();
+  bad_kind.parameters.pop_back();
+  bad_kind.optimizer = "adam\xc3";
+  REQUIRE_THROWS_AS(embedhead::add_optimizer_state(writer, bad_kind), value_error);
+  REQUIRE_THROWS_WITH(embedhead::add_optimizer_state(writer, bad_kind),
+                      Catch::Contains("add_optimizer_state: the optimizer's kind 'adam\\xc3' is not valid UTF-8 (at "
+                                      "byte 4)"));
+  CHECK_FALSE(writer.contains("optimizer.0.exp_avg"));
   const std::string path = temp_path("all_or_nothing.safetensors");
   writer.write(path);
   const auto file = SafetensorsFile::open(path);
   CHECK(file.tensors().size() == 1);
   CHECK(file.metadata().empty());
+  std::remove(path.c_str());
+}
+
+// An F64 buffer read as float with a finite value beyond float's range used to become an infinity.
+TEST_CASE("checkpoint: read_optimizer_state<float> refuses an F64 buffer value float cannot hold",
+          "[checkpoint][errors]") {
+  const std::string path = temp_path("optimizer_beyond_float.safetensors");
+  RowMatrix<double> m = RowMatrix<double>::Ones(3, 2);
+  m(2, 1) = 1e300;
+  SafetensorsWriter writer;
+  writer.add<double>("optimizer.0.exp_avg", m, DType::F64)
+      .set_metadata("optimizer", "AdamW")
+      .set_metadata("optimizer.step", "1")
+      .set_metadata("optimizer.parameters", R"([["E",3,2]])");
+  writer.write(path);
+  const auto file = SafetensorsFile::open(path);
+  REQUIRE_THROWS_AS(embedhead::read_optimizer_state<float>(file), format_error);
+  REQUIRE_THROWS_WITH(embedhead::read_optimizer_state<float>(file),
+                      "safetensors: tensor 'optimizer.0.exp_avg' in '" + path +
+                          "' has the F64 value 1e+300 at (2, 1), outside float's range [-3.40282e+38, "
+                          "3.40282e+38]: read as float it would become an infinity (read it as double)");
+  CHECK(embedhead::read_optimizer_state<double>(file).parameters.at(0).buffers.at("exp_avg") == m);
   std::remove(path.c_str());
 }
 

@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include <cerrno>
+#include <cmath>
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
@@ -127,12 +128,14 @@ TEST_CASE("npy: 1-D arrays load as [n, 1]; f4 -> double is exact, f8 -> float ro
 
   const double tie = 1.0 + std::ldexp(1.0, -24);    // halfway between 1 and 1 + 2^-23: to 1 (even)
   const double above = 1.0 + std::ldexp(3.0, -24);  // halfway between 1 + 2^-23 and 1 + 2^-22: up (even)
+  // Beyond float's largest value (2^128 - 2^104) but below the halfway point to 2^128: to it.
+  const double near_max = std::ldexp(1.0, 128) - std::ldexp(1.0, 103) - std::ldexp(1.0, 80);
   write_bytes(path, npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (1, 3), }",
-                              le_bytes(std::vector<double>{tie, above, 1e300})));
+                              le_bytes(std::vector<double>{tie, above, near_max})));
   const RowMatrix<float> f = load_npy<float>(path);
   CHECK(f(0, 0) == 1.0f);
   CHECK(f(0, 1) == 1.0f + std::ldexp(1.0f, -22));
-  CHECK(f(0, 2) == std::numeric_limits<float>::infinity());
+  CHECK(f(0, 2) == std::ldexp(1.0f - std::ldexp(1.0f, -24), 128));
 
   write_bytes(path, npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 1), }",
                               le_bytes(std::vector<float>{0.1f, -3.0f})));
@@ -146,6 +149,41 @@ TEST_CASE("npy: 1-D arrays load as [n, 1]; f4 -> double is exact, f8 -> float ro
   write_bytes(path, npy_bytes("{ \"shape\" : (2 , 1) , \"descr\":\"<f4\",\"fortran_order\":False}",
                               le_bytes(std::vector<float>{1.0f, 2.0f}), 3, false));
   CHECK(load_npy<float>(path)(1, 0) == 2.0f);
+  std::remove(path.c_str());
+}
+
+// A finite float64 that float cannot hold used to load as an infinity without a word.
+TEST_CASE("npy: a finite '<f8' value beyond float's range is a format_error when read as float", "[npy][errors]") {
+  const std::string path = temp_path("beyond_float.npy");
+  write_bytes(path, npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (2, 3), }",
+                              le_bytes(std::vector<double>{1, 2, 3, 4, -1e300, 6})));
+  const std::string expected = "load_npy: '" + path +
+                               "' has the '<f8' value -1e+300 at (1, 1), outside float's range [-3.40282e+38, "
+                               "3.40282e+38]: read as float it would become an infinity (load it as double)";
+  CHECK_THROWS_AS(load_npy<float>(path), format_error);
+  CHECK_THROWS_WITH(load_npy<float>(path), expected);
+  RowMatrix<float> out = RowMatrix<float>::Constant(2, 3, 7.0f);
+  CHECK_THROWS_WITH(load_npy(path, out), expected);
+  CHECK(out == RowMatrix<float>::Constant(2, 3, 7.0f));
+  CHECK(load_npy<double>(path)(1, 1) == -1e300);  // as double: exact
+
+  // 1-D, from memory: the position is an index, the file is the label. The halfway point between
+  // float's largest value and 2^128 rounds to 2^128 (even), an infinity.
+  const double halfway = std::ldexp(1.0, 128) - std::ldexp(1.0, 103);
+  const std::string bytes = npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (3,), }",
+                                      le_bytes(std::vector<double>{0, 0, halfway}));
+  CHECK_THROWS_AS(embedhead::load_npy_from_bytes<float>(bytes.data(), bytes.size(), "archive/x.npy"), format_error);
+  CHECK_THROWS_WITH(embedhead::load_npy_from_bytes<float>(bytes.data(), bytes.size(), "archive/x.npy"),
+                    Contains("load_npy: 'archive/x.npy' has the '<f8' value 3.40282e+38 at index 2, outside float's "
+                             "range"));
+
+  // NaN and infinities are not an overflow: read as they are (docs/errors.md, Non-finite values).
+  write_bytes(path, npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (1, 2), }",
+                              le_bytes(std::vector<double>{-std::numeric_limits<double>::infinity(),
+                                                           std::numeric_limits<double>::quiet_NaN()})));
+  const RowMatrix<float> special = load_npy<float>(path);
+  CHECK(special(0, 0) == -std::numeric_limits<float>::infinity());
+  CHECK(std::isnan(special(0, 1)));
   std::remove(path.c_str());
 }
 

@@ -20,6 +20,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -125,7 +126,7 @@ std::string error_of(const std::string& bytes) {
 
 TEST_CASE("safetensors: a hand-built file is read value by value for every float dtype", "[safetensors]") {
   const std::vector<float> f32 = {1.5f, -0.0f, 3.0e38f, 1.0e-45f, -2.25f, 7.0f};
-  const std::vector<double> f64 = {0.1, -1.0e300, 1.0e-300, 2.5};
+  const std::vector<double> f64 = {0.1, -1.0e30, 1.0e-300, 2.5};
   const std::vector<std::uint16_t> f16 = {0x3C00, 0xC000, 0x7BFF, 0x0001, 0x8400, 0x3555};
   const std::vector<std::uint16_t> bf16 = {0x3F80, 0x4049, 0xFF7F, 0x0001};
   const std::string header = R"({"a":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},)"
@@ -161,8 +162,7 @@ TEST_CASE("safetensors: a hand-built file is read value by value for every float
             std::abs(static_cast<double>(std::nextafter(r, -std::numeric_limits<float>::infinity())) - x));
     }
   }
-  CHECK(std::isinf(b_float(1, 0)));  // -1e300 overflows float
-  CHECK(b_float(2, 0) == 0.0f);      // 1e-300 underflows
+  CHECK(b_float(2, 0) == 0.0f);  // 1e-300 underflows
 
   const auto c = file.read<double>("c");
   for (int i = 0; i < 6; ++i) CHECK(c(i / 2, i % 2) == half_value(f16[static_cast<std::size_t>(i)]));
@@ -470,6 +470,25 @@ TEST_CASE("safetensors: writer errors and the atomic write", "[safetensors]") {
   CHECK_THROWS_AS(writer.add<float>("", a, DType::F32), value_error);
   CHECK_THROWS_WITH(writer.add<float>("b", a, DType::I32), Catch::Contains("dtype I32"));
   CHECK_THROWS_AS(writer.add<float>("b", a, DType::F32, true), shape_error);  // a vector needs one column
+  const std::shared_ptr<const embedhead::Parameter<float>> none;
+  CHECK_THROWS_AS(writer.add<float>("p", none, DType::F32), value_error);
+  CHECK_THROWS_WITH(writer.add<float>("p", none, DType::F32), "SafetensorsWriter::add: tensor 'p' is a null Parameter");
+  CHECK_FALSE(writer.contains("p"));
+  // A Parameter is written as it is at write(), in the shape it was added with.
+  {
+    auto parameter = std::make_shared<embedhead::Parameter<double>>(RowMatrix<double>::Ones(3, 2), "p");
+    SafetensorsWriter shared;
+    shared.add<double>("p", parameter, DType::F64);
+    parameter->resize_rows(2);
+    const std::string path = temp_path("resized_parameter.safetensors");
+    CHECK_THROWS_AS(shared.write(path), shape_error);
+    CHECK_THROWS_WITH(shared.write(path),
+                      "SafetensorsWriter::write: tensor 'p' was added as a Parameter of shape "
+                      "[3, 2] but it is [2, 2] now (resized since add); nothing was written. "
+                      "Add it to a new writer to write the new shape");
+    CHECK_FALSE(std::ifstream(path).good());
+    CHECK_FALSE(std::ifstream(path + ".tmp").good());
+  }
 
   // A directory that does not exist: io_error, nothing created.
   CHECK_THROWS_AS(writer.write("/nonexistent/dir/x.safetensors"), io_error);
@@ -533,6 +552,44 @@ TEST_CASE("safetensors: the writer keeps every table it is given, whatever its l
   CHECK(file.read<double>("later") == R.cast<double>());
   CHECK(file.read<float>("local") == R);
   std::remove(path.c_str());
+}
+
+// A finite F64 value that float cannot hold used to be read as an infinity without a word.
+TEST_CASE("safetensors: an F64 value beyond float's range is a format_error when read as float; out unchanged",
+          "[safetensors][errors]") {
+  const double halfway = std::ldexp(1.0, 128) - std::ldexp(1.0, 103);  // rounds to 2^128 (even): inf
+  const double below = halfway - std::ldexp(1.0, 80);                  // rounds to float's largest
+  const std::vector<double> w = {1, 2, 3, 4, -1e300, 6};
+  const std::vector<double> v = {0, halfway, 1};
+  const std::vector<double> edge = {below, -below};
+  const std::vector<double> special = {std::numeric_limits<double>::infinity(),
+                                       std::numeric_limits<double>::quiet_NaN()};
+  const std::string header = R"({"w":{"dtype":"F64","shape":[2,3],"data_offsets":[0,48]},)"
+                             R"("v":{"dtype":"F64","shape":[3],"data_offsets":[48,72]},)"
+                             R"("edge":{"dtype":"F64","shape":[1,2],"data_offsets":[72,88]},)"
+                             R"("special":{"dtype":"F64","shape":[2],"data_offsets":[88,104]}})";
+  const auto file = parse(file_bytes(header, le_bytes(w) + le_bytes(v) + le_bytes(edge) + le_bytes(special)));
+
+  const std::string expected =
+      "safetensors: tensor 'w' in 'test' has the F64 value -1e+300 at (1, 1), outside "
+      "float's range [-3.40282e+38, 3.40282e+38]: read as float it would become an "
+      "infinity (read it as double)";
+  CHECK_THROWS_AS(file.read<float>("w"), format_error);
+  CHECK_THROWS_WITH(file.read<float>("w"), expected);
+  RowMatrix<float> out = RowMatrix<float>::Constant(2, 3, 7.0f);
+  CHECK_THROWS_WITH(file.read<float>(file.at("w"), out), expected);
+  CHECK(out == RowMatrix<float>::Constant(2, 3, 7.0f));
+  CHECK(file.read<double>("w")(1, 1) == -1e300);  // as double: exact
+  CHECK_THROWS_WITH(file.read<float>("v"), Catch::Contains("tensor 'v' in 'test' has the F64 value 3.40282e+38 at "
+                                                           "index 1, outside float's range"));
+  // Below the halfway point: float's largest value, no error.
+  const RowMatrix<float> e = file.read<float>("edge");
+  CHECK(e(0, 0) == std::ldexp(1.0f - std::ldexp(1.0f, -24), 128));
+  CHECK(e(0, 1) == -std::ldexp(1.0f - std::ldexp(1.0f, -24), 128));
+  // NaN and infinities are not an overflow: read as they are (docs/errors.md, Non-finite values).
+  const RowMatrix<float> s = file.read<float>("special");
+  CHECK(s(0, 0) == std::numeric_limits<float>::infinity());
+  CHECK(std::isnan(s(1, 0)));
 }
 
 // Issue 15, class 2: read(t, out), first_non_finite(t) and raw(t) trusted a TensorInfo from

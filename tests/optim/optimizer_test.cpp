@@ -505,6 +505,28 @@ TEST_CASE("clip_grad_norm: double gradients whose squares overflow still have a 
   CHECK_THAT(p->grad().to_dense()(1, 0), WithinRel(-1 / std::sqrt(3.0), 1e-12));
 }
 
+TEST_CASE("clip_grad_norm: finite double gradients whose norm exceeds the largest double",
+          "[optimizer][clip][nonfinite]") {
+  // Two entries of 1.5e308: each finite, but the norm 1.5e308 * sqrt(2) ~ 2.1e308 is beyond
+  // 1.7977e308, so it is inf even rescaled.
+  auto p = std::make_shared<Parameter<double>>(2, 2, "W");
+  RowMatrix<double> G(2, 2);
+  G << 1.5e308, 0, 0, -1.5e308;
+  SECTION("error_if_nonfinite: value_error saying every entry is finite; nothing scaled") {
+    set_gradient(*p, G, {});
+    CHECK_THROWS_AS(embedhead::clip_grad_norm<double>({p}, 1.0, true), embedhead::value_error);
+    CHECK_THROWS_WITH(embedhead::clip_grad_norm<double>({p}, 1.0, true),
+                      Contains("clip_grad_norm: the norm is inf, outside the finite numbers (error_if_nonfinite): "
+                               "every entry is finite, but the norm exceeds the largest double"));
+    CHECK(same_values(p->grad().to_dense(), G));
+  }
+  SECTION("without it: PyTorch's result, the norm inf and the factor 0") {
+    set_gradient(*p, G, {});
+    CHECK(embedhead::clip_grad_norm<double>({p}, 1.0) == std::numeric_limits<double>::infinity());
+    CHECK(p->grad().to_dense().isZero(0));
+  }
+}
+
 TEST_CASE("learning-rate schedules", "[optimizer][schedule]") {
   const auto constant = embedhead::LrSchedule::constant();
   CHECK(constant(0) == 1.0);

@@ -225,7 +225,7 @@ def generate(root):
             values = bf16_to_f32(stored).astype(np.float64)
         else:
             values = stored.astype(np.float64)
-        with np.errstate(over="ignore"):  # F64 beyond float's range becomes +-inf, as in C++
+        with np.errstate(over="ignore"):  # F64 beyond float's range becomes +-inf here ...
             as_f32 = values.astype(np.float32)
         if dtype != "F64":
             assert np.array_equal(as_f32.astype(np.float64), values, equal_nan=True)  # exact in float
@@ -233,9 +233,18 @@ def generate(root):
         np.save(os.path.join(out, stem + ".f64.npy"), as_table(values))
         np.save(os.path.join(out, stem + ".f32.npy"), as_table(as_f32))
         table = as_table(values)
-        manifest["tensors"].append({"file": file, "tensor": name, "dtype": dtype, "shape": list(stored.shape),
-                                    "rows": int(table.shape[0]), "cols": int(table.shape[1]),
-                                    "f64": stem + ".f64.npy", "f32": stem + ".f32.npy"})
+        entry = {"file": file, "tensor": name, "dtype": dtype, "shape": list(stored.shape),
+                 "rows": int(table.shape[0]), "cols": int(table.shape[1]),
+                 "f64": stem + ".f64.npy", "f32": stem + ".f32.npy"}
+        # ... but a float reader refuses the first finite one (row-major) with a format_error.
+        beyond = (np.isfinite(values) & ~np.isfinite(as_f32)).reshape(-1)
+        if beyond.any():
+            i = int(np.flatnonzero(beyond)[0])
+            shape = stored.shape
+            where = "(%d, %d)" % (i // shape[1], i % shape[1]) if len(shape) == 2 else "index %d" % i
+            entry["float_refused"] = "has the F64 value %g at %s, outside float's range" % (
+                values.reshape(-1)[i], where)
+        manifest["tensors"].append(entry)
 
     def fixture(file, tensors, metadata=None, pad=True):
         write_safetensors(os.path.join(out, file), tensors, metadata, pad)

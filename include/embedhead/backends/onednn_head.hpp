@@ -40,6 +40,11 @@ using ConstBf16Ref = Eigen::Ref<const RowMatrix<bfloat16>>;
 using Bf16Ref = Eigen::Ref<RowMatrix<bfloat16>>;
 
 // x [rows, cols] fp32 -> out [rows, cols] bf16, rounded to nearest even (Eigen's conversion).
+// As PyTorch's x.to(torch.bfloat16) (c10::BFloat16's round to nearest even): a finite value at or
+// beyond 2^128 - 2^119 ~ 3.3962e38 in magnitude (half-way from bf16's largest, 3.3895e38, to
+// 2^128) becomes +-inf, without an error; NaN and +-inf stay what they are. convert_table
+// (low_precision.hpp) refuses such a value with a value_error instead: use it, or check
+// x.cwiseAbs().maxCoeff() first, when an infinity must not appear silently.
 // \throws shape_error if out's shape differs. For converting a head's W once: W_bf16 = to_bf16(W).
 inline void to_bf16(const ConstMatrixRef<float>& x, Bf16Ref out) {
   detail::check_shape("to_bf16", "out", out, x.rows(), x.cols());

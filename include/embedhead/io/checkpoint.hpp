@@ -111,12 +111,7 @@ const TensorInfo& check_loadable(const SafetensorsFile& file, const std::string&
   const char* problem = "a non-finite value";
   if (bad < 0 && std::is_same_v<Scalar, float> && t.dtype == DType::F64) {
     // Finite in the file but beyond float's range: it would load as an infinity.
-    const unsigned char* data = file.raw(t);
-    for (std::uint64_t i = 0; i < t.numel() && bad < 0; ++i) {
-      double x;
-      std::memcpy(&x, data + i * sizeof(double), sizeof(double));
-      if (!std::isfinite(static_cast<float>(x))) bad = static_cast<std::int64_t>(i);
-    }
+    bad = first_beyond_float(file.raw(t), t.numel());
     problem = "an F64 value beyond float's range (it would become an infinity)";
   }
   if (bad >= 0) {
@@ -302,7 +297,10 @@ PretrainedLayers<Scalar> from_pretrained(const SafetensorsFile& file, const Chec
 // it twice would make the file look untied to tools that do not compare), and its bias if it has
 // one. Metadata {"format": "pt"} as transformers writes, and "embedhead.tied". `dtype` is the
 // stored type (F32, F64, F16 or BF16). The writer shares the layers' Parameters (no copy; they
-// stay alive as long as the writer does) and writes their values as they are when write() runs.
+// stay alive as long as the writer does) and writes their values as they are when write() runs,
+// in the shapes they have now: a parameter resized in between (resize_vocabulary, resize_rows)
+// makes write() throw shape_error naming the tensor and both shapes, and nothing is written; add
+// the resized layers to a new writer instead.
 // \throws value_error for positions with a layout that has no position name, and as
 // SafetensorsWriter::add (a name added before, or not UTF-8); the writer is unchanged on throw.
 // write() throws value_error for a value that `dtype` cannot hold (e.g. 1e5 as F16).

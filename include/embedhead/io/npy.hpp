@@ -11,10 +11,11 @@
 // 3.0; a 1-D array of n values becomes [n, 1]) and refuses everything else with a format_error
 // naming the file and the field: another dtype or byte order, Fortran order, 0-D or 3-D and more,
 // a bad magic string, a header longer than numpy.load's default limit (10,000 bytes), a data
-// section that is truncated or has trailing bytes. Only a regular file is opened: a directory, a
-// named pipe or a device is an io_error before any open (a pipe would block it), and a file that
-// shrinks while it is read is an io_error, never a crash (detail/files.hpp). load_npy_from_bytes
-// reads the same format from memory.
+// section that is truncated or has trailing bytes, and, read as float, a finite '<f8' value beyond
+// float's range (it would become an infinity; NaN and +-inf are read as they are). Only a regular file is opened: a
+// directory, a named pipe or a device is an io_error before any open (a pipe would block it), and a file that shrinks
+// while it is read is an io_error, never a crash (detail/files.hpp). load_npy_from_bytes reads the same format from
+// memory.
 //
 // Core-only: needs nothing beyond the standard library and Eigen (no JSON parser; the header is a
 // Python dict literal with three known keys, parsed here); POSIX file calls where the system has
@@ -27,6 +28,7 @@
 #include "../types.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -253,8 +255,31 @@ inline NpyLayout parse_npy_layout(const unsigned char* head, std::uint64_t file_
 }
 
 // The values of `layout` from `data` (its data section, read whole) into out [rows, cols].
+// \throws format_error naming `path` (the file or label), the value, its position and float's
+// range for a finite '<f8' value that would become an infinity as a float (Scalar float), before
+// anything is written.
 template <typename Scalar>
-void convert_npy_data(const unsigned char* data, const NpyLayout& layout, MatrixRef<Scalar> out) {
+void convert_npy_data(const unsigned char* data, const NpyLayout& layout, const std::string& path,
+                      MatrixRef<Scalar> out) {
+  if (std::is_same_v<Scalar, float> && layout.item_bytes == 8) {
+    const std::uint64_t n = static_cast<std::uint64_t>(layout.rows) * static_cast<std::uint64_t>(layout.cols);
+    for (std::uint64_t i = 0; i < n; ++i) {
+      double value;
+      std::memcpy(&value, data + 8 * i, 8);
+      if (!std::isfinite(value) || std::isfinite(static_cast<float>(value))) continue;
+      std::ostringstream message;
+      message << "load_npy: '" << path << "' has the '<f8' value " << value << " at ";
+      if (layout.header.shape.size() == 2)
+        message << "(" << i / static_cast<std::uint64_t>(layout.cols) << ", "
+                << i % static_cast<std::uint64_t>(layout.cols) << ")";
+      else
+        message << "index " << i;
+      message << ", outside float's range [" << -std::numeric_limits<float>::max() << ", "
+              << std::numeric_limits<float>::max()
+              << "]: read as float it would become an infinity (load it as double)";
+      throw format_error(message.str());
+    }
+  }
   for (Index r = 0; r < layout.rows; ++r)
     for (Index c = 0; c < layout.cols; ++c) {
       const std::size_t i = static_cast<std::size_t>(r * layout.cols + c);
@@ -333,18 +358,22 @@ inline void save_npy(const std::string& path, const ConstMatrixRef<double>& valu
 }
 
 // An .npy file -> a new [rows, cols] matrix (1-D arrays of n values as [n, 1]); '<f8' read as
-// float rounds to nearest-even, '<f4' as double is exact.
+// float rounds to nearest-even, '<f4' as double is exact. NaN and +-inf are read as they are.
 // \throws io_error naming the path and the reason if it cannot be opened or read, or is not a
 // regular file (a directory, a named pipe, a device: refused before it is opened, so a pipe never
 // blocks); format_error (naming the file and the field) for anything but a 1-D or 2-D, C-ordered
-// '<f4' / '<f8' array with exactly its data. Cost: one read of the file.
+// '<f4' / '<f8' array with exactly its data, and (naming the file, the value, its position and
+// float's range) for a finite '<f8' value read as float that would become an infinity, e.g.
+//   load_npy: 'x.npy' has the '<f8' value 1e+300 at (1, 2), outside float's range
+//   [-3.40282e+38, 3.40282e+38]: read as float it would become an infinity (load it as double)
+// Cost: one read of the file (and, '<f8' as float, a range check before the conversion).
 template <typename Scalar>
 RowMatrix<Scalar> load_npy(const std::string& path) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   const detail::NpyFile npy(path);
   const std::vector<unsigned char> data = npy.data();
   RowMatrix<Scalar> out(npy.layout.rows, npy.layout.cols);
-  detail::convert_npy_data<Scalar>(data.data(), npy.layout, out);
+  detail::convert_npy_data<Scalar>(data.data(), npy.layout, path, out);
   return out;
 }
 
@@ -357,7 +386,7 @@ RowMatrix<Scalar> load_npy_from_bytes(const void* data, std::size_t size, const 
   const auto* bytes = static_cast<const unsigned char*>(data);
   const detail::NpyLayout layout = detail::parse_npy_layout(bytes, size, label);
   RowMatrix<Scalar> out(layout.rows, layout.cols);
-  detail::convert_npy_data<Scalar>(bytes + layout.header.data_offset, layout, out);
+  detail::convert_npy_data<Scalar>(bytes + layout.header.data_offset, layout, label, out);
   return out;
 }
 
@@ -373,7 +402,7 @@ void load_npy_into(const std::string& path, MatrixRef<Scalar> out) {
     throw shape_error(message.str());
   }
   const std::vector<unsigned char> data = npy.data();
-  convert_npy_data<Scalar>(data.data(), npy.layout, out);
+  convert_npy_data<Scalar>(data.data(), npy.layout, path, out);
 }
 }  // namespace detail
 

@@ -17,14 +17,18 @@
 // unknown fields, nesting deeper than the format allows and sizes that overflow 64 bits.
 //
 // Conversion to the layer's Scalar: F32, F64, F16 and BF16 (every F16/BF16/F32 value is exact in
-// float and double; F64 -> float rounds to nearest-even, as a C++ cast does). Writing float or
+// float and double; F64 -> float rounds to nearest-even, as a C++ cast does, and a finite F64
+// value beyond float's range, which would become an infinity, is a format_error naming the tensor,
+// the value and its position; NaN and +-inf are read as they are). Writing float or
 // double to F16/BF16 rounds to nearest-even (Eigen::half / Eigen::bfloat16); a finite value that
 // would round to +-inf there (or in F32, from double) is refused, as convert_table refuses it. The
 // writer owns or shares everything it writes (a copy, or a Parameter's shared_ptr). The other
 // dtypes of the format (integers, bool, F8) are read and validated but not converted: reading one
 // as a table throws, naming the tensor and its dtype.
 //
-// Needs nlohmann/json (Debian: nlohmann-json3-dev) and POSIX mmap; not part of the umbrella
+// Needs nlohmann/json (Debian: nlohmann-json3-dev), and POSIX mmap for ReadMode::map where
+// detail/files.hpp uses POSIX calls (elsewhere, or with EMBEDHEAD_PORTABLE_FILES defined,
+// ReadMode::map reads the file into memory as ReadMode::copy does); not part of the umbrella
 // header so that the core layers keep no dependency beyond Eigen. CMake target:
 // embedhead::safetensors.
 #ifndef EMBEDHEAD_IO_SAFETENSORS_HPP
@@ -37,7 +41,9 @@
 
 #include <nlohmann/json.hpp>
 
+#if EMBEDHEAD_DETAIL_POSIX_FILES
 #include <sys/mman.h>
+#endif
 
 #include <algorithm>
 #include <cerrno>
@@ -106,6 +112,24 @@ void convert_rows(const unsigned char* p, MatrixRef<Scalar>& out, Widen widen) {
     for (Index c = 0; c < cols; ++c)
       dst[c] = static_cast<Scalar>(widen(load_le<Source>(src, static_cast<std::uint64_t>(c))));
   }
+}
+
+// The first of the n F64 values at p that is finite but becomes an infinity as a float (|x| at or
+// beyond float's largest value plus half an ulp, 2^128 - 2^103), or -1. NaN and +-inf are not
+// counted: they stay what they are. Blocks are scanned branch-free; only a block with a hit is
+// searched again for its position.
+inline std::int64_t first_beyond_float(const unsigned char* p, std::uint64_t n) {
+  const auto beyond = [](double x) { return std::isfinite(x) && !std::isfinite(static_cast<float>(x)); };
+  constexpr std::uint64_t kBlock = 4096;
+  for (std::uint64_t begin = 0; begin < n; begin += kBlock) {
+    const std::uint64_t end = std::min(n, begin + kBlock);
+    bool any = false;
+    for (std::uint64_t i = begin; i < end; ++i) any |= beyond(load_le<double>(p, i));
+    if (any)
+      for (std::uint64_t i = begin; i < end; ++i)
+        if (beyond(load_le<double>(p, i))) return static_cast<std::int64_t>(i);
+  }
+  return -1;
 }
 
 // out.size() values of `dtype` (F32, F64, F16 or BF16), stored row-major from p on, into out.
@@ -243,6 +267,8 @@ struct TensorInfo {
 //         costs the file's size in memory and one read, and nothing another process does to the
 //         file afterwards can change what is read or fault the process (a file truncated while it
 //         is being read is an io_error).
+// Without POSIX file calls (a system that has none, or EMBEDHEAD_PORTABLE_FILES defined: see
+// detail/files.hpp) there is no mapping: map reads the file into memory, as copy does.
 enum class ReadMode { map, copy };
 
 // A validated, read-only safetensors file. Opening reads and checks the header only; tensor data
@@ -262,6 +288,7 @@ class SafetensorsFile {
         throw io_error("safetensors: '" + path + "' is too large to address");
     const auto size = static_cast<std::size_t>(file.size());
     std::shared_ptr<const unsigned char> bytes;
+#if EMBEDHEAD_DETAIL_POSIX_FILES
     if (size > 0 && mode == ReadMode::map) {
       void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, file.descriptor(), 0);
       if (mapped == MAP_FAILED) throw io_error("safetensors: cannot map '" + path + "': " + std::strerror(errno));
@@ -270,6 +297,10 @@ class SafetensorsFile {
                                                      ::munmap(const_cast<unsigned char*>(p), size);
                                                    });
     } else if (size > 0) {
+#else
+    (void)mode;  // no mapping without POSIX file calls: both modes read the file into memory
+    if (size > 0) {
+#endif
       std::shared_ptr<unsigned char> copy = owned_bytes(size);
       file.read_at(0, copy.get(), size);
       bytes = std::move(copy);
@@ -350,11 +381,15 @@ class SafetensorsFile {
   }
 
   // Tensor t, converted element by element into out (row-major, numel entries). t must describe
-  // one of this file's tensors: a reference from tensors(), find(), at() or expect(), or a copy of
-  // one (equal name, dtype, shape and offsets) -- a TensorInfo of another file is refused, never
-  // read outside this file's data.
+  // one of this file's tensors: a reference from tensors(), find(), at() or expect(), or any
+  // TensorInfo equal to one (name, dtype, shape and offsets; a copy) -- any other, e.g. a
+  // TensorInfo of another file whose tensor of that name differs, is refused, never read outside
+  // this file's data.
   // \throws value_error if t is not one of this file's tensors; format_error if its dtype is not
-  // convertible; shape_error if out.size() != t.numel(). `out` is unchanged on throw.
+  // convertible, or (Scalar float, t F64) for a finite value beyond float's range, which would
+  // become an infinity (naming the tensor, the value, its position and float's range); shape_error
+  // if out.size() != t.numel(). `out` is unchanged on throw. Cost: one pass over the values, two
+  // for F64 read as float (the range check first).
   template <typename Scalar>
   void read(const TensorInfo& t, MatrixRef<Scalar> out) const {
     static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
@@ -366,6 +401,7 @@ class SafetensorsFile {
               << " elements; the destination is [" << out.rows() << ", " << out.cols() << "]";
       throw shape_error(message.str());
     }
+    if (std::is_same_v<Scalar, float> && t.dtype == DType::F64) check_fits_float(t);
     // Nothing to convert. Also required: the rows of an empty matrix ([3, 0]) have a null data(),
     // which must not reach memcpy (its arguments are declared non-null even for 0 bytes).
     if (out.size() == 0) return;
@@ -373,8 +409,9 @@ class SafetensorsFile {
   }
 
   // Tensor `name` as a new [rows, cols] matrix (1-D tensors become [n, 1], scalars [1, 1]).
-  // \throws format_error if there is no such tensor or its dtype is not convertible; shape_error
-  // if it has more than 2 dimensions or a dimension beyond Index.
+  // \throws format_error if there is no such tensor, its dtype is not convertible or (as above) an
+  // F64 value read as float would become an infinity; shape_error if it has more than 2
+  // dimensions or a dimension beyond Index.
   template <typename Scalar>
   RowMatrix<Scalar> read(const std::string& name) const {
     const TensorInfo& t = at(name);
@@ -406,6 +443,23 @@ class SafetensorsFile {
     if (!is_convertible(t.dtype))
       throw format_error("safetensors: tensor '" + t.name + "' in '" + path_ + "' has dtype " + dtype_name(t.dtype) +
                          ", which cannot be converted to a floating-point table");
+  }
+
+  // format_error for the first finite value of the F64 tensor t that float cannot hold.
+  void check_fits_float(const TensorInfo& t) const {
+    const std::int64_t bad = detail::first_beyond_float(data_ + t.begin, t.numel());
+    if (bad < 0) return;
+    const auto i = static_cast<std::uint64_t>(bad);
+    std::ostringstream message;
+    message << "safetensors: tensor '" << t.name << "' in '" << path_ << "' has the F64 value "
+            << detail::load_le<double>(data_ + t.begin, i) << " at ";
+    if (t.shape.size() == 2)
+      message << "(" << i / t.shape[1] << ", " << i % t.shape[1] << ")";
+    else
+      message << "index " << i;
+    message << ", outside float's range [" << -std::numeric_limits<float>::max() << ", "
+            << std::numeric_limits<float>::max() << "]: read as float it would become an infinity (read it as double)";
+    throw format_error(message.str());
   }
 
   // The first element whose bits have all of `mask` set, or -1; blocks are scanned branch-free
@@ -603,8 +657,11 @@ class SafetensorsFile {
 //
 // Nothing the writer holds can dangle: add(name, values) keeps its own copy of the values (or
 // takes an rvalue RowMatrix over, without a copy), and add(name, parameter) shares the Parameter
-// (std::shared_ptr) and writes its value as it is when write() runs -- the zero-copy way to write
-// a large table, which add_checkpoint takes. A copyable value type: copies share what was added.
+// (std::shared_ptr) and writes its values as they are when write() runs -- the zero-copy way to
+// write a large table, which add_checkpoint takes. Its shape is the one it had when it was added:
+// a parameter resized since (Parameter::resize_rows) makes write() throw, so a file never mixes
+// shapes from before and after a resize (a head and its table, or a table and the optimizer state
+// added beside it). A copyable value type: copies share what was added.
 class SafetensorsWriter {
  public:
   // Adds a copy of `values` [rows, cols] as tensor `name` stored as `dtype` (F32, F64, F16 or BF16),
@@ -633,8 +690,9 @@ class SafetensorsWriter {
     return *this;
   }
   // Adds a Parameter's value [rows, cols] as tensor `name`, shared, not copied: write() writes the
-  // value (and the shape) the parameter has then, and the parameter lives as long as the writer
-  // needs it. \throws as above, and value_error for a null parameter.
+  // values the parameter has then, and the parameter lives as long as the writer needs it. Its
+  // shape is recorded now: write() throws shape_error if the parameter has another one by then.
+  // \throws as above, and value_error for a null parameter.
   template <typename Scalar>
   SafetensorsWriter& add(const std::string& name, std::shared_ptr<const Parameter<Scalar>> parameter, DType dtype,
                          bool as_vector = false) {
@@ -642,6 +700,8 @@ class SafetensorsWriter {
       throw value_error("SafetensorsWriter::add: tensor '" + detail::escaped(name) + "' is a null Parameter");
     check_entry<Scalar>(name, dtype, as_vector, parameter->cols(), "add");
     Entry entry = make_entry(name, dtype, as_vector);
+    entry.added_rows = parameter->rows();
+    entry.added_cols = parameter->cols();
     holder<Scalar>(entry).parameter = std::move(parameter);
     entries_.push_back(std::move(entry));
     return *this;
@@ -663,11 +723,14 @@ class SafetensorsWriter {
   // value that its dtype cannot hold -- it would round to +-inf, which load_checkpoint refuses --
   // is an error, as in convert_table (F16: |x| >= 65520; BF16: |x| >= 2^128 - 2^119 ~ 3.3962e38;
   // F32 from double: beyond float's range). NaN and +-inf are written as they are.
-  // \throws value_error naming the tensor, the value, its (row, col) and the dtype's largest
-  // finite value, before the file is opened; io_error naming the path and the reason (`path.tmp`
-  // exists and is not a regular file, cannot be created or written, the rename fails). Nothing at
-  // `path` changes on throw. Cost: two passes over the tensors (check, then convert in rows).
+  // \throws shape_error naming the tensor and both shapes if a Parameter added with add(name,
+  // parameter) was resized since; value_error naming the tensor, the value, its (row, col) and the
+  // dtype's largest finite value; both before the file is opened. io_error naming the path and
+  // the reason (`path.tmp` exists and is not a regular file, cannot be created or written, the
+  // rename fails). Nothing at `path` changes on throw. Cost: two passes over the tensors (check,
+  // then convert in rows).
   void write(const std::string& path) const {
+    for (const auto& e : entries_) check_shape(e);
     for (const auto& e : entries_) check_values(e);
     nlohmann::json header = nlohmann::json::object();
     if (!metadata_.empty()) header["__metadata__"] = metadata_;
@@ -720,6 +783,7 @@ class SafetensorsWriter {
     std::string name;
     DType dtype = DType::F32;
     bool as_vector = false;
+    Index added_rows = 0, added_cols = 0;  // a Parameter's shape when it was added
     Holder<float> f32;
     Holder<double> f64;
   };
@@ -778,6 +842,18 @@ class SafetensorsWriter {
       throw value_error(prefix + "tensor '" + name + "' dtype " + dtype_name(dtype) + " is not F32, F64, F16 or BF16");
     if (as_vector && cols != 1)
       throw shape_error(prefix + "tensor '" + name + "' as a vector needs one column, it has " + std::to_string(cols));
+  }
+
+  // shape_error if e is a Parameter whose shape is no longer the one it was added with.
+  static void check_shape(const Entry& e) {
+    if (!e.f32.parameter && !e.f64.parameter) return;
+    const View v = view(e);
+    if (v.rows == e.added_rows && v.cols == e.added_cols) return;
+    std::ostringstream message;
+    message << "SafetensorsWriter::write: tensor '" << e.name << "' was added as a Parameter of shape [" << e.added_rows
+            << ", " << e.added_cols << "] but it is [" << v.rows << ", " << v.cols
+            << "] now (resized since add); nothing was written. Add it to a new writer to write the new shape";
+    throw shape_error(message.str());
   }
 
   // value_error for the first finite value of e that its dtype cannot hold (see write).
