@@ -232,52 +232,41 @@ if [ "$clang_tree" = "1" ]; then
   fi
 fi
 
-if [ "$skip_cblas" = "1" ]; then
-  phase "CBLAS backend: skipped (EMBEDHEAD_SKIP_CBLAS=1)"
-else
-  # The test suite once more, every product through serial OpenBLAS (embedhead::cblas): the
-  # tests only (no tools, examples, benchmarks or header check: those do not depend on the
-  # backend beyond what the tests cover), gcc Release, -Werror.
-  phase "CBLAS backend: configure and build (build/cblas, gcc, -DEMBEDHEAD_CBLAS=OpenBLAS -DEMBEDHEAD_TEST_CBLAS=ON)"
-  configure build/cblas "${CXX_RELEASE:-g++}" \
+# backend_tree <dir> <title> <skip variable's name> <skip value> <CMake flags...>: the test suite
+# once more with every matrix product on another GEMM backend -- the tests only (no tools,
+# examples, benchmarks or header check: those do not depend on the backend beyond what the tests
+# cover), gcc Release, -Werror -- and its ctest.
+backend_tree() {
+  local dir="$1" title="$2" skip_name="$3" skip_value="$4"
+  shift 4
+  if [ "$skip_value" = "1" ]; then
+    phase "$title: skipped ($skip_name=1)"
+    return
+  fi
+  phase "$title: configure and build ($dir, gcc, $*)"
+  configure "$dir" "${CXX_RELEASE:-g++}" \
     "${gcc_test_tree[@]}" \
     -DEMBEDHEAD_BUILD_TOOLS=OFF \
     -DEMBEDHEAD_CHECK_HEADERS=OFF \
     -DEMBEDHEAD_BUILD_BENCHMARKS=OFF \
     -DEMBEDHEAD_BUILD_EXAMPLES=OFF \
-    -DEMBEDHEAD_CBLAS=OpenBLAS \
-    -DEMBEDHEAD_TEST_CBLAS=ON
-  cmake --build build/cblas -j "$jobs"
-  phase "CBLAS backend: ctest (excluding label 'cmake')"
-  ctest --test-dir build/cblas --output-on-failure -j "$jobs" -LE cmake
-  unit_cblas="$(count_tests build/cblas unit)"
-  if [ "${unit_cblas:-0}" -lt 20 ]; then
-    echo "test.sh: error: expected the unit tests (label unit) in build/cblas, found ${unit_cblas:-0}" >&2
+    "$@"
+  cmake --build "$dir" -j "$jobs"
+  phase "$title: ctest (excluding label 'cmake')"
+  ctest --test-dir "$dir" --output-on-failure -j "$jobs" -LE cmake
+  local unit
+  unit="$(count_tests "$dir" unit)"
+  if [ "${unit:-0}" -lt 20 ]; then
+    echo "test.sh: error: expected the unit tests (label unit) in $dir, found ${unit:-0}" >&2
     exit 1
   fi
-fi
+}
 
-if [ "$skip_eigen" = "1" ]; then
-  phase "Eigen GEMM backend: skipped (EMBEDHEAD_SKIP_EIGEN=1)"
-else
-  # The test suite once more on Eigen's GEMM kernel (EMBEDHEAD_GEMM_EIGEN), the backend the
-  # library ran on before its own packed kernel became the default: tests only, gcc Release.
-  phase "Eigen GEMM backend: configure and build (build/eigen, gcc, -DEMBEDHEAD_TEST_GEMM_EIGEN=ON)"
-  configure build/eigen "${CXX_RELEASE:-g++}" \
-    "${gcc_test_tree[@]}" \
-    -DEMBEDHEAD_BUILD_TOOLS=OFF \
-    -DEMBEDHEAD_CHECK_HEADERS=OFF \
-    -DEMBEDHEAD_BUILD_BENCHMARKS=OFF \
-    -DEMBEDHEAD_BUILD_EXAMPLES=OFF \
-    -DEMBEDHEAD_TEST_GEMM_EIGEN=ON
-  cmake --build build/eigen -j "$jobs"
-  phase "Eigen GEMM backend: ctest (excluding label 'cmake')"
-  ctest --test-dir build/eigen --output-on-failure -j "$jobs" -LE cmake
-  unit_eigen="$(count_tests build/eigen unit)"
-  if [ "${unit_eigen:-0}" -lt 20 ]; then
-    echo "test.sh: error: expected the unit tests (label unit) in build/eigen, found ${unit_eigen:-0}" >&2
-    exit 1
-  fi
-fi
+# Serial OpenBLAS (embedhead::cblas).
+backend_tree build/cblas "CBLAS backend" EMBEDHEAD_SKIP_CBLAS "$skip_cblas" \
+  -DEMBEDHEAD_CBLAS=OpenBLAS -DEMBEDHEAD_TEST_CBLAS=ON
+# Eigen's GEMM kernel (EMBEDHEAD_GEMM_EIGEN), the backend the library ran on before its own packed
+# kernel became the default.
+backend_tree build/eigen "Eigen GEMM backend" EMBEDHEAD_SKIP_EIGEN "$skip_eigen" -DEMBEDHEAD_TEST_GEMM_EIGEN=ON
 
 phase "All checks passed ($((SECONDS - start_time)) s)"
