@@ -19,7 +19,8 @@
 #include "scatter_workspace.hpp"
 #include "types.hpp"
 
-// The layers and the losses on the head.
+// The layers and the losses on the head; ALiBi's attention bias.
+#include "alibi.hpp"
 #include "cross_entropy.hpp"
 #include "dropout.hpp"
 #include "fused_head_loss.hpp"
