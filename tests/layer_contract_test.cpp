@@ -1,7 +1,8 @@
-// The layer contract: every trainable layer -- TokenEmbedding, LearnedPositionEmbedding,
-// OutputProjection (untied and tied both ways), LowPrecisionEmbedding, LowPrecisionOutputProjection
-// (bf16 and fp16), VocabParallelEmbedding and VocabParallelOutputProjection (one rank) -- goes
-// through ONE function template, check_contract, which exercises the whole surface:
+// The layer contract: every trainable layer -- TokenEmbedding, LearnedPositionEmbedding (its
+// backward with a start and with positions [B, T]), OutputProjection (untied and tied both ways),
+// LowPrecisionEmbedding, LowPrecisionOutputProjection (bf16 and fp16), VocabParallelEmbedding and
+// VocabParallelOutputProjection (one rank) -- goes through ONE function template, check_contract,
+// which exercises the whole surface:
 //   weight() / weight_ptr() (and bias() / bias_ptr() where the layer has one) agree with
 //   parameters(), which lists each distinct parameter once; parameter_count() is the sum of their
 //   sizes; vocab_size() / dim() (max_positions() / dim() for a position table) are the shapes;
@@ -198,6 +199,13 @@ const auto position_backward_driver = [](auto& layer) {
   using Scalar = std::decay_t<decltype(layer.weight().grad().touched_values()(0, 0))>;
   layer.backward(random_matrix<Scalar>(kB * kT, layer.dim(), 15), kB, kT);
 };
+// The per-row form: positions [B, T] (a left-padded row and a packed one) instead of a start.
+const auto position_ids_backward_driver = [](auto& layer) {
+  using Scalar = std::decay_t<decltype(layer.weight().grad().touched_values()(0, 0))>;
+  IdMatrix<std::int64_t> positions(kB, kT);
+  positions << 1, 0, 1, 0, 1, 0;
+  layer.backward(random_matrix<Scalar>(kB * kT, layer.dim(), 16), positions);
+};
 
 }  // namespace
 
@@ -213,6 +221,10 @@ TEST_CASE("layer contract: the float layers", "[layer_contract]") {
   SECTION("LearnedPositionEmbedding") {
     LearnedPositionEmbedding<float> layer(kT + 2, kD);
     check_contract(layer, position_backward_driver, {kT + 2, kD, false, 1});
+  }
+  SECTION("LearnedPositionEmbedding, positions [B, T]") {
+    LearnedPositionEmbedding<float> layer(kT + 2, kD);
+    check_contract(layer, position_ids_backward_driver, {kT + 2, kD, false, 1});
   }
   SECTION("OutputProjection, untied with a bias") {
     OutputProjection<float> layer(kV, kD);

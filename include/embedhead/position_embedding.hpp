@@ -1,18 +1,29 @@
 // embedhead: absolute position embeddings added to token embeddings.
 //
-//   forward   out[b*T + t] = x[b*T + t] + P[start + t]      (x = token embeddings [B*T, d])
+// Positions are given in one of two ways (x = token embeddings [B*T, d], token n = b*T + t):
+//   a `start` offset     pos(b, t) = start + t              (the same for every row)
+//   positions [B, T]     pos(b, t) = positions(b, t)        (per row: left padding, packed documents)
+//
+//   forward   out[b*T + t] = x[b*T + t] + P[pos(b, t)]
 //   backward  dx = dout (the identity, nothing to compute);
-//             dP[start + t] += sum_b dout[b*T + t]          (learned table only)
+//             dP[p] += sum over the tokens n with pos = p of dout[n]   (learned table only)
 //
 // LearnedPositionEmbedding holds a trainable P [T_max, d] (GPT-2's wpe). The sinusoidal one holds
 // a fixed P computed once (Vaswani et al. 2017, section 3.5). `start` is the position of the
 // first token, for incremental decoding; positions start .. start+T-1 must lie in [0, T_max).
+// positions [B, T] is a TokenIds view (int32 or int64, any strides: a row-major IdMatrix, a block
+// of a longer matrix); every position must lie in [0, T_max). positions_from_attention_mask
+// derives them from a 0/1 attention mask [B, T] with Hugging Face's rule (cumsum(mask) - 1 on real
+// tokens, 1 on pads).
 #ifndef EMBEDHEAD_POSITION_EMBEDDING_HPP
 #define EMBEDHEAD_POSITION_EMBEDDING_HPP
 
 #include "detail/checks.hpp"
+#include "detail/kernels.hpp"
 #include "init.hpp"
 #include "parameter.hpp"
+#include "scatter_workspace.hpp"
+#include "token_ids.hpp"
 #include "types.hpp"
 
 #include <algorithm>
@@ -74,6 +85,80 @@ void add_position_rows(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Sca
   detail::add_position_rows<Scalar>(x, P, B, T, start, out, "add_position_rows");
 }
 
+namespace detail {
+
+// x [N, d] with N = positions.size(), P [T_max, d] -> out [N, d]: out[n] = x[n] + P[positions(b, t)]
+// for n = b*T + t. Checks everything before writing: shape_error if x or out is not [B*T, d],
+// index_error for the first position (row-major order) outside [0, T_max), naming its (b, t).
+template <typename Scalar, typename Id>
+void add_position_rows(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Scalar>& P,
+                       const TypedTokenIds<Id>& positions, MatrixRef<Scalar> out, const char* where) {
+  const Index T = positions.cols(), N = positions.size(), d = P.cols();
+  detail::check_shape(where, "x", x, N, d);
+  detail::check_shape(where, "out", out, N, d);
+  detail::check_ids(where, positions, P.rows(), "position");
+  for (Index b = 0; b < positions.rows(); ++b)
+    for (Index t = 0; t < T; ++t) out.row(b * T + t) = x.row(b * T + t) + P.row(static_cast<Index>(positions(b, t)));
+}
+
+}  // namespace detail
+
+// x [B*T, d], P [T_max, d], positions [B, T] -> out [B*T, d]: out[b*T + t] = x[b*T + t] +
+// P[positions(b, t)]. out may be x (in place). \throws shape_error if x or out is not [B*T, d];
+// index_error for a position outside [0, T_max) (the first in row-major order, with its (b, t),
+// its value and the range). Nothing written on throw.
+template <typename Scalar>
+void add_position_rows(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Scalar>& P, TokenIds positions,
+                       MatrixRef<Scalar> out) {
+  positions.visit([&](const auto& typed) { detail::add_position_rows<Scalar>(x, P, typed, out, "add_position_rows"); });
+}
+
+// Hugging Face's pad position: positions_from_attention_mask gives pads this position, as
+// transformers' generation code does (`position_ids.masked_fill_(attention_mask == 0, 1)`).
+inline constexpr Index kPadPosition = 1;
+
+// mask [B, T] (int32 or int64; 1 = real token, 0 = pad) -> positions [B, T] (int64):
+//   positions(b, t) = mask(b, 0) + ... + mask(b, t) - 1   where mask(b, t) = 1
+//   positions(b, t) = pad_position                       where mask(b, t) = 0
+// Hugging Face's rule (GPT-2, Llama, ... in transformers' generation code: position_ids =
+// attention_mask.cumsum(-1) - 1, then masked_fill_(attention_mask == 0, 1)), so a left-padded row
+// [0, 0, 1, 1, 1] gets [1, 1, 0, 1, 2]: its real tokens take positions 0, 1, 2, as the sequence
+// run alone with start = 0 does. Pads get pad_position, by default kPadPosition = 1, HF's value,
+// so the positions (and a model's outputs at pads) match HF's; pass 0 for a table of one row
+// (T_max = 1). A pad's position is a real row of the table, never -1, so pads index inside any
+// table with more than pad_position rows; their outputs are meant to be masked out downstream.
+// For a decoding step, take the last columns of the full mask's positions (a block is a TokenIds).
+// \throws value_error for a mask value other than 0 or 1 (the first in row-major order, naming
+// its (b, t) and the value), or pad_position < 0.
+inline IdMatrix<std::int64_t> positions_from_attention_mask(TokenIds mask, Index pad_position = kPadPosition) {
+  const char* where = "positions_from_attention_mask";
+  if (pad_position < 0) {
+    std::ostringstream message;
+    message << where << ": pad_position = " << pad_position << " must be >= 0 (a row of the table)";
+    throw value_error(message.str());
+  }
+  return mask.visit([&](const auto& m) {
+    IdMatrix<std::int64_t> positions(m.rows(), m.cols());
+    for (Index b = 0; b < m.rows(); ++b) {
+      std::int64_t count = 0;  // real tokens in mask(b, 0 .. t)
+      for (Index t = 0; t < m.cols(); ++t) {
+        const auto value = m(b, t);
+        if (value == 1) {
+          positions(b, t) = count++;
+        } else if (value == 0) {
+          positions(b, t) = static_cast<std::int64_t>(pad_position);
+        } else {
+          std::ostringstream message;
+          message << where << ": mask value " << static_cast<long long>(value) << " at (b=" << b << ", t=" << t
+                  << ") is not 0 (pad) or 1 (token)";
+          throw value_error(message.str());
+        }
+      }
+    }
+    return positions;
+  });
+}
+
 struct LearnedPositionOptions {
   double init_std = 0.02;  // P ~ N(0, init_std^2); GPT-2's original code used 0.01 for wpe
   std::uint64_t seed = 1;  // differs from TokenEmbeddingOptions' default so the tables differ
@@ -129,6 +214,24 @@ class LearnedPositionEmbedding {
     return out;
   }
 
+  // x [B*T, d], positions [B, T] -> out [B*T, d] = x + P[positions(b, t)]; out may be x. See
+  // add_position_rows (positions).
+  void forward(const ConstMatrixRef<Scalar>& x, TokenIds positions, MatrixRef<Scalar> out) const {
+    positions.visit([&](const auto& typed) {
+      detail::add_position_rows<Scalar>(x, weight_->value(), typed, out, "LearnedPositionEmbedding::forward");
+    });
+  }
+  RowMatrix<Scalar> forward(const ConstMatrixRef<Scalar>& x, TokenIds positions) const {
+    // Checked before allocating, so a bad call throws before any allocation.
+    positions.visit([&](const auto& typed) {
+      detail::check_shape("LearnedPositionEmbedding::forward", "x", x, typed.size(), dim());
+      detail::check_ids("LearnedPositionEmbedding::forward", typed, max_positions(), "position");
+    });
+    RowMatrix<Scalar> out(x.rows(), x.cols());
+    forward(x, positions, out);
+    return out;
+  }
+
   // dout [B*T, d] -> weight().grad() rows start .. start+T-1 += sum over b of dout[b*T + t].
   // The gradient for x is dout itself. Rows are summed over b in increasing order, so the result
   // is bit-identical to the plain loop `for b, t: dP[start+t] += dout[b*T+t]`.
@@ -149,6 +252,18 @@ class LearnedPositionEmbedding {
     }
   }
 
+  // positions [B, T], dout [B*T, d] -> weight().grad()[p] += sum over the tokens n = b*T + t
+  // with positions(b, t) = p of dout[n]; only the rows of positions present are touched. The
+  // tokens are sorted by (position, n) and each row's tokens summed in increasing n, so the result
+  // is bit-identical to the plain loop `for n: dP[pos_n] += dout[n]` on every run (one thread; the
+  // order does not depend on anything but the positions). The gradient for x is dout itself.
+  // A frozen table takes nothing, after the same checks.
+  // \throws shape_error if dout is not [B*T, d]; index_error for a position outside [0, T_max)
+  // (with its (b, t)); the gradient is unchanged on throw. Cost O(N log N + N*d), N = B*T.
+  void backward(const ConstMatrixRef<Scalar>& dout, TokenIds positions) {
+    positions.visit([&](const auto& typed) { backward_impl(typed, dout); });
+  }
+
   void zero_grad() { weight_->zero_grad(); }
 
  private:
@@ -159,8 +274,26 @@ class LearnedPositionEmbedding {
     return std::make_shared<Parameter<Scalar>>(T_max, d, "position_embedding.weight");
   }
 
+  template <typename Id>
+  void backward_impl(const TypedTokenIds<Id>& positions, const ConstMatrixRef<Scalar>& dout) {
+    const char* where = "LearnedPositionEmbedding::backward";
+    detail::check_shape(where, "dout", dout, positions.size(), dim());
+    detail::check_ids(where, positions, max_positions(), "position");
+    if (positions.size() == 0 || weight_->frozen()) return;  // no tokens, or frozen: no row is touched
+    detail::sort_tokens_by_id(positions, -1, workspace_);    // -1: no position is skipped
+    const Index k = static_cast<Index>(workspace_.unique_ids.size());
+    auto& dP = weight_->grad();
+    dP.touch_rows(workspace_.unique_ids.data(), k, workspace_.slots.data());  // new rows start at zero
+    for (std::size_t u = 0; u < static_cast<std::size_t>(k); ++u) {
+      auto dP_row = dP.slot_row(workspace_.slots[u]);
+      for (std::size_t i = workspace_.run_begin[u]; i < workspace_.run_begin[u + 1]; ++i)
+        dP_row += dout.row(workspace_.order[i].second);
+    }
+  }
+
   std::shared_ptr<Parameter<Scalar>> weight_;
   std::vector<Index> positions_, slots_;  // backward scratch, reused
+  ScatterWorkspace workspace_;            // backward (positions) scratch, reused
 };
 
 enum class SinusoidLayout {
@@ -196,6 +329,23 @@ class SinusoidalPositionEmbedding {
                             max_positions(), dim());
     RowMatrix<Scalar> out(x.rows(), x.cols());
     forward(x, B, T, out, start);
+    return out;
+  }
+
+  // x [B*T, d], positions [B, T] -> out [B*T, d] = x + P[positions(b, t)]; out may be x. See
+  // add_position_rows (positions). No backward here either: the gradient for x is dout.
+  void forward(const ConstMatrixRef<Scalar>& x, TokenIds positions, MatrixRef<Scalar> out) const {
+    positions.visit([&](const auto& typed) {
+      detail::add_position_rows<Scalar>(x, table_, typed, out, "SinusoidalPositionEmbedding::forward");
+    });
+  }
+  RowMatrix<Scalar> forward(const ConstMatrixRef<Scalar>& x, TokenIds positions) const {
+    positions.visit([&](const auto& typed) {
+      detail::check_shape("SinusoidalPositionEmbedding::forward", "x", x, typed.size(), dim());
+      detail::check_ids("SinusoidalPositionEmbedding::forward", typed, max_positions(), "position");
+    });
+    RowMatrix<Scalar> out(x.rows(), x.cols());
+    forward(x, positions, out);
     return out;
   }
 
