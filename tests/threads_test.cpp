@@ -392,7 +392,5 @@ TEMPLATE_TEST_CASE("threads: RoPE forward and backward are bit-identical for 1 a
     const RowMatrix<Scalar> one = run(1), two = run(2), again = run(2);
     CHECK(bit_identical(one, two));
     CHECK(bit_identical(two, again));
-    // The 2-thread run is really split: 600 rows of 1 KiB or more are above the threading threshold.
-    CHECK(B * T >= 2 * std::max<Index>(1, (Index{1} << 16) / (H * head_dim * static_cast<Index>(sizeof(Scalar)))));
   }
 }
