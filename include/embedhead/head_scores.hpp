@@ -102,6 +102,8 @@ struct RowTopK {
                                                      [](const auto& a, const auto& b) { return better(b, a); })
                                         ->value
                                   : -std::numeric_limits<Scalar>::infinity();
+    // A full list skips a block whose max does not beat the k-th (one vectorised pass).
+    if (full && !(Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(s, width).maxCoeff() > threshold)) return;
     for (Index j = 0; j < width; ++j)
       if (s[j] > threshold || (!full && s[j] == threshold)) scratch.push_back({s[j], first_id + j});
     if (scratch.empty()) return;

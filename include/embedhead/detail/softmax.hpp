@@ -173,7 +173,8 @@ Scalar sum_exp_shifted(const Scalar* s, Index width, Scalar m, Scalar* out, Scal
   const auto add = [&](const Lanes& x) {
     const Lanes e = exp_lanes<Scalar>(x);
     acc += e;
-    if (entropy_sum) weighted += (e > Scalar(0)).select(e * x, Scalar(0));
+    // x = -inf has e = 0: clamped to the lowest finite value, its term is 0 * finite = 0, not NaN.
+    if (entropy_sum) weighted += e * x.max(std::numeric_limits<Scalar>::lowest());
     return e;
   };
   Index j = 0;
