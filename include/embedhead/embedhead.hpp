@@ -31,6 +31,7 @@
 #include "parameter_count.hpp"
 #include "position_embedding.hpp"
 #include "quantized_embedding.hpp"
+#include "quantized_head.hpp"
 #include "rope.hpp"
 #include "token_embedding.hpp"
 #include "vocabulary.hpp"
