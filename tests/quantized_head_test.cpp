@@ -4,12 +4,15 @@
 // sequence of the build bit for bit; batch invariance (any N, any offset); the tied form sharing
 // the embedding's table; errors. Built twice: portable (the scalar lanes) and, where the build
 // targets this machine, with -march=native (the AVX-512 or AVX2 lanes).
+#include <embedhead/analysis/head_comparison.hpp>
+#include <embedhead/output_projection.hpp>
 #include <embedhead/quantized_head.hpp>
 
 #include "reference/test_support.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -141,4 +144,72 @@ TEST_CASE("quantized head: bad input throws and writes nothing", "[quantized_hea
                          embedhead::shape_error,
                          Catch::Message("quantized_head_forward: scales has shape [9, 1], expected [10, 1]"));
   CHECK(test_support::same_values(logits, before));
+}
+
+TEST_CASE("compare_heads: KL, top-1 agreement and |delta p| against a direct computation", "[quantized_head]") {
+  const Index V = 40, d = 12, N = 19;
+  const RowMatrix<float> h = random_matrix<float>(N, d, 8);
+  const RowMatrix<float> Wa = random_matrix<float>(V, d, 9), Wb = Wa + random_matrix<float>(V, d, 10, 0.3);
+  // Heads whose logits do not depend on the chunk: each a double dot product rounded to float.
+  const auto logits_of = [&](const RowMatrix<float>& W, const embedhead::ConstMatrixRef<float>& x,
+                             embedhead::MatrixRef<float> out) {
+    out = (x.cast<double>() * W.cast<double>().transpose()).cast<float>();
+  };
+  const auto head_a = [&](const embedhead::ConstMatrixRef<float>& x, embedhead::MatrixRef<float> out) {
+    logits_of(Wa, x, out);
+  };
+  const auto head_b = [&](const embedhead::ConstMatrixRef<float>& x, embedhead::MatrixRef<float> out) {
+    logits_of(Wb, x, out);
+  };
+  const embedhead::HeadComparison same = embedhead::compare_heads(h, V, head_a, head_a, 4);
+  CHECK(same.tokens == N);
+  CHECK(same.mean_kl == Approx(0).margin(1e-12));
+  CHECK(same.same_top1 == 1.0);
+  CHECK(same.max_abs_dp_top == 0.0);
+  const embedhead::HeadComparison got = embedhead::compare_heads(h, V, head_a, head_b, 4);
+  // Direct: probabilities in long double from the same float logits.
+  RowMatrix<float> za(N, V), zb(N, V);
+  head_a(h, za);
+  head_b(h, zb);
+  long double kl_sum = 0, kl_max = 0, dp_sum = 0, dp_max = 0;
+  int agree = 0;
+  for (Index n = 0; n < N; ++n) {
+    long double sa = 0, sb = 0;
+    for (Index v = 0; v < V; ++v)
+      sa += std::exp(static_cast<long double>(za(n, v))), sb += std::exp(static_cast<long double>(zb(n, v)));
+    long double kl = 0;
+    Index ia = 0, ib = 0;
+    for (Index v = 0; v < V; ++v) {
+      const long double p = std::exp(static_cast<long double>(za(n, v))) / sa,
+                        q = std::exp(static_cast<long double>(zb(n, v))) / sb;
+      kl += p * std::log(p / q);
+      if (za(n, v) > za(n, ia)) ia = v;
+      if (zb(n, v) > zb(n, ib)) ib = v;
+    }
+    const long double dp = std::abs(std::exp(static_cast<long double>(za(n, ia))) / sa -
+                                    std::exp(static_cast<long double>(zb(n, ia))) / sb);
+    kl_sum += kl, kl_max = std::max(kl_max, kl), dp_sum += dp, dp_max = std::max(dp_max, dp), agree += ia == ib;
+  }
+  CHECK(got.mean_kl == Approx(static_cast<double>(kl_sum / N)).epsilon(1e-9));
+  CHECK(got.max_kl == Approx(static_cast<double>(kl_max)).epsilon(1e-9));
+  CHECK(got.mean_abs_dp_top == Approx(static_cast<double>(dp_sum / N)).epsilon(1e-9));
+  CHECK(got.max_abs_dp_top == Approx(static_cast<double>(dp_max)).epsilon(1e-9));
+  CHECK(got.same_top1 == Approx(agree / static_cast<double>(N)));
+  CHECK(got.mean_kl > 1e-3);  // the heads really differ
+  // The int8 head against the float head it was quantized from: small KL.
+  const QuantizedOutputProjection q(Wa);
+  const embedhead::HeadComparison int8 = embedhead::compare_heads(h, V, head_a,
+                                                                  [&](const embedhead::ConstMatrixRef<float>& x,
+                                                                      embedhead::MatrixRef<float> out) {
+                                                                    q.forward(x, out);
+                                                                  });
+  CHECK(int8.mean_kl < 1e-3);
+  REQUIRE_THROWS_MATCHES(embedhead::compare_heads(h, V, head_a, head_b, 0), embedhead::value_error,
+                         Catch::Message("compare_heads: chunk = 0 outside [1, inf)"));
+  const auto nan_head = [&](const embedhead::ConstMatrixRef<float>& x, embedhead::MatrixRef<float> out) {
+    logits_of(Wa, x, out);
+    out(0, 3) = std::nanf("");
+  };
+  REQUIRE_THROWS_MATCHES(embedhead::compare_heads(h, V, head_a, nan_head, 4), embedhead::value_error,
+                         Catch::Message("compare_heads: head b gave a non-finite logit for token n=0"));
 }

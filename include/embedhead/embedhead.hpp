@@ -58,5 +58,6 @@
 
 // The geometry of a trained table.
 #include "analysis/geometry.hpp"
+#include "analysis/head_comparison.hpp"
 
 #endif  // EMBEDHEAD_EMBEDHEAD_HPP
