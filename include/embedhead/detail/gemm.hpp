@@ -179,19 +179,19 @@ inline void widen_row(const Eigen::bfloat16* src, Index d, float scale, float* d
 // The decode kernel (gemm::packed_decode, detail/gemm_packed.hpp: the packed GEMM's sequence, so a
 // token's logits are the same bits as in any batch on the packed backend) with the token count as
 // a run-time value in [1, kDecodeMaxTokens].
-template <typename Scalar>
-void decode_rows(Index tokens, const Scalar* h, Index ldh, const Scalar* W, Index ldw, Index d, const Scalar* bias,
+template <typename Scalar, typename WStorage = Scalar>
+void decode_rows(Index tokens, const Scalar* h, Index ldh, const WStorage* W, Index ldw, Index d, const Scalar* bias,
                  Index ldb, Scalar* logits, Index ldl, Index v0, Index v1) {
   static_assert(kDecodeMaxTokens == 8, "the switch below lists 1 ... kDecodeMaxTokens");
   switch (tokens) {
-    case 1: return gemm::packed_decode<1>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 2: return gemm::packed_decode<2>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 3: return gemm::packed_decode<3>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 4: return gemm::packed_decode<4>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 5: return gemm::packed_decode<5>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 6: return gemm::packed_decode<6>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 7: return gemm::packed_decode<7>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 8: return gemm::packed_decode<8>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 1: return gemm::packed_decode<1, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 2: return gemm::packed_decode<2, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 3: return gemm::packed_decode<3, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 4: return gemm::packed_decode<4, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 5: return gemm::packed_decode<5, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 6: return gemm::packed_decode<6, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 7: return gemm::packed_decode<7, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 8: return gemm::packed_decode<8, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
     default: return;  // unreachable: the callers check the range
   }
 }
@@ -356,8 +356,12 @@ struct PackedBackend {
   template <Kernel kKernel, typename Scalar, Layout LA, Layout LB, typename BStorage, typename AStorage>
   static void multiply(const Op<Scalar, LA, LB, BStorage, AStorage>& op) {
     if constexpr (kKernel == Kernel::decode) {
-      static_assert(std::is_same_v<Scalar, BStorage> && std::is_same_v<Scalar, AStorage>, "decode: stored as Scalar");
-      EigenBackend::template multiply<kKernel>(op);
+      static_assert(LA == Layout::row_major && LB == Layout::col_major, "decode: A = h row-major, op(B) = W^T");
+      static_assert(std::is_same_v<Scalar, AStorage>, "decode: h stored as Scalar (W may be bf16 / fp16)");
+      if (op.M == 0 || op.N == 0) return;
+      const Scalar* bias = op.init == Init::bias ? op.bias : nullptr;
+      decode_rows<Scalar, BStorage>(op.M, op.a, op.lda, op.b, op.ldb, op.K, bias, op.bias_stride, op.c, op.ldc, 0,
+                                    op.N);
     } else {
       packed_gemm(op);
     }
