@@ -17,6 +17,12 @@
 //   Gemma head N = 256 tokens, V = 256,000, d = 2048, no bias (Gemma ties its head): the fused
 //              LM-head step (two passes over vocabulary blocks: the default budget holds 32 tokens'
 //              logits) and the unfused step vs torch's linear + cross_entropy + backward.
+//   RoPE       8192 tokens (8 x 1024) x 32 heads x head_dim 128, float, half-split pairing:
+//              rope_forward into a preallocated output vs Hugging Face's apply_rotary_pos_emb
+//              written in ATen (q * cos + rotate_half(q) * sin, rotate_half = cat(-x2, x1); cos
+//              and sin [T, 128] computed once outside the timing, in float32 as HF does), fresh
+//              output; and forward + backward (rope_forward, rope_backward into outputs) vs the
+//              same forward + autograd's backward.
 //   bf16 step  (built with embedhead::onednn) W rounded to bf16 + the bf16 fused head loss on
 //              oneDNN, vs torch's bf16 step as CPU autocast runs it: at::linear on bf16 casts of
 //              h, W and b (its oneDNN matmul), the logits cast to float for at::cross_entropy_loss,
@@ -36,6 +42,9 @@
 // every large block comes from mmap and shows in the RSS, instead of from memory already resident.
 //
 // Speed ratio = baseline time / embedhead time: above 1 means embedhead is faster.
+//
+// `torch_compare --only=WORD` checks everything but measures (memory and time) and prints only the
+// comparisons whose name contains WORD (e.g. --only=RoPE).
 //
 // OpenBLAS (libtorch's BLAS on Debian) reads OPENBLAS_CORETYPE when it is loaded, before main();
 // when it is unset, the program sets it to SkylakeX and re-executes itself.
@@ -359,8 +368,15 @@ IdMatrix<std::int64_t> random_ids64(Index N, Index V, unsigned seed) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  (void)argc;
   ensure_openblas_coretype(argv);
+  std::string only;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind("--only=", 0) == 0)
+      only = arg.substr(7);
+    else
+      bench_support::fail(kProgram, "unknown argument " + arg + " (the only option is --only=WORD)");
+  }
   set_threads(1);
 
   std::printf("torch_compare: embedhead %d.%d.%d vs libtorch %s (ATen + autograd), Eigen %d.%d.%d (%s)\n",
@@ -735,7 +751,69 @@ int main(int argc, char** argv) {
   }
 #endif
 
+  // ---- RoPE ----
+  constexpr Index kRopeB = 8, kRopeT = 1024, kRopeH = 32, kRopeHd = 128;
+  RowMatrix<float> rope_x(kRopeB * kRopeT, kRopeH * kRopeHd), rope_dy(kRopeB * kRopeT, kRopeH * kRopeHd);
+  RowMatrix<float> rope_y(kRopeB * kRopeT, kRopeH * kRopeHd), rope_dx(kRopeB * kRopeT, kRopeH * kRopeHd);
+  bench_support::fill_uniform(rope_x, 21);
+  bench_support::fill_uniform(rope_dy, 22);
+  const embedhead::RopeTable<float> rope_table(kRopeHd, kRopeHd, embedhead::RopePairing::half_split, kRopeT,
+                                               embedhead::rope_default_frequencies(kRopeHd, 10000.0));
+  // HF's default rotary embedding: inv_freq in float32, freqs = t (x) inv_freq, emb = cat(freqs, freqs).
+  const at::Tensor rope_inv_freq = 1.0 / at::pow(10000.0, at::arange(0, kRopeHd, 2, at::kLong).to(at::kFloat) /
+                                                              static_cast<double>(kRopeHd));
+  const at::Tensor rope_freqs = at::outer(at::arange(kRopeT, at::kFloat), rope_inv_freq);
+  const at::Tensor rope_emb = at::cat({rope_freqs, rope_freqs}, -1);
+  const at::Tensor rope_cos = rope_emb.cos().view({1, kRopeT, 1, kRopeHd});
+  const at::Tensor rope_sin = rope_emb.sin().view({1, kRopeT, 1, kRopeHd});
+  const auto rotate_half = [](const at::Tensor& x) {
+    const at::Tensor x1 = x.narrow(-1, 0, kRopeHd / 2), x2 = x.narrow(-1, kRopeHd / 2, kRopeHd / 2);
+    return at::cat({-x2, x1}, -1);
+  };
+  const at::Tensor rope_q = view(rope_x).view({kRopeB, kRopeT, kRopeH, kRopeHd});
+  at::Tensor rope_q_leaf = rope_q.clone().requires_grad_(true);
+  const at::Tensor rope_dy_t = view(rope_dy).view({kRopeB, kRopeT, kRopeH, kRopeHd});
+  at::Tensor rope_torch_y;
+  const auto embedhead_rope_forward = [&] { embedhead::rope_forward(rope_table, rope_x, kRopeH, kRopeT, 0, rope_y); };
+  const auto embedhead_rope_step = [&] {
+    embedhead::rope_forward(rope_table, rope_x, kRopeH, kRopeT, 0, rope_y);
+    embedhead::rope_backward(rope_table, rope_dy, kRopeH, kRopeT, 0, rope_dx);
+  };
+  const auto torch_rope_forward = [&] { rope_torch_y = rope_q * rope_cos + rotate_half(rope_q) * rope_sin; };
+  const auto torch_rope_step = [&] {
+    rope_q_leaf.mutable_grad().reset();
+    rope_torch_y = rope_q_leaf * rope_cos + rotate_half(rope_q_leaf) * rope_sin;
+    rope_torch_y.backward(rope_dy_t);
+  };
+  embedhead_rope_step();
+  torch_rope_step();
+  // torch's angles are float32 products (position 1023 times a float inv_freq): a few 1e-5 apart.
+  agree("RoPE forward", view(rope_y), rope_torch_y.detach().view({kRopeB * kRopeT, kRopeH * kRopeHd}), 1e-3);
+  agree("RoPE backward", view(rope_dx), rope_q_leaf.grad().view({kRopeB * kRopeT, kRopeH * kRopeHd}), 1e-3);
+  bench.add("embedhead RoPE forward", embedhead_rope_forward, 5);
+  bench.add("torch HF rotate_half forward", torch_rope_forward, 5);
+  bench.add("embedhead RoPE fwd+bwd", embedhead_rope_step, 5);
+  bench.add("torch HF rotate_half fwd+autograd bwd", torch_rope_step, 5);
+  bench.compare("RoPE forward 8192x32x128", "embedhead RoPE forward", "torch HF rotate_half forward", 0, 0);
+  bench.compare("RoPE fwd+bwd 8192x32x128", "embedhead RoPE fwd+bwd", "torch HF rotate_half fwd+autograd bwd", 0, 0);
+
   // ---- peak extra memory, one thread, forked children ----
+  // With --only=WORD, only the implementations of the comparisons named with WORD are measured.
+  if (!only.empty()) {
+    std::vector<Comparison> kept;
+    for (const Comparison& c : bench.comparisons)
+      if (c.what.find(only) != std::string::npos) kept.push_back(c);
+    std::vector<Implementation> used;
+    for (const Implementation& impl : bench.implementations)
+      for (const Comparison& c : kept)
+        if (impl.name == c.embedhead || impl.name == c.baseline) {
+          used.push_back(impl);
+          break;
+        }
+    if (kept.empty()) bench_support::fail(kProgram, "--only=" + only + " matches no comparison");
+    bench.comparisons = kept;
+    bench.implementations = used;
+  }
   std::printf("\npeak extra memory (forked child per step, 1 thread):\n");
   for (const Implementation& impl : bench.implementations) {
     if (!impl.measure_memory) continue;

@@ -369,3 +369,28 @@ TEST_CASE("threads: parallel_chunks covers every chunk once, with fixed bounds, 
     }
   }
 }
+
+TEMPLATE_TEST_CASE("threads: RoPE forward and backward are bit-identical for 1 and 2 threads", "[threads][rope]", float,
+                   double) {
+  using Scalar = TestType;
+  const Index head_dim = 64, rotary_dim = 48, H = 4, B = 3, T = 200;
+  for (const auto pairing : {embedhead::RopePairing::half_split, embedhead::RopePairing::interleaved}) {
+    const embedhead::RopeTable<Scalar> table(head_dim, rotary_dim, pairing, 4096,
+                                             embedhead::rope_default_frequencies(rotary_dim, 10000.0));
+    const RowMatrix<Scalar> x = test_support::random_matrix<Scalar>(B * T, H * head_dim, 61);
+    const IdMatrix<std::int64_t> positions = test_support::random_ids<std::int64_t>(B, T, 4096, 62);
+    const auto run = [&](int threads) {
+      return with_threads(threads, [&] {
+        RowMatrix<Scalar> y = x, dx(B * T, H * head_dim);
+        embedhead::rope_forward(table, y, H, positions);
+        embedhead::rope_backward(table, x, H, positions, dx);
+        RowMatrix<Scalar> both(2 * B * T, H * head_dim);
+        both << y, dx;
+        return both;
+      });
+    };
+    const RowMatrix<Scalar> one = run(1), two = run(2), again = run(2);
+    CHECK(bit_identical(one, two));
+    CHECK(bit_identical(two, again));
+  }
+}

@@ -19,7 +19,7 @@
 #include "scatter_workspace.hpp"
 #include "types.hpp"
 
-// The layers and the losses on the head; ALiBi's attention bias.
+// The layers and the losses on the head; ALiBi's attention bias and RoPE's rotation kernels.
 #include "alibi.hpp"
 #include "cross_entropy.hpp"
 #include "dropout.hpp"
@@ -30,6 +30,7 @@
 #include "parameter_count.hpp"
 #include "position_embedding.hpp"
 #include "quantized_embedding.hpp"
+#include "rope.hpp"
 #include "token_embedding.hpp"
 #include "vocabulary.hpp"
 

@@ -50,12 +50,8 @@ namespace detail {
 // (low_precision.hpp): the packed kernel widens W while it packs it; other backends widen it a
 // tile at a time inside each chunk into `tiles` (the seam's mixed-precision path).
 
-// T itself, in a context that template argument deduction skips (std::type_identity in C++20):
-// WStorage below defaults to Scalar instead of being deduced from a Ref-convertible argument.
-template <typename T>
-struct non_deduced {
-  using type = T;
-};
+// (non_deduced, types.hpp: WStorage below defaults to Scalar instead of being deduced from a
+// Ref-convertible argument.)
 
 inline bool head_threaded(Index N, Index V, Index d) {
   return 2.0 * static_cast<double>(N) * static_cast<double>(V) * static_cast<double>(d) >= kHeadMinFlops;

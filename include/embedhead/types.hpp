@@ -35,6 +35,20 @@ using ConstMatrixRef = Eigen::Ref<const RowMatrix<Scalar>>;
 template <typename Scalar>
 using MatrixRef = Eigen::Ref<RowMatrix<Scalar>>;
 
+namespace detail {
+
+// T itself, in a context that template argument deduction skips (std::type_identity in C++20):
+// a parameter of type non_deduced_t<MatrixRef<Scalar>> takes Scalar from another argument (a
+// table, a layer) and accepts anything Ref-convertible.
+template <typename T>
+struct non_deduced {
+  using type = T;
+};
+template <typename T>
+using non_deduced_t = typename non_deduced<T>::type;
+
+}  // namespace detail
+
 }  // namespace embedhead
 
 #endif  // EMBEDHEAD_TYPES_HPP
