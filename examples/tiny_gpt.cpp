@@ -20,10 +20,12 @@
 // and the byte alphabet in the metadata), reloaded with tiny_gpt::load_model and the held-out loss
 // recomputed: it must match bit for bit.
 //
-// Usage: tiny_gpt <corpus.txt> [--quick] [--check] [--steps N] [--seed N] [--out PREFIX]
+// Usage: tiny_gpt <corpus.txt> [--quick] [--check] [--steps N] [--lr X] [--seed N] [--out PREFIX]
 //   --quick   a short run for ctest (a few seconds); checks the loss fell below the unigram baseline
 //   --check   only the gradient check: the hand-written backward against central differences in double
-//   --steps   training steps (default 1200, --quick 150)
+//   --steps   training steps (default 600, --quick 100)
+//   --lr      peak learning rate (default 3e-3)
+//   --seed    initialisation and batch seed (default 1234)
 //   --out     where to write PREFIX.safetensors (default: tiny_gpt)
 #include "tiny_gpt.hpp"
 
@@ -44,12 +46,12 @@ using Ids = IdMatrix<std::int32_t>;
 
 struct Settings {
   Index batch = 16;  // sequences per step
-  Index steps = 1200;
+  Index steps = 600;
   Index warmup = 100;
   double lr = 3e-3;
   double weight_decay = 0.1;
   double clip = 1.0;
-  Index eval_every = 200;
+  Index eval_every = 100;
   std::uint64_t seed = 1234;
 };
 
@@ -151,7 +153,8 @@ bool gradient_check() {
     worst = std::max(worst, parameter_worst);
   }
   const bool ok = worst < tolerance;
-  std::printf("gradient check: worst relative error %.2e (tolerance %.0e): %s\n", worst, tolerance, ok ? "ok" : "FAILED");
+  std::printf("gradient check: worst relative error %.2e (tolerance %.0e): %s\n", worst, tolerance,
+              ok ? "ok" : "FAILED");
   return ok;
 }
 
@@ -184,14 +187,14 @@ int main(int argc, char** argv) {
     }
   }
   if (usage_error || (corpus_path.empty() && !check)) {
-    std::fprintf(stderr, "usage: %s <corpus.txt> [--quick] [--check] [--steps N] [--seed N] [--out PREFIX]\n",
+    std::fprintf(stderr, "usage: %s <corpus.txt> [--quick] [--check] [--steps N] [--lr X] [--seed N] [--out PREFIX]\n",
                  argc > 0 ? argv[0] : "tiny_gpt");
     return 2;
   }
   try {
     if (check) return gradient_check() ? 0 : 1;
     if (quick) {
-      s.steps = 150;
+      s.steps = 100;
       s.warmup = 20;
       s.eval_every = 50;
     }
@@ -266,7 +269,8 @@ int main(int argc, char** argv) {
     char loss_text[32];
     std::snprintf(loss_text, sizeof loss_text, "%.9g", held_loss);
     tiny_gpt::save_model(path, model, corpus.alphabet,
-                         {{"held_out_loss", loss_text}, {"seed", std::to_string(s.seed)},
+                         {{"held_out_loss", loss_text},
+                          {"seed", std::to_string(s.seed)},
                           {"steps", std::to_string(s.steps)}});
     tiny_gpt::LoadedModel loaded = tiny_gpt::load_model(path);
     const double reloaded_loss = evaluate(*loaded.model, held);

@@ -26,7 +26,6 @@
 
 #include <embedhead/embedhead.hpp>
 #include <embedhead/io/safetensors.hpp>
-#include "rope_stub.hpp"  // TEMPORARY
 
 #include <cmath>
 #include <cstdint>
@@ -48,19 +47,19 @@ using embedhead::Parameter;
 using embedhead::RowMatrix;
 
 struct Config {
-  Index V = 0;          // vocabulary: distinct bytes of the corpus
-  Index d = 64;         // model width
-  Index layers = 2;     // L
-  Index heads = 4;      // H; head_dim = d / H (even, for RoPE)
-  Index ffn = 192;      // F, the MLP's hidden width
-  Index context = 64;   // T: positions the RoPE table covers (the training sequence length)
+  Index V = 0;         // vocabulary: distinct bytes of the corpus
+  Index d = 64;        // model width
+  Index layers = 2;    // L
+  Index heads = 4;     // H; head_dim = d / H (even, for RoPE)
+  Index ffn = 192;     // F, the MLP's hidden width
+  Index context = 64;  // T: positions the RoPE table covers (the training sequence length)
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   Index head_dim() const { return d / heads; }
 
   void check() const {
-    if (V < 1 || d < 1 || layers < 1 || heads < 1 || ffn < 1 || context < 1 || d % heads != 0 ||
-        head_dim() % 2 != 0 || !(rope_theta > 0) || !(norm_eps > 0))
+    if (V < 1 || d < 1 || layers < 1 || heads < 1 || ffn < 1 || context < 1 || d % heads != 0 || head_dim() % 2 != 0 ||
+        !(rope_theta > 0) || !(norm_eps > 0))
       throw std::invalid_argument("tiny_gpt: invalid configuration (V " + std::to_string(V) + ", d " +
                                   std::to_string(d) + ", heads " + std::to_string(heads) +
                                   "; d / heads must be an even integer)");
@@ -157,12 +156,12 @@ struct Layer {
 // What one layer's forward keeps for its backward; N = B*T rows.
 template <typename Scalar>
 struct LayerCache {
-  RowMatrix<Scalar> x, inv_rms1, a;  // input [N, d], 1/rms [N, 1], normed input [N, d]
-  RowMatrix<Scalar> q, k, v;         // [N, d], q and k rotated
-  RowMatrix<Scalar> probs;           // [B*H*T, T]
-  RowMatrix<Scalar> att;             // [N, d] heads' outputs, before Wo
+  RowMatrix<Scalar> x, inv_rms1, a;      // input [N, d], 1/rms [N, 1], normed input [N, d]
+  RowMatrix<Scalar> q, k, v;             // [N, d], q and k rotated
+  RowMatrix<Scalar> probs;               // [B*H*T, T]
+  RowMatrix<Scalar> att;                 // [N, d] heads' outputs, before Wo
   RowMatrix<Scalar> x_mid, inv_rms2, m;  // after attention [N, d], 1/rms [N, 1], normed [N, d]
-  RowMatrix<Scalar> gate, up, act;   // [N, F]: m Wgate^T, m Wup^T, silu(gate) * up
+  RowMatrix<Scalar> gate, up, act;       // [N, F]: m Wgate^T, m Wup^T, silu(gate) * up
 };
 
 template <typename Scalar>
@@ -213,7 +212,8 @@ class Model {
 
   // One training step's forward and backward: ids, targets [B, T] -> mean loss over the B*T
   // targets; every parameter's gradient += d loss / d parameter.
-  double forward_backward(const embedhead::IdMatrix<std::int32_t>& ids, const embedhead::IdMatrix<std::int32_t>& targets) {
+  double forward_backward(const embedhead::IdMatrix<std::int32_t>& ids,
+                          const embedhead::IdMatrix<std::int32_t>& targets) {
     const Index B = ids.rows(), T = ids.cols(), N = B * T, d = config_.d;
     hidden(ids);
     dh_.resize(N, d);
@@ -288,8 +288,8 @@ class Model {
     c.q.noalias() = c.a * w.wq->value().transpose();
     c.k.noalias() = c.a * w.wk->value().transpose();
     c.v.noalias() = c.a * w.wv->value().transpose();
-    embedhead::rope_forward(rope_, MatrixRef<Scalar>(c.q), H, T, 0);
-    embedhead::rope_forward(rope_, MatrixRef<Scalar>(c.k), H, T, 0);
+    embedhead::rope_forward(rope_, c.q, H, T, 0);
+    embedhead::rope_forward(rope_, c.k, H, T, 0);
     c.probs.resize(B * H * T, T);
     c.att.resize(N, d);
     attention_forward<Scalar>(c.q, c.k, c.v, B, T, H, c.probs, c.att);
@@ -315,7 +315,8 @@ class Model {
     dense(w.w_down).noalias() += dx_.transpose() * c.act;
     d_act_.noalias() = dx_ * w.w_down->value();
     {
-      const auto sig = (Scalar(1) / (Scalar(1) + (-c.gate.array()).exp())).eval();
+      sigmoid_ = (Scalar(1) / (Scalar(1) + (-c.gate.array()).exp())).matrix();
+      const auto sig = sigmoid_.array();
       d_up_ = (d_act_.array() * c.gate.array() * sig).matrix();  // d/d up = silu(gate)
       // d silu(g) / dg = sig (1 + g (1 - sig))
       d_gate_ = (d_act_.array() * c.up.array() * sig * (Scalar(1) + c.gate.array() * (Scalar(1) - sig))).matrix();
@@ -333,8 +334,8 @@ class Model {
     dk_.resize(c.k.rows(), c.k.cols());
     dv_.resize(c.v.rows(), c.v.cols());
     attention_backward<Scalar>(d_att_, c.q, c.k, c.v, c.probs, B, T, H, dq_, dk_, dv_, dS_);
-    embedhead::rope_backward(rope_, MatrixRef<Scalar>(dq_), H, T, 0);  // R^T: back to before the rotation
-    embedhead::rope_backward(rope_, MatrixRef<Scalar>(dk_), H, T, 0);
+    embedhead::rope_backward(rope_, dq_, H, T, 0);  // R^T: back to before the rotation
+    embedhead::rope_backward(rope_, dk_, H, T, 0);
     dense(w.wq).noalias() += dq_.transpose() * c.a;
     dense(w.wk).noalias() += dk_.transpose() * c.a;
     dense(w.wv).noalias() += dv_.transpose() * c.a;
@@ -352,8 +353,8 @@ class Model {
   std::vector<Layer<Scalar>> layers_;
   std::vector<LayerCache<Scalar>> caches_;
   embedhead::FusedHeadLoss<Scalar> loss_;
-  RowMatrix<Scalar> x_, h_, inv_rms_, dh_, dx_;                          // [N, d], [N, 1]
-  RowMatrix<Scalar> d_act_, d_gate_, d_up_, d_norm_, d_att_, dq_, dk_, dv_, dS_;  // backward scratch
+  RowMatrix<Scalar> x_, h_, inv_rms_, dh_, dx_;                                             // [N, d], [N, 1]
+  RowMatrix<Scalar> sigmoid_, d_act_, d_gate_, d_up_, d_norm_, d_att_, dq_, dk_, dv_, dS_;  // backward scratch
 };
 
 // ---- the checkpoint ----
@@ -400,8 +401,8 @@ inline void save_model(const std::string& path, const Model<float>& model, const
 
 struct LoadedModel {
   std::unique_ptr<Model<float>> model;
-  std::vector<unsigned char> alphabet;           // id -> byte
-  std::map<std::string, std::string> metadata;   // everything the file's metadata holds
+  std::vector<unsigned char> alphabet;          // id -> byte
+  std::map<std::string, std::string> metadata;  // everything the file's metadata holds
 };
 
 // Rebuilds the model save_model wrote. \throws std::runtime_error (or embedhead's format_error /
