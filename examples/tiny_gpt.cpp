@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -81,9 +82,10 @@ EvalWindows eval_windows(const std::vector<std::int32_t>& tokens, Index T, Index
   return w;
 }
 
-// Mean loss (nats per byte) over the scored targets, in batches of 64 windows.
+// Mean loss (nats per byte) over the scored targets, in batches of 64 windows; `scored` gets
+// their count.
 template <typename Scalar>
-double evaluate(tiny_gpt::Model<Scalar>& model, const EvalWindows& w) {
+double evaluate(tiny_gpt::Model<Scalar>& model, const EvalWindows& w, Index* scored = nullptr) {
   double sum = 0;
   Index count = 0;
   for (Index begin = 0; begin < w.ids.rows(); begin += 64) {
@@ -92,6 +94,7 @@ double evaluate(tiny_gpt::Model<Scalar>& model, const EvalWindows& w) {
     sum += s;
     count += c;
   }
+  if (scored) *scored = count;
   return sum / static_cast<double>(count);
 }
 
@@ -260,9 +263,13 @@ int main(int argc, char** argv) {
       }
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const double held_loss = evaluate(model, held);
-    std::printf("held-out loss %.6f nats per byte (train_lm's best: 1.980; unigram %.4f); training %.1f s\n", held_loss,
-                unigram.second, seconds);
+    Index scored = 0;
+    const double held_loss = evaluate(model, held, &scored);
+    std::printf(
+        "held-out loss %.6f nats per byte over %ld bytes (train_lm's best: 1.980; unigram %.4f); training %.1f s\n",
+        held_loss, static_cast<long>(scored), unigram.second, seconds);
+    if (scored != static_cast<Index>(corpus.held_out.size()) - C_train_lm)
+      throw std::logic_error("the held-out windows do not score every byte from the 9th on");
 
     // Save, reload, recompute: the checkpoint must give the same loss bit for bit.
     const std::string path = prefix + ".safetensors";
