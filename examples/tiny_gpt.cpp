@@ -132,6 +132,19 @@ bool gradient_check() {
   std::printf("gradient check (double, V %ld, d %ld, %ld layers, %ld heads, F %ld, B %ld, T %ld): loss %.6f\n",
               static_cast<long>(c.V), static_cast<long>(c.d), static_cast<long>(c.layers), static_cast<long>(c.heads),
               static_cast<long>(c.ffn), static_cast<long>(B), static_cast<long>(T), loss);
+  // The generation path (hidden, then logits) against the loss: the same mean cross-entropy.
+  {
+    const RowMatrix<double> logits = model.logits(model.hidden(ids));  // [B*T, V]
+    double sum = 0;
+    for (Index n = 0; n < B * T; ++n) {
+      const double top = logits.row(n).maxCoeff();
+      const double lse = top + std::log((logits.row(n).array() - top).exp().sum());
+      sum += lse - logits(n, targets(n / T, n % T));
+    }
+    const double difference = std::abs(sum / static_cast<double>(B * T) - loss);
+    std::printf("logits path: mean cross-entropy differs from the fused loss by %.1e\n", difference);
+    if (!(difference < 1e-12)) return false;
+  }
   const double h = 1e-5, tolerance = 1e-6;
   double worst = 0;
   for (const auto& p : model.parameters()) {

@@ -419,15 +419,35 @@ inline LoadedModel load_model(const std::string& path) {
   if (field("model_type") != "embedhead_tiny_gpt" || field("rope_pairing") != "half_split" ||
       field("tie_word_embeddings") != "false" || field("hidden_act") != "silu")
     throw std::runtime_error("tiny_gpt: '" + path + "' is not a checkpoint of this model");
+  // A metadata number, parsed whole, or an error naming the key.
+  const auto number = [&](const std::string& key) {
+    const std::string& text = field(key);
+    std::size_t used = 0;
+    double value = 0;
+    try {
+      value = std::stod(text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != text.size())
+      throw std::runtime_error("tiny_gpt: '" + path + "': metadata '" + key + "' = '" + text + "' is not a number");
+    return value;
+  };
+  const auto integer = [&](const std::string& key) {
+    const double value = number(key);
+    if (value != std::floor(value) || value < 1 || value > 1e9)
+      throw std::runtime_error("tiny_gpt: '" + path + "': metadata '" + key + "' is not an integer in [1, 1e9]");
+    return static_cast<Index>(value);
+  };
   Config c;
-  c.V = std::stoll(field("vocab_size"));
-  c.d = std::stoll(field("hidden_size"));
-  c.layers = std::stoll(field("num_hidden_layers"));
-  c.heads = std::stoll(field("num_attention_heads"));
-  c.ffn = std::stoll(field("intermediate_size"));
-  c.context = std::stoll(field("max_position_embeddings"));
-  c.rope_theta = std::stod(field("rope_theta"));
-  c.norm_eps = std::stod(field("rms_norm_eps"));
+  c.V = integer("vocab_size");
+  c.d = integer("hidden_size");
+  c.layers = integer("num_hidden_layers");
+  c.heads = integer("num_attention_heads");
+  c.ffn = integer("intermediate_size");
+  c.context = integer("max_position_embeddings");
+  c.rope_theta = number("rope_theta");
+  c.norm_eps = number("rms_norm_eps");
   LoadedModel out;
   const std::string& hex = field("alphabet_hex");
   if (static_cast<Index>(hex.size()) != 2 * c.V)
