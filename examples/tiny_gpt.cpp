@@ -20,9 +20,17 @@
 // and the byte alphabet in the metadata), reloaded with tiny_gpt::load_model and the held-out loss
 // recomputed: it must match bit for bit.
 //
+// On the shipped corpus (600 steps, seed 1234): 1.4990 nats per byte held out, against train_lm's
+// best 1.980 and the unigram baseline's 2.915 (mean train loss over the last 100 steps 1.379: it
+// begins to overfit the 36 KB of text); 27-44 s on one core of this project's shared 2-core
+// machine. --quick (100 steps): 2.105 in 4-8 s.
+//
 // Usage: tiny_gpt <corpus.txt> [--quick] [--check] [--steps N] [--lr X] [--seed N] [--out PREFIX]
-//   --quick   a short run for ctest (a few seconds); checks the loss fell below the unigram baseline
-//   --check   only the gradient check: the hand-written backward against central differences in double
+//   --quick   a short run for ctest (a few seconds). Exit status 1 unless the held-out loss is
+//             0.3 below the unigram baseline (the full run: below train_lm's 1.98) and the reloaded
+//             checkpoint gives it bit for bit
+//   --check   only the gradient check: the hand-written backward against central differences in
+//             double, and the logits path (generation's) against the fused loss
 //   --steps   training steps (default 600, --quick 100)
 //   --lr      peak learning rate (default 3e-3)
 //   --seed    initialisation and batch seed (default 1234)

@@ -19,6 +19,10 @@
 // lm_head.weight), weights stored [out, in] as PyTorch's nn.Linear, and keeps the configuration and
 // the byte alphabet in the safetensors metadata. load_model() rebuilds the model from that file.
 //
+// Generation (a later example): load_model(path) gives the model and the byte alphabet; for a
+// prompt of t <= context ids [1, t], model.logits(model.hidden(ids).bottomRows(1)) [1, V] scores
+// the next byte (the window is recomputed each step: there is no key/value cache).
+//
 // Shapes: activations are row-major [N, width] (one token per row, row n is sequence n / T,
 // position n % T); attention probabilities [B*H*T, T] (rows of (b, h) at (b*H + h)*T).
 #ifndef EMBEDHEAD_EXAMPLES_TINY_GPT_HPP
