@@ -24,6 +24,7 @@
 #include "cross_entropy.hpp"
 #include "dropout.hpp"
 #include "fused_head_loss.hpp"
+#include "head_scores.hpp"
 #include "gemm_backend.hpp"
 #include "low_precision.hpp"
 #include "output_projection.hpp"

@@ -406,6 +406,90 @@ void packed_gemm(const Op<Scalar, LA, LB, BStorage, AStorage>& op) {
   }
 }
 
+// ---- decode: few tokens, one pass over W, the same sequence ----
+
+// logits[t * ldl + v] = sum_k h[t * ldh + k] W[v * ldw + k] (+ bias[v * ldb]) for t < kTokens and
+// v in [v0, v1): C = h W^T for a few tokens (the decode path), by exactly the sequence at the top
+// of this file -- so a token's logits are the same bits from here, from packed_gemm in any batch,
+// and from the fused loss. The GEMM vectorises across columns of C (rows of W) with k running
+// sequentially, and so does this kernel: rows of W are taken lanes at a time, read lanes x lanes
+// values at a time (each row's values consecutive) and transposed in registers (Eigen's
+// ptranspose), so that packet j holds W[v .. v + lanes - 1][k + j]; each token's running sums then
+// take fused multiply-adds k by k in increasing order, from zero at the start of each block of
+// kPackedDepth, and the block sums are added to C in order, then the bias. W streams from memory
+// once for all the tokens and nothing is packed: the transposed values live in registers only.
+// Depth left over in a block (fewer than lanes values) and rows of W left over at the end (fewer
+// than lanes rows) follow the same sequence value by value. The next rows of W are prefetched one
+// cache line of each row per lanes values of depth.
+template <int kTokens, typename Scalar>
+void packed_decode(const Scalar* h, Index ldh, const Scalar* W, Index ldw, Index d, const Scalar* bias, Index ldb,
+                   Scalar* logits, Index ldl, Index v0, Index v1) {
+  using Tile = PackedTile<Scalar>;
+  using Packet = typename Tile::Packet;
+  constexpr int L = Tile::lanes;
+  using namespace Eigen::internal;
+  Index v = v0;
+  if constexpr (Tile::vectorised) {
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // as in transpose_lanes
+#endif
+    for (; v + L <= v1; v += L) {
+      const Scalar* w = W + v * ldw;
+      const bool prefetch_next = v + 2 * L <= v1;
+      Packet c[kTokens];
+      for (int t = 0; t < kTokens; ++t) c[t] = pset1<Packet>(Scalar(0));
+      for (Index k0 = 0; k0 < d; k0 += kPackedDepth) {
+        const Index k1 = std::min(d, k0 + kPackedDepth);
+        Packet s[kTokens];
+        for (int t = 0; t < kTokens; ++t) s[t] = pset1<Packet>(Scalar(0));
+        Index k = k0;
+        for (; k + L <= k1; k += L) {
+          PacketBlock<Packet, L> block;
+          for (int r = 0; r < L; ++r) block.packet[r] = ploadu<Packet>(w + r * ldw + k);
+          if (prefetch_next && k % std::max<Index>(L, 64 / static_cast<Index>(sizeof(Scalar))) == 0)
+            for (int r = 0; r < L; ++r) prefetch(w + (L + r) * ldw + k);
+          ptranspose(block);  // block.packet[j] = W[v .. v + L - 1][k + j]
+          for (int j = 0; j < L; ++j)
+            for (int t = 0; t < kTokens; ++t)
+              s[t] = packed_madd(pset1<Packet>(h[t * ldh + k + j]), block.packet[j], s[t]);
+        }
+        for (; k < k1; ++k) {
+          alignas(64) Scalar column[L];
+          for (int r = 0; r < L; ++r) column[r] = w[r * ldw + k];
+          const Packet wk = pload<Packet>(column);
+          for (int t = 0; t < kTokens; ++t) s[t] = packed_madd(pset1<Packet>(h[t * ldh + k]), wk, s[t]);
+        }
+        for (int t = 0; t < kTokens; ++t) c[t] = k0 == 0 ? s[t] : padd(c[t], s[t]);
+      }
+      if (bias) {
+        alignas(64) Scalar lanes[L];
+        for (int r = 0; r < L; ++r) lanes[r] = bias[(v + r) * ldb];
+        const Packet b = pload<Packet>(lanes);
+        for (int t = 0; t < kTokens; ++t) c[t] = padd(c[t], b);
+      }
+      for (int t = 0; t < kTokens; ++t) pstoreu(logits + t * ldl + v, c[t]);
+    }
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+  }
+  for (; v < v1; ++v) {
+    const Scalar* w = W + v * ldw;
+    for (int t = 0; t < kTokens; ++t) {
+      Scalar c(0);
+      for (Index k0 = 0; k0 < d; k0 += kPackedDepth) {
+        const Index k1 = std::min(d, k0 + kPackedDepth);
+        Scalar s(0);
+        for (Index k = k0; k < k1; ++k) s = packed_madd(h[t * ldh + k], w[k], s);
+        c = k0 == 0 ? s : c + s;
+      }
+      if (bias) c = c + bias[v * ldb];
+      logits[t * ldl + v] = c;
+    }
+  }
+}
+
 }  // namespace gemm
 }  // namespace detail
 }  // namespace embedhead
