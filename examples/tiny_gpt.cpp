@@ -22,8 +22,9 @@
 //
 // On the shipped corpus (600 steps, seed 1234): 1.4990 nats per byte held out, against train_lm's
 // best 1.980 and the unigram baseline's 2.915 (mean train loss over the last 100 steps 1.379: it
-// begins to overfit the 36 KB of text); 27-44 s on one core of this project's shared 2-core
-// machine. --quick (100 steps): 2.105 in 4-8 s.
+// begins to overfit the 36 KB of text), in about 24 s of one core's time (AMD EPYC, 2 vCPUs;
+// 27-45 s of wall time while other jobs shared the machine). --quick (60 steps): 2.301, in 2.5 s
+// of CPU time (6 s wall under the same load).
 //
 // Usage: tiny_gpt <corpus.txt> [--quick] [--check] [--steps N] [--lr X] [--seed N] [--out PREFIX]
 //   --quick   a short run for ctest (a few seconds). Exit status 1 unless the held-out loss is
@@ -31,7 +32,7 @@
 //             checkpoint gives it bit for bit
 //   --check   only the gradient check: the hand-written backward against central differences in
 //             double, and the logits path (generation's) against the fused loss
-//   --steps   training steps (default 600, --quick 100)
+//   --steps   training steps (default 600, --quick 60)
 //   --lr      peak learning rate (default 3e-3)
 //   --seed    initialisation and batch seed (default 1234)
 //   --out     where to write PREFIX.safetensors (default: tiny_gpt)
@@ -218,9 +219,9 @@ int main(int argc, char** argv) {
   try {
     if (check) return gradient_check() ? 0 : 1;
     if (quick) {
-      s.steps = 100;
+      s.steps = 60;
       s.warmup = 20;
-      s.eval_every = 50;
+      s.eval_every = 30;
     }
     if (steps > 0) s.steps = steps;
     const examples::Corpus corpus = examples::load_corpus(corpus_path);
