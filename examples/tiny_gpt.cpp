@@ -154,6 +154,19 @@ bool gradient_check() {
     std::printf("logits path: mean cross-entropy differs from the fused loss by %.1e\n", difference);
     if (!(difference < 1e-12)) return false;
   }
+  // Causality: changing each sequence's last byte leaves the hidden states of every earlier
+  // position bit for bit as they were.
+  {
+    const RowMatrix<double> before = model.hidden(ids);
+    Ids changed = ids;
+    for (Index b = 0; b < B; ++b) changed(b, T - 1) = static_cast<std::int32_t>((changed(b, T - 1) + 1) % c.V);
+    const RowMatrix<double> after = model.hidden(changed);
+    bool causal = true;
+    for (Index n = 0; n < B * T; ++n)
+      if (n % T != T - 1) causal = causal && before.row(n) == after.row(n);
+    std::printf("causality: earlier positions %s by a change of the last byte\n", causal ? "unchanged" : "CHANGED");
+    if (!causal) return false;
+  }
   const double h = 1e-5, tolerance = 1e-6;
   double worst = 0;
   for (const auto& p : model.parameters()) {
