@@ -237,6 +237,7 @@ int main(int argc, char** argv) {
       s.eval_every = 30;
     }
     if (steps > 0) s.steps = steps;
+    s.warmup = std::min(s.warmup, s.steps / 2);  // the schedule needs steps > warmup
     const examples::Corpus corpus = examples::load_corpus(corpus_path);
     tiny_gpt::Config config;
     config.V = corpus.V();
