@@ -33,6 +33,7 @@
 #include "quantized_embedding.hpp"
 #include "quantized_head.hpp"
 #include "rope.hpp"
+#include "shortlist.hpp"
 #include "token_embedding.hpp"
 #include "vocabulary.hpp"
 
