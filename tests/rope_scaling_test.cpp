@@ -375,6 +375,14 @@ TEST_CASE("rope_scaling: bad values are value_errors naming the function, the fi
   REQUIRE_THROWS_WITH(rope_dynamic_ntk_frequencies(4, 1e300, 1e300, 1, Index{1} << 62),
                       Contains("rope_dynamic_ntk_frequencies: the scaled base for seq_len = "));
   REQUIRE_THROWS_WITH(DynamicNtkRopeCache(6, 10000.0, 0.0, 4096), Contains("factor = 0 outside [1, inf)"));
+  // s n / M - (s - 1) cancels to 0 for a factor of 1e17 (s - 1 rounds to s).
+  REQUIRE_THROWS_WITH(rope_dynamic_ntk_frequencies(8, 10000.0, 1e17, Index{1} << 53, (Index{1} << 53) + 1),
+                      Contains("the scaled base for seq_len = 9007199254740993") && Contains(") is 0, outside (0, inf)"));
+  // A subnormal base passes the range check but overflows the frequencies.
+  REQUIRE_THROWS_WITH(rope_linear_frequencies(256, 5e-324, 1.0),
+                      Contains("rope_linear_frequencies: inv_freq[123] = inf is not finite"));
+  REQUIRE_THROWS_WITH(rope_dynamic_ntk_frequencies(256, 5e-324, 1.0, 16, 0),
+                      Contains("rope_dynamic_ntk_frequencies: inv_freq[123] = inf is not finite"));
 
   YarnOptions yarn;
   yarn.factor = 4.0;
@@ -426,6 +434,11 @@ TEST_CASE("rope_scaling: bad values are value_errors naming the function, the fi
   lbad = longrope;
   lbad.short_factor[0] = -inf;
   REQUIRE_THROWS_WITH(rope_longrope_frequencies(8, 10000.0, lbad, 0), Contains("short_factor[0] = -inf outside (0, inf)"));
+  lbad = longrope;
+  lbad.long_factor[0] = 5e-324;  // subnormal: 1 / (lambda theta) overflows in the long regime only
+  REQUIRE_NOTHROW(rope_longrope_frequencies(8, 10000.0, lbad, 4096));
+  REQUIRE_THROWS_WITH(rope_longrope_frequencies(8, 10000.0, lbad, 4097),
+                      Contains("rope_longrope_frequencies: inv_freq[0] = inf is not finite"));
   lbad = longrope;
   lbad.original_max_position_embeddings = 1;
   REQUIRE_THROWS_WITH(rope_longrope_frequencies(8, 10000.0, lbad, 0),

@@ -120,6 +120,18 @@ inline void check_rope_length(const char* where, const char* field, Index value,
   }
 }
 
+// Every frequency finite: a base or a LongRoPE factor below DBL_MIN (subnormal) passes the range
+// checks but gives 1 / 0-like results.
+inline void check_rope_finite(const char* where, const std::vector<double>& inv_freq) {
+  for (std::size_t i = 0; i < inv_freq.size(); ++i)
+    if (!std::isfinite(inv_freq[i])) {
+      std::ostringstream message;
+      message << where << ": inv_freq[" << i << "] = " << inv_freq[i]
+              << " is not finite (a base or factor too close to 0)";
+      throw value_error(message.str());
+    }
+}
+
 // theta_i = base^(-2i / rotary_dim) for i = 0 .. rotary_dim/2 - 1, in double (checked by the caller).
 inline std::vector<double> rope_theta(Index rotary_dim, double base) {
   std::vector<double> theta(static_cast<std::size_t>(rotary_dim / 2));
@@ -137,8 +149,8 @@ inline std::vector<double> rope_theta(Index rotary_dim, double base) {
 
 // rotary_dim, base, factor -> inv_freq [rotary_dim / 2] = base^(-2i / rotary_dim) / factor, a = 1
 // (HF's "linear": positions divided by factor).
-// \throws value_error if rotary_dim is odd or < 2, base is not finite and > 0, or factor is not
-// finite and >= 1.
+// \throws value_error if rotary_dim is odd or < 2, base is not finite and > 0, factor is not
+// finite and >= 1, or a frequency is not finite (a subnormal base).
 inline RopeFrequencies rope_linear_frequencies(Index rotary_dim, double base, double factor) {
   const char* where = "rope_linear_frequencies";
   detail::check_rotary_dim(where, rotary_dim);
@@ -147,6 +159,7 @@ inline RopeFrequencies rope_linear_frequencies(Index rotary_dim, double base, do
   RopeFrequencies f;
   f.inv_freq = detail::rope_theta(rotary_dim, base);
   for (double& x : f.inv_freq) x /= factor;
+  detail::check_rope_finite(where, f.inv_freq);
   return f;
 }
 
@@ -155,7 +168,8 @@ inline RopeFrequencies rope_linear_frequencies(Index rotary_dim, double base, do
 // ---------------------------------------------------------------------------------------------
 
 // The base dynamic NTK uses for a sequence of seq_len tokens: seq_len' = max(seq_len, M),
-// base * (factor * seq_len' / M - (factor - 1))^(d / (d - 2)). Checked as below.
+// base * (factor * seq_len' / M - (factor - 1))^(d / (d - 2)); exactly base when seq_len <= M.
+// Checked as below.
 inline double rope_dynamic_ntk_base(Index rotary_dim, double base, double factor, Index max_position_embeddings,
                                     Index seq_len) {
   const char* where = "rope_dynamic_ntk_frequencies";
@@ -164,11 +178,14 @@ inline double rope_dynamic_ntk_base(Index rotary_dim, double base, double factor
   detail::check_rope_factor(where, "factor", factor);
   detail::check_rope_length(where, "max_position_embeddings", max_position_embeddings);
   detail::check_rope_length(where, "seq_len", seq_len, 0);
-  const double n = static_cast<double>(std::max(seq_len, max_position_embeddings));
+  if (seq_len <= max_position_embeddings) return base;  // the formula's value, 1^(d / (d - 2)) = 1, exactly
+  const double n = static_cast<double>(seq_len);
   const double m = static_cast<double>(max_position_embeddings);
   const double d = static_cast<double>(rotary_dim);
+  // transformers' expression, evaluated as it does (Python's double). For factors near 2^52 and
+  // beyond, s n / M - (s - 1) cancels to 0 or below: refused with the overflow.
   const double scaled = base * std::pow(factor * n / m - (factor - 1.0), d / (d - 2.0));
-  if (!std::isfinite(scaled)) {
+  if (!(scaled > 0.0) || !std::isfinite(scaled)) {
     std::ostringstream message;
     message.precision(17);
     message << where << ": the scaled base for seq_len = " << seq_len << " (base " << base << ", factor "
@@ -185,12 +202,14 @@ inline double rope_dynamic_ntk_base(Index rotary_dim, double base, double factor
 // default frequencies. This is the stateless formula; HF's caching between calls is
 // DynamicNtkRopeCache below.
 // \throws value_error if rotary_dim is odd or < 4, base is not finite and > 0, factor is not
-// finite and >= 1, M < 1, seq_len < 0, or the scaled base overflows.
+// finite and >= 1, M < 1, seq_len < 0, or the scaled base is not finite and > 0 (overflow, or
+// cancellation for factors near 2^52), or a frequency is not finite (a subnormal base).
 inline RopeFrequencies rope_dynamic_ntk_frequencies(Index rotary_dim, double base, double factor,
                                                     Index max_position_embeddings, Index seq_len) {
   const double scaled = rope_dynamic_ntk_base(rotary_dim, base, factor, max_position_embeddings, seq_len);
   RopeFrequencies f;
   f.inv_freq = detail::rope_theta(rotary_dim, scaled);
+  detail::check_rope_finite("rope_dynamic_ntk_frequencies", f.inv_freq);
   return f;
 }
 
@@ -336,6 +355,7 @@ inline RopeFrequencies rope_yarn_frequencies(Index rotary_dim, double base, cons
     double& theta = f.inv_freq[static_cast<std::size_t>(i)];
     theta = (theta / s) * ramp + theta * (1.0 - ramp);
   }
+  detail::check_rope_finite(where, f.inv_freq);
   f.attention_factor = a;
   return f;
 }
@@ -359,7 +379,8 @@ struct LongRopeOptions {
 // \throws value_error if rotary_dim is odd or < 2, base is not finite and > 0, either factor list
 // does not have rotary_dim / 2 entries or has one that is not finite and > 0 (named by its index),
 // L or M < 1, factor is given and not finite and >= 1, attention_factor is given and not finite
-// and > 0, seq_len < 0, or the default attention factor divides by ln(L) = 0 (L = 1 with s > 1).
+// and > 0, seq_len < 0, the default attention factor divides by ln(L) = 0 (L = 1 with s > 1), or
+// a frequency is not finite (a subnormal base or factor).
 inline RopeFrequencies rope_longrope_frequencies(Index rotary_dim, double base, const LongRopeOptions& options,
                                                  Index seq_len) {
   const char* where = "rope_longrope_frequencies";
@@ -407,6 +428,7 @@ inline RopeFrequencies rope_longrope_frequencies(Index rotary_dim, double base, 
   RopeFrequencies f;
   f.inv_freq = detail::rope_theta(rotary_dim, base);
   for (std::size_t i = 0; i < f.inv_freq.size(); ++i) f.inv_freq[i] /= lambda[i];
+  detail::check_rope_finite(where, f.inv_freq);
   f.attention_factor = a;
   return f;
 }
@@ -427,7 +449,8 @@ struct Llama3Options {
 // config, every field is required there.
 // \throws value_error if rotary_dim is odd or < 2, base is not finite and > 0, factor is not
 // finite and >= 1, low_freq_factor is not finite and > 0, high_freq_factor is not finite and
-// > low_freq_factor, or original_max_position_embeddings < 1.
+// > low_freq_factor, original_max_position_embeddings < 1, or a frequency is not finite (a
+// subnormal base).
 inline RopeFrequencies rope_llama3_frequencies(Index rotary_dim, double base, const Llama3Options& options) {
   const char* where = "rope_llama3_frequencies";
   detail::check_rotary_dim(where, rotary_dim);
@@ -459,6 +482,7 @@ inline RopeFrequencies rope_llama3_frequencies(Index rotary_dim, double base, co
       theta = (1.0 - g) * theta / options.factor + g * theta;
     }
   }
+  detail::check_rope_finite(where, f.inv_freq);
   return f;
 }
 

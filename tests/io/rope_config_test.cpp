@@ -108,8 +108,8 @@ TEST_CASE("rope_config: the three spellings of the type", "[rope_config]") {
     require_same(embedhead::rope_frequencies(*config, 5000),
                  embedhead::rope_dynamic_ntk_frequencies(64, 50000.0, 2.0, 2048, 5000));
   }
-  // With both, rope_type wins (transformers: setdefault("rope_type", type)).
-  REQUIRE(parse_rope_config(with_scaling(R"({"rope_type": "linear", "type": "dynamic", "factor": 2})")).rope_type ==
+  // Both, agreeing (some converted configs carry both).
+  REQUIRE(parse_rope_config(with_scaling(R"({"rope_type": "linear", "type": "linear", "factor": 2})")).rope_type ==
           "linear");
   // Both blocks, equal: fine.
   REQUIRE(parse_rope_config(R"({"head_dim": 8, "rope_scaling": {"type": "linear", "factor": 2},
@@ -265,6 +265,8 @@ TEST_CASE("rope_config: every error is a format_error naming the key", "[rope_co
   fails(with_scaling(R"({"type": "mrope", "mrope_section": [16, 24, 24]})"), "rope_scaling.type: unknown rope type \"mrope\"");
   fails(with_scaling(R"({"type": "LINEAR", "factor": 2})"), "rope_scaling.type: unknown rope type \"LINEAR\"");
   fails(with_scaling(R"({"rope_type": 3})"), "rope_scaling.rope_type: expected a string, got number 3");
+  fails(with_scaling(R"({"rope_type": "linear", "type": "dynamic", "factor": 2})"),
+        "rope_scaling.type: value \"dynamic\" disagrees with rope_scaling.rope_type = \"linear\"");
   // Missing required fields.
   fails(with_scaling(R"({"type": "linear"})"), "rope_scaling.factor: missing (rope type 'linear' needs it)");
   fails(with_scaling(R"({"type": "dynamic", "factor": null})"), "rope_scaling.factor: missing (rope type 'dynamic' needs it)");
@@ -314,6 +316,13 @@ TEST_CASE("rope_config: every error is a format_error naming the key", "[rope_co
   fails(R"({"head_dim": 2, "max_position_embeddings": 64, "rope_scaling": {"type": "dynamic", "factor": 2}})",
         "= 2 must be even and in [4, inf)");
   fails(R"({"hidden_size": 4, "num_attention_heads": 8})", "hidden_size: value 4 is less than num_attention_heads = 8");
+  fails(R"({"head_dim": 65537})", "head_dim: value 65537 outside [1, 65536]");
+  fails(R"({"hidden_size": 1048576, "num_attention_heads": 1})",
+        "hidden_size: value 1048576 gives head_dim = hidden_size // num_attention_heads = 1048576 outside [1, 65536]");
+  fails(R"({"head_dim": 256, "rope_theta": 5e-324})", "rope_theta: value 4.9406564584124654e-324 gives a frequency that is not finite (inv_freq[123])");
+  fails(R"({"head_dim": 8, "max_position_embeddings": 4096, "original_max_position_embeddings": 64,
+        "rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": [1, 5e-324, 1, 1]}})",
+        "the values give no frequencies: rope_longrope_frequencies: inv_freq[1] = inf is not finite");
   fails(with_scaling(R"({"type": "yarn", "factor": 2, "attention_factor": 0})"), "rope_scaling.attention_factor: value 0 outside (0, inf)");
   fails(with_scaling(R"({"type": "yarn", "factor": 2, "beta_fast": -1})"), "rope_scaling.beta_fast: value -1 outside (0, inf)");
   fails(with_scaling(R"({"type": "yarn", "factor": 2, "beta_fast": 1, "beta_slow": 2})"),

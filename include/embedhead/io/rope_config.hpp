@@ -19,8 +19,9 @@
 //
 // As transformers standardises them (RotaryEmbeddingConfigMixin.standardize_rope_params and the
 // _validate_*_rope_parameters functions of modeling_rope_utils.py, v5):
-//   - the type is the block's "rope_type", else its legacy "type", else "default"; with both,
-//     rope_type wins. Legacy names: "su" is "longrope" (Phi-3's first configs); in a config whose
+//   - the type is the block's "rope_type", else its legacy "type", else "default"; both may be
+//     given if they agree (transformers v4's LlamaConfig let `type` win, v5 lets rope_type win, so
+//     two different values are refused). Legacy names: "su" is "longrope" (Phi-3's first configs); in a config whose
 //     model_type is "phi3", a legacy "type": "yarn" is "longrope" too (transformers' Phi3Config
 //     maps both). Types: default, linear, dynamic, yarn, longrope, llama3.
 //   - for yarn, longrope and llama3, L is the top-level original_max_position_embeddings if
@@ -245,6 +246,10 @@ inline const std::set<std::string>& rope_known_keys(const std::string& type) {
   return common;
 }
 
+// The largest head_dim the reader accepts (real models: 64 to 512), so that a corrupt value
+// cannot ask for gigabytes of frequencies.
+constexpr Index kRopeMaxHeadDim = Index{1} << 16;
+
 inline RopeConfig parse_rope_config_json(const rope_json& root) {
   if (!root.is_object()) throw_rope_config("(root)", std::string("expected an object, got ") + root.type_name());
   RopeConfig config;
@@ -268,6 +273,11 @@ inline RopeConfig parse_rope_config_json(const rope_json& root) {
   // The type, with transformers' legacy spellings.
   const auto rope_type = rope_json_string(block, "rope_type", name + ".rope_type");
   const auto legacy_type = rope_json_string(block, "type", name + ".type");
+  // transformers v4's LlamaConfig copied `type` over `rope_type`, v5 keeps `rope_type`: two
+  // different values are ambiguous.
+  if (rope_type && legacy_type && *rope_type != *legacy_type)
+    throw_rope_config(name + ".type", "value " + rope_json_preview(rope_json(*legacy_type)) + " disagrees with " + name +
+                                          ".rope_type = " + rope_json_preview(rope_json(*rope_type)));
   std::string type = rope_type ? *rope_type : legacy_type ? *legacy_type : "default";
   const auto model_type = rope_json_find(root, "model_type");
   const bool phi3 = model_type != nullptr && model_type->is_string() && model_type->get<std::string>() == "phi3";
@@ -317,6 +327,9 @@ inline RopeConfig parse_rope_config_json(const rope_json& root) {
 
   // head_dim, then rotary_dim.
   if (const auto head_dim = rope_json_integer(root, "head_dim", "head_dim", 1)) {
+    if (*head_dim > kRopeMaxHeadDim)
+      throw_rope_config("head_dim", "value " + std::to_string(*head_dim) + " outside [1, " +
+                                        std::to_string(kRopeMaxHeadDim) + "]");
     config.head_dim = *head_dim;
   } else {
     const auto hidden = rope_json_integer(root, "hidden_size", "hidden_size", 1);
@@ -324,6 +337,10 @@ inline RopeConfig parse_rope_config_json(const rope_json& root) {
     if (!hidden) throw_rope_config("hidden_size", "missing (needed for head_dim = hidden_size // num_attention_heads, as head_dim is not given)");
     if (!heads) throw_rope_config("num_attention_heads", "missing (needed for head_dim = hidden_size // num_attention_heads, as head_dim is not given)");
     config.head_dim = *hidden / *heads;
+    if (config.head_dim > kRopeMaxHeadDim)
+      throw_rope_config("hidden_size", "value " + std::to_string(*hidden) + " gives head_dim = hidden_size // "
+                                       "num_attention_heads = " + std::to_string(config.head_dim) + " outside [1, " +
+                                       std::to_string(kRopeMaxHeadDim) + "]");
     if (config.head_dim < 1)
       throw_rope_config("hidden_size", "value " + std::to_string(*hidden) + " is less than num_attention_heads = " +
                                            std::to_string(*heads) + ": head_dim = hidden_size // num_attention_heads would be 0");
@@ -493,11 +510,22 @@ inline RopeConfig parse_rope_config(const std::string& text) {
     throw format_error(std::string("parse_rope_config: not valid JSON: ") + e.what());
   }
   RopeConfig config = detail::parse_rope_config_json(root);
-  try {
-    (void)rope_frequencies(config, 0);
-  } catch (const value_error& e) {
-    throw format_error(std::string("parse_rope_config: the values give no frequencies: ") + e.what());
-  }
+  // The frequencies at initialisation (and LongRoPE's long regime): what the scaling functions
+  // refuse beyond the reader's own checks (e.g. a subnormal rope_theta) is refused here.
+  const auto check = [&](Index seq_len) {
+    RopeFrequencies f;
+    try {
+      f = rope_frequencies(config, seq_len);
+    } catch (const value_error& e) {
+      throw format_error(std::string("parse_rope_config: the values give no frequencies: ") + e.what());
+    }
+    for (std::size_t i = 0; i < f.inv_freq.size(); ++i)
+      if (!std::isfinite(f.inv_freq[i]))
+        throw format_error("parse_rope_config: rope_theta: value " + detail::rope_number_text(config.rope_theta) +
+                           " gives a frequency that is not finite (inv_freq[" + std::to_string(i) + "])");
+  };
+  check(0);
+  if (config.rope_type == "longrope") check(*config.original_max_position_embeddings + 1);
   return config;
 }
 
