@@ -370,3 +370,21 @@ TEST_CASE("rope_config: rope_frequencies on a hand-built config names what is mi
   c.rope_type = "nope";
   REQUIRE_THROWS_WITH(embedhead::rope_frequencies(c, 0), Contains("rope_frequencies: unknown rope type 'nope'"));
 }
+
+TEST_CASE("rope_config: the inputs of fuzz/corpus/rope_config/crash-review-* are refused", "[rope_config][fuzz]") {
+  // Each once gave a finding in rope_config_fuzz (see fuzz/README.md): an allocation of 2^55
+  // bytes, or frequencies that were not finite.
+  const auto refused = [](const std::string& text, const std::string& message) {
+    INFO(text);
+    REQUIRE_THROWS_WITH(parse_rope_config(text), Contains(message));
+  };
+  refused(R"({"head_dim": 9007199254740992})", "head_dim: value 9007199254740992 outside [1, 65536]");
+  refused(R"({"head_dim": 256, "rope_theta": 5e-324})", "rope_theta: value 4.9406564584124654e-324 gives a frequency");
+  refused(R"({"head_dim": 8, "max_position_embeddings": 4096, "original_max_position_embeddings": 64, "rope_scaling":
+      {"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": [1, 5e-324, 1, 1]}})",
+          "rope_longrope_frequencies: inv_freq[1] = inf is not finite");
+  // Dynamic NTK with factor 1e17 and M = 1: at n <= M the base is exact (it was 0 by cancellation).
+  const RopeConfig c =
+      parse_rope_config(R"({"head_dim": 8, "max_position_embeddings": 1, "rope_scaling": {"type": "dynamic", "factor": 1e17}})");
+  require_same(embedhead::rope_frequencies(c, 0), embedhead::rope_default_frequencies(8, 10000.0));
+}
