@@ -66,8 +66,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     finding("a parsed config has a type outside the six");
   if (config.head_dim < 1) finding("a parsed config has head_dim < 1");
   if (config.rotary_dim < 2 || config.rotary_dim % 2 != 0) finding("a parsed config has an odd or short rotary_dim");
-  if (config.rotary_dim != static_cast<embedhead::Index>(static_cast<double>(config.head_dim) *
-                                                         config.partial_rotary_factor))
+  if (config.rotary_dim !=
+      static_cast<embedhead::Index>(static_cast<double>(config.head_dim) * config.partial_rotary_factor))
     finding("rotary_dim is not int(head_dim * partial_rotary_factor)");
   try {
     check_frequencies(config, 0);

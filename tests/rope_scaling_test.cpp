@@ -131,8 +131,8 @@ TEST_CASE("rope_scaling: dynamic NTK against the reference", "[rope_scaling][dyn
   for (const Index d : {Index{4}, Index{8}, Index{64}, Index{128}})
     for (const double base : kBases)
       for (const double factor : {1.0, 2.0, 4.0})
-        for (const Index seq_len : {Index{0}, Index{1}, Index{4095}, Index{4096}, Index{4097}, Index{8191},
-                                    Index{65535}, Index{131071}}) {
+        for (const Index seq_len :
+             {Index{0}, Index{1}, Index{4095}, Index{4096}, Index{4097}, Index{8191}, Index{65535}, Index{131071}}) {
           INFO("d = " << d << ", base = " << base << ", factor = " << factor << ", seq_len = " << seq_len);
           const RopeFrequencies f = embedhead::rope_dynamic_ntk_frequencies(d, base, factor, 4096, seq_len);
           require_close(f.inv_freq, ref_dynamic(d, base, factor, 4096, seq_len), 1e-12);
@@ -377,7 +377,8 @@ TEST_CASE("rope_scaling: bad values are value_errors naming the function, the fi
   REQUIRE_THROWS_WITH(DynamicNtkRopeCache(6, 10000.0, 0.0, 4096), Contains("factor = 0 outside [1, inf)"));
   // s n / M - (s - 1) cancels to 0 for a factor of 1e17 (s - 1 rounds to s).
   REQUIRE_THROWS_WITH(rope_dynamic_ntk_frequencies(8, 10000.0, 1e17, Index{1} << 53, (Index{1} << 53) + 1),
-                      Contains("the scaled base for seq_len = 9007199254740993") && Contains(") is 0, outside (0, inf)"));
+                      Contains("the scaled base for seq_len = 9007199254740993") &&
+                          Contains(") is 0, outside (0, inf)"));
   // A subnormal base passes the range check but overflows the frequencies.
   REQUIRE_THROWS_WITH(rope_linear_frequencies(256, 5e-324, 1.0),
                       Contains("rope_linear_frequencies: inv_freq[123] = inf is not finite"));
@@ -389,17 +390,20 @@ TEST_CASE("rope_scaling: bad values are value_errors naming the function, the fi
   yarn.original_max_position_embeddings = 4096;
   REQUIRE_NOTHROW(rope_yarn_frequencies(8, 10000.0, yarn));
   REQUIRE_THROWS_WITH(rope_yarn_frequencies(7, 10000.0, yarn), Contains("rope_yarn_frequencies: rotary_dim = 7"));
-  REQUIRE_THROWS_WITH(rope_yarn_frequencies(8, 1.0, yarn), Contains("rope_yarn_frequencies: base = 1 outside (1, inf)"));
+  REQUIRE_THROWS_WITH(rope_yarn_frequencies(8, 1.0, yarn),
+                      Contains("rope_yarn_frequencies: base = 1 outside (1, inf)"));
   YarnOptions bad = yarn;
   bad.factor = 0.0;
-  REQUIRE_THROWS_WITH(rope_yarn_frequencies(8, 10000.0, bad), Contains("rope_yarn_frequencies: factor = 0 outside [1, inf)"));
+  REQUIRE_THROWS_WITH(rope_yarn_frequencies(8, 10000.0, bad),
+                      Contains("rope_yarn_frequencies: factor = 0 outside [1, inf)"));
   bad = yarn;
   bad.original_max_position_embeddings = 0;
   REQUIRE_THROWS_WITH(rope_yarn_frequencies(8, 10000.0, bad),
                       Contains("rope_yarn_frequencies: original_max_position_embeddings = 0 outside [1, inf)"));
   bad = yarn;
   bad.beta_fast = -1.0;
-  REQUIRE_THROWS_WITH(rope_yarn_frequencies(8, 10000.0, bad), Contains("rope_yarn_frequencies: beta_fast = -1 outside (0, inf)"));
+  REQUIRE_THROWS_WITH(rope_yarn_frequencies(8, 10000.0, bad),
+                      Contains("rope_yarn_frequencies: beta_fast = -1 outside (0, inf)"));
   bad = yarn;
   bad.beta_slow = nan;
   REQUIRE_THROWS_WITH(rope_yarn_frequencies(8, 10000.0, bad), Contains("beta_slow = nan outside (0, inf)"));
@@ -433,7 +437,8 @@ TEST_CASE("rope_scaling: bad values are value_errors naming the function, the fi
                       Contains("rope_longrope_frequencies: long_factor[2] = 0 outside (0, inf)"));
   lbad = longrope;
   lbad.short_factor[0] = -inf;
-  REQUIRE_THROWS_WITH(rope_longrope_frequencies(8, 10000.0, lbad, 0), Contains("short_factor[0] = -inf outside (0, inf)"));
+  REQUIRE_THROWS_WITH(rope_longrope_frequencies(8, 10000.0, lbad, 0),
+                      Contains("short_factor[0] = -inf outside (0, inf)"));
   lbad = longrope;
   lbad.long_factor[0] = 5e-324;  // subnormal: 1 / (lambda theta) overflows in the long regime only
   REQUIRE_NOTHROW(rope_longrope_frequencies(8, 10000.0, lbad, 4096));
@@ -441,19 +446,23 @@ TEST_CASE("rope_scaling: bad values are value_errors naming the function, the fi
                       Contains("rope_longrope_frequencies: inv_freq[0] = inf is not finite"));
   lbad = longrope;
   lbad.original_max_position_embeddings = 1;
-  REQUIRE_THROWS_WITH(rope_longrope_frequencies(8, 10000.0, lbad, 0),
-                      Contains("original_max_position_embeddings (ln(L) divides the attention factor) = 1 outside [2, inf)"));
+  REQUIRE_THROWS_WITH(
+      rope_longrope_frequencies(8, 10000.0, lbad, 0),
+      Contains("original_max_position_embeddings (ln(L) divides the attention factor) = 1 outside [2, inf)"));
   lbad = longrope;
   lbad.factor = 0.5;
-  REQUIRE_THROWS_WITH(rope_longrope_frequencies(8, 10000.0, lbad, 0), Contains("rope_longrope_frequencies: factor = 0.5 outside [1, inf)"));
+  REQUIRE_THROWS_WITH(rope_longrope_frequencies(8, 10000.0, lbad, 0),
+                      Contains("rope_longrope_frequencies: factor = 0.5 outside [1, inf)"));
   REQUIRE_THROWS_WITH(rope_longrope_frequencies(8, 10000.0, longrope, -1), Contains("seq_len = -1 outside [0, inf)"));
 
   Llama3Options llama;
-  REQUIRE_THROWS_WITH(rope_llama3_frequencies(8, nan, llama), Contains("rope_llama3_frequencies: base = nan outside (0, inf)"));
+  REQUIRE_THROWS_WITH(rope_llama3_frequencies(8, nan, llama),
+                      Contains("rope_llama3_frequencies: base = nan outside (0, inf)"));
   Llama3Options llbad = llama;
   llbad.low_freq_factor = 4.0;
-  REQUIRE_THROWS_WITH(rope_llama3_frequencies(8, 10000.0, llbad),
-                      Contains("rope_llama3_frequencies: high_freq_factor = 4 outside (low_freq_factor, inf) (low_freq_factor = 4)"));
+  REQUIRE_THROWS_WITH(
+      rope_llama3_frequencies(8, 10000.0, llbad),
+      Contains("rope_llama3_frequencies: high_freq_factor = 4 outside (low_freq_factor, inf) (low_freq_factor = 4)"));
   llbad = llama;
   llbad.low_freq_factor = 0.0;
   REQUIRE_THROWS_WITH(rope_llama3_frequencies(8, 10000.0, llbad), Contains("low_freq_factor = 0 outside (0, inf)"));

@@ -81,7 +81,8 @@
 
 namespace embedhead {
 
-namespace detail {
+// Helpers of this header only, in a namespace of their own (rope.hpp has its own detail helpers).
+namespace detail::rope_scaling_impl {
 
 [[noreturn]] inline void throw_rope_value(const char* where, const char* field, double value, const char* range) {
   std::ostringstream message;
@@ -136,12 +137,12 @@ inline void check_rope_finite(const char* where, const std::vector<double>& inv_
 inline std::vector<double> rope_theta(Index rotary_dim, double base) {
   std::vector<double> theta(static_cast<std::size_t>(rotary_dim / 2));
   for (Index i = 0; i < rotary_dim / 2; ++i)
-    theta[static_cast<std::size_t>(i)] =
-        1.0 / std::pow(base, static_cast<double>(2 * i) / static_cast<double>(rotary_dim));
+    theta[static_cast<std::size_t>(i)] = 1.0 /
+                                         std::pow(base, static_cast<double>(2 * i) / static_cast<double>(rotary_dim));
   return theta;
 }
 
-}  // namespace detail
+}  // namespace detail::rope_scaling_impl
 
 // ---------------------------------------------------------------------------------------------
 // linear
@@ -153,13 +154,13 @@ inline std::vector<double> rope_theta(Index rotary_dim, double base) {
 // finite and >= 1, or a frequency is not finite (a subnormal base).
 inline RopeFrequencies rope_linear_frequencies(Index rotary_dim, double base, double factor) {
   const char* where = "rope_linear_frequencies";
-  detail::check_rotary_dim(where, rotary_dim);
-  detail::check_rope_base(where, base);
-  detail::check_rope_factor(where, "factor", factor);
+  detail::rope_scaling_impl::check_rotary_dim(where, rotary_dim);
+  detail::rope_scaling_impl::check_rope_base(where, base);
+  detail::rope_scaling_impl::check_rope_factor(where, "factor", factor);
   RopeFrequencies f;
-  f.inv_freq = detail::rope_theta(rotary_dim, base);
+  f.inv_freq = detail::rope_scaling_impl::rope_theta(rotary_dim, base);
   for (double& x : f.inv_freq) x /= factor;
-  detail::check_rope_finite(where, f.inv_freq);
+  detail::rope_scaling_impl::check_rope_finite(where, f.inv_freq);
   return f;
 }
 
@@ -173,11 +174,11 @@ inline RopeFrequencies rope_linear_frequencies(Index rotary_dim, double base, do
 inline double rope_dynamic_ntk_base(Index rotary_dim, double base, double factor, Index max_position_embeddings,
                                     Index seq_len) {
   const char* where = "rope_dynamic_ntk_frequencies";
-  detail::check_rotary_dim(where, rotary_dim, 4);  // d / (d - 2): d = 2 would divide by zero
-  detail::check_rope_base(where, base);
-  detail::check_rope_factor(where, "factor", factor);
-  detail::check_rope_length(where, "max_position_embeddings", max_position_embeddings);
-  detail::check_rope_length(where, "seq_len", seq_len, 0);
+  detail::rope_scaling_impl::check_rotary_dim(where, rotary_dim, 4);  // d / (d - 2): d = 2 would divide by zero
+  detail::rope_scaling_impl::check_rope_base(where, base);
+  detail::rope_scaling_impl::check_rope_factor(where, "factor", factor);
+  detail::rope_scaling_impl::check_rope_length(where, "max_position_embeddings", max_position_embeddings);
+  detail::rope_scaling_impl::check_rope_length(where, "seq_len", seq_len, 0);
   if (seq_len <= max_position_embeddings) return base;  // the formula's value, 1^(d / (d - 2)) = 1, exactly
   const double n = static_cast<double>(seq_len);
   const double m = static_cast<double>(max_position_embeddings);
@@ -188,9 +189,8 @@ inline double rope_dynamic_ntk_base(Index rotary_dim, double base, double factor
   if (!(scaled > 0.0) || !std::isfinite(scaled)) {
     std::ostringstream message;
     message.precision(17);
-    message << where << ": the scaled base for seq_len = " << seq_len << " (base " << base << ", factor "
-            << factor << ", max_position_embeddings " << max_position_embeddings << ") is " << scaled
-            << ", outside (0, inf)";
+    message << where << ": the scaled base for seq_len = " << seq_len << " (base " << base << ", factor " << factor
+            << ", max_position_embeddings " << max_position_embeddings << ") is " << scaled << ", outside (0, inf)";
     throw value_error(message.str());
   }
   return scaled;
@@ -208,8 +208,8 @@ inline RopeFrequencies rope_dynamic_ntk_frequencies(Index rotary_dim, double bas
                                                     Index max_position_embeddings, Index seq_len) {
   const double scaled = rope_dynamic_ntk_base(rotary_dim, base, factor, max_position_embeddings, seq_len);
   RopeFrequencies f;
-  f.inv_freq = detail::rope_theta(rotary_dim, scaled);
-  detail::check_rope_finite("rope_dynamic_ntk_frequencies", f.inv_freq);
+  f.inv_freq = detail::rope_scaling_impl::rope_theta(rotary_dim, scaled);
+  detail::rope_scaling_impl::check_rope_finite("rope_dynamic_ntk_frequencies", f.inv_freq);
   return f;
 }
 
@@ -234,14 +234,14 @@ class DynamicNtkRopeCache {
         factor_(factor),
         max_position_embeddings_(max_position_embeddings),
         max_seq_len_cached_(max_position_embeddings),
-        original_(rope_dynamic_ntk_frequencies(rotary_dim, base, factor, max_position_embeddings,
-                                               max_position_embeddings)),
+        original_(
+            rope_dynamic_ntk_frequencies(rotary_dim, base, factor, max_position_embeddings, max_position_embeddings)),
         current_(original_) {}
 
   // seq_len = max(position id) + 1 of the coming forward call. Returns true when frequencies()
   // changed. \throws value_error if seq_len < 0 (nothing changes then).
   bool update(Index seq_len) {
-    if (seq_len < 0) detail::check_rope_length("DynamicNtkRopeCache::update", "seq_len", seq_len, 0);
+    if (seq_len < 0) detail::rope_scaling_impl::check_rope_length("DynamicNtkRopeCache::update", "seq_len", seq_len, 0);
     if (seq_len > max_seq_len_cached_) {
       current_ = rope_dynamic_ntk_frequencies(rotary_dim_, base_, factor_, max_position_embeddings_, seq_len);
       max_seq_len_cached_ = seq_len;
@@ -273,14 +273,14 @@ class DynamicNtkRopeCache {
 // ---------------------------------------------------------------------------------------------
 
 struct YarnOptions {
-  double factor = 1.0;                           // s, required in HF's config (>= 1)
-  Index original_max_position_embeddings = 0;    // L, the pre-training context (>= 1)
-  double beta_fast = 32.0;                       // rotations in L where extrapolation ends
-  double beta_slow = 1.0;                        // rotations in L where interpolation starts
-  bool truncate = true;                          // floor / ceil the correction range
-  std::optional<double> attention_factor;        // a, when given (> 0)
-  std::optional<double> mscale;                  // DeepSeek's mscale ...
-  std::optional<double> mscale_all_dim;          // ... and mscale_all_dim: a = ratio when both non-zero
+  double factor = 1.0;                         // s, required in HF's config (>= 1)
+  Index original_max_position_embeddings = 0;  // L, the pre-training context (>= 1)
+  double beta_fast = 32.0;                     // rotations in L where extrapolation ends
+  double beta_slow = 1.0;                      // rotations in L where interpolation starts
+  bool truncate = true;                        // floor / ceil the correction range
+  std::optional<double> attention_factor;      // a, when given (> 0)
+  std::optional<double> mscale;                // DeepSeek's mscale ...
+  std::optional<double> mscale_all_dim;        // ... and mscale_all_dim: a = ratio when both non-zero
 };
 
 // YaRN's mscale(s, m) = 0.1 m ln(s) + 1 for s > 1, else 1 (HF's get_mscale).
@@ -298,24 +298,27 @@ inline double yarn_get_mscale(double scale, double mscale = 1.0) {
 // finite and > 0.
 inline RopeFrequencies rope_yarn_frequencies(Index rotary_dim, double base, const YarnOptions& options) {
   const char* where = "rope_yarn_frequencies";
-  detail::check_rotary_dim(where, rotary_dim);
-  if (!(base > 1.0) || !std::isfinite(base)) detail::throw_rope_value(where, "base", base, "(1, inf)");
-  detail::check_rope_factor(where, "factor", options.factor);
-  detail::check_rope_length(where, "original_max_position_embeddings", options.original_max_position_embeddings);
-  detail::check_rope_positive(where, "beta_fast", options.beta_fast);
-  detail::check_rope_positive(where, "beta_slow", options.beta_slow);
+  detail::rope_scaling_impl::check_rotary_dim(where, rotary_dim);
+  if (!(base > 1.0) || !std::isfinite(base))
+    detail::rope_scaling_impl::throw_rope_value(where, "base", base, "(1, inf)");
+  detail::rope_scaling_impl::check_rope_factor(where, "factor", options.factor);
+  detail::rope_scaling_impl::check_rope_length(where, "original_max_position_embeddings",
+                                               options.original_max_position_embeddings);
+  detail::rope_scaling_impl::check_rope_positive(where, "beta_fast", options.beta_fast);
+  detail::rope_scaling_impl::check_rope_positive(where, "beta_slow", options.beta_slow);
   if (options.beta_fast < options.beta_slow) {
     std::ostringstream message;
     message.precision(17);
-    message << where << ": beta_fast = " << options.beta_fast << " outside [beta_slow, inf) (beta_slow = "
-            << options.beta_slow << ")";
+    message << where << ": beta_fast = " << options.beta_fast
+            << " outside [beta_slow, inf) (beta_slow = " << options.beta_slow << ")";
     throw value_error(message.str());
   }
-  if (options.attention_factor) detail::check_rope_positive(where, "attention_factor", *options.attention_factor);
+  if (options.attention_factor)
+    detail::rope_scaling_impl::check_rope_positive(where, "attention_factor", *options.attention_factor);
   if (options.mscale && !std::isfinite(*options.mscale))
-    detail::throw_rope_value(where, "mscale", *options.mscale, "(-inf, inf)");
+    detail::rope_scaling_impl::throw_rope_value(where, "mscale", *options.mscale, "(-inf, inf)");
   if (options.mscale_all_dim && !std::isfinite(*options.mscale_all_dim))
-    detail::throw_rope_value(where, "mscale_all_dim", *options.mscale_all_dim, "(-inf, inf)");
+    detail::rope_scaling_impl::throw_rope_value(where, "mscale_all_dim", *options.mscale_all_dim, "(-inf, inf)");
 
   const double s = options.factor;
   double a = 0.0;
@@ -325,8 +328,8 @@ inline RopeFrequencies rope_yarn_frequencies(Index rotary_dim, double base, cons
     // HF tests `mscale and mscale_all_dim`: both present and non-zero.
     a = yarn_get_mscale(s, *options.mscale) / yarn_get_mscale(s, *options.mscale_all_dim);
     if (!(a > 0.0) || !std::isfinite(a))
-      detail::throw_rope_value(where, "attention factor mscale(factor, mscale) / mscale(factor, mscale_all_dim)", a,
-                               "(0, inf)");
+      detail::rope_scaling_impl::throw_rope_value(
+          where, "attention factor mscale(factor, mscale) / mscale(factor, mscale_all_dim)", a, "(0, inf)");
   } else {
     a = yarn_get_mscale(s);
   }
@@ -349,13 +352,13 @@ inline RopeFrequencies rope_yarn_frequencies(Index rotary_dim, double base, cons
   if (lo == hi) hi += 0.001;  // HF's guard against 0 / 0
 
   RopeFrequencies f;
-  f.inv_freq = detail::rope_theta(rotary_dim, base);
+  f.inv_freq = detail::rope_scaling_impl::rope_theta(rotary_dim, base);
   for (Index i = 0; i < rotary_dim / 2; ++i) {
     const double ramp = std::clamp((static_cast<double>(i) - lo) / (hi - lo), 0.0, 1.0);
     double& theta = f.inv_freq[static_cast<std::size_t>(i)];
     theta = (theta / s) * ramp + theta * (1.0 - ramp);
   }
-  detail::check_rope_finite(where, f.inv_freq);
+  detail::rope_scaling_impl::check_rope_finite(where, f.inv_freq);
   f.attention_factor = a;
   return f;
 }
@@ -365,12 +368,12 @@ inline RopeFrequencies rope_yarn_frequencies(Index rotary_dim, double base, cons
 // ---------------------------------------------------------------------------------------------
 
 struct LongRopeOptions {
-  std::vector<double> short_factor;              // [rotary_dim / 2], each > 0: n <= L
-  std::vector<double> long_factor;               // [rotary_dim / 2], each > 0: n > L
-  Index original_max_position_embeddings = 0;    // L (>= 1)
-  Index max_position_embeddings = 0;             // M (>= 1): s = M / L when factor is absent
-  std::optional<double> factor;                  // s, when given (>= 1)
-  std::optional<double> attention_factor;        // a, when given (> 0)
+  std::vector<double> short_factor;            // [rotary_dim / 2], each > 0: n <= L
+  std::vector<double> long_factor;             // [rotary_dim / 2], each > 0: n > L
+  Index original_max_position_embeddings = 0;  // L (>= 1)
+  Index max_position_embeddings = 0;           // M (>= 1): s = M / L when factor is absent
+  std::optional<double> factor;                // s, when given (>= 1)
+  std::optional<double> attention_factor;      // a, when given (> 0)
 };
 
 // rotary_dim, base, options, seq_len -> LongRoPE's inv_freq [rotary_dim / 2] and attention factor
@@ -384,51 +387,53 @@ struct LongRopeOptions {
 inline RopeFrequencies rope_longrope_frequencies(Index rotary_dim, double base, const LongRopeOptions& options,
                                                  Index seq_len) {
   const char* where = "rope_longrope_frequencies";
-  detail::check_rotary_dim(where, rotary_dim);
-  detail::check_rope_base(where, base);
+  detail::rope_scaling_impl::check_rotary_dim(where, rotary_dim);
+  detail::rope_scaling_impl::check_rope_base(where, base);
   const auto check_list = [&](const char* name, const std::vector<double>& list) {
     if (static_cast<Index>(list.size()) != rotary_dim / 2) {
       std::ostringstream message;
-      message << where << ": " << name << " has " << list.size() << " entries, expected rotary_dim / 2 = "
-              << rotary_dim / 2;
+      message << where << ": " << name << " has " << list.size()
+              << " entries, expected rotary_dim / 2 = " << rotary_dim / 2;
       throw value_error(message.str());
     }
     for (std::size_t i = 0; i < list.size(); ++i) {
       if (!(list[i] > 0.0) || !std::isfinite(list[i])) {
         const std::string field = std::string(name) + "[" + std::to_string(i) + "]";
-        detail::throw_rope_value(where, field.c_str(), list[i], "(0, inf)");
+        detail::rope_scaling_impl::throw_rope_value(where, field.c_str(), list[i], "(0, inf)");
       }
     }
   };
   check_list("short_factor", options.short_factor);
   check_list("long_factor", options.long_factor);
-  detail::check_rope_length(where, "original_max_position_embeddings", options.original_max_position_embeddings);
-  detail::check_rope_length(where, "max_position_embeddings", options.max_position_embeddings);
-  if (options.factor) detail::check_rope_factor(where, "factor", *options.factor);
-  if (options.attention_factor) detail::check_rope_positive(where, "attention_factor", *options.attention_factor);
-  detail::check_rope_length(where, "seq_len", seq_len, 0);
+  detail::rope_scaling_impl::check_rope_length(where, "original_max_position_embeddings",
+                                               options.original_max_position_embeddings);
+  detail::rope_scaling_impl::check_rope_length(where, "max_position_embeddings", options.max_position_embeddings);
+  if (options.factor) detail::rope_scaling_impl::check_rope_factor(where, "factor", *options.factor);
+  if (options.attention_factor)
+    detail::rope_scaling_impl::check_rope_positive(where, "attention_factor", *options.attention_factor);
+  detail::rope_scaling_impl::check_rope_length(where, "seq_len", seq_len, 0);
 
   const double big_l = static_cast<double>(options.original_max_position_embeddings);
   double a = 1.0;
   if (options.attention_factor) {
     a = *options.attention_factor;
   } else {
-    const double s =
-        options.factor ? *options.factor : static_cast<double>(options.max_position_embeddings) / big_l;
+    const double s = options.factor ? *options.factor : static_cast<double>(options.max_position_embeddings) / big_l;
     if (s > 1.0) {
       if (options.original_max_position_embeddings < 2)
-        detail::check_rope_length(where, "original_max_position_embeddings (ln(L) divides the attention factor)",
-                                  options.original_max_position_embeddings, 2);
+        detail::rope_scaling_impl::check_rope_length(
+            where, "original_max_position_embeddings (ln(L) divides the attention factor)",
+            options.original_max_position_embeddings, 2);
       a = std::sqrt(1.0 + std::log(s) / std::log(big_l));
     }
   }
 
-  const std::vector<double>& lambda =
-      seq_len > options.original_max_position_embeddings ? options.long_factor : options.short_factor;
+  const std::vector<double>& lambda = seq_len > options.original_max_position_embeddings ? options.long_factor
+                                                                                         : options.short_factor;
   RopeFrequencies f;
-  f.inv_freq = detail::rope_theta(rotary_dim, base);
+  f.inv_freq = detail::rope_scaling_impl::rope_theta(rotary_dim, base);
   for (std::size_t i = 0; i < f.inv_freq.size(); ++i) f.inv_freq[i] /= lambda[i];
-  detail::check_rope_finite(where, f.inv_freq);
+  detail::rope_scaling_impl::check_rope_finite(where, f.inv_freq);
   f.attention_factor = a;
   return f;
 }
@@ -438,10 +443,10 @@ inline RopeFrequencies rope_longrope_frequencies(Index rotary_dim, double base, 
 // ---------------------------------------------------------------------------------------------
 
 struct Llama3Options {
-  double factor = 8.0;                           // s (>= 1); Llama 3.1: 8, Llama 3.2 1B/3B: 32
-  double low_freq_factor = 1.0;                  // f_lo (> 0)
-  double high_freq_factor = 4.0;                 // f_hi (> f_lo)
-  Index original_max_position_embeddings = 8192; // L (>= 1)
+  double factor = 8.0;                            // s (>= 1); Llama 3.1: 8, Llama 3.2 1B/3B: 32
+  double low_freq_factor = 1.0;                   // f_lo (> 0)
+  double high_freq_factor = 4.0;                  // f_hi (> f_lo)
+  Index original_max_position_embeddings = 8192;  // L (>= 1)
 };
 
 // rotary_dim, base, options -> Llama 3's inv_freq [rotary_dim / 2], a = 1 (HF's "llama3"; the
@@ -453,10 +458,10 @@ struct Llama3Options {
 // subnormal base).
 inline RopeFrequencies rope_llama3_frequencies(Index rotary_dim, double base, const Llama3Options& options) {
   const char* where = "rope_llama3_frequencies";
-  detail::check_rotary_dim(where, rotary_dim);
-  detail::check_rope_base(where, base);
-  detail::check_rope_factor(where, "factor", options.factor);
-  detail::check_rope_positive(where, "low_freq_factor", options.low_freq_factor);
+  detail::rope_scaling_impl::check_rotary_dim(where, rotary_dim);
+  detail::rope_scaling_impl::check_rope_base(where, base);
+  detail::rope_scaling_impl::check_rope_factor(where, "factor", options.factor);
+  detail::rope_scaling_impl::check_rope_positive(where, "low_freq_factor", options.low_freq_factor);
   if (!(options.high_freq_factor > options.low_freq_factor) || !std::isfinite(options.high_freq_factor)) {
     std::ostringstream message;
     message.precision(17);
@@ -464,25 +469,26 @@ inline RopeFrequencies rope_llama3_frequencies(Index rotary_dim, double base, co
             << " outside (low_freq_factor, inf) (low_freq_factor = " << options.low_freq_factor << ")";
     throw value_error(message.str());
   }
-  detail::check_rope_length(where, "original_max_position_embeddings", options.original_max_position_embeddings);
+  detail::rope_scaling_impl::check_rope_length(where, "original_max_position_embeddings",
+                                               options.original_max_position_embeddings);
 
   const double big_l = static_cast<double>(options.original_max_position_embeddings);
   const double low_freq_wavelen = big_l / options.low_freq_factor;    // longer wavelengths: / factor
   const double high_freq_wavelen = big_l / options.high_freq_factor;  // shorter ones: unchanged
   const double two_pi = 2.0 * 3.14159265358979323846;
   RopeFrequencies f;
-  f.inv_freq = detail::rope_theta(rotary_dim, base);
+  f.inv_freq = detail::rope_scaling_impl::rope_theta(rotary_dim, base);
   for (double& theta : f.inv_freq) {
     const double wavelen = two_pi / theta;
     if (wavelen > low_freq_wavelen) {
       theta = theta / options.factor;
     } else if (!(wavelen < high_freq_wavelen)) {  // high_freq_wavelen <= wavelen <= low_freq_wavelen
-      const double g =
-          (big_l / wavelen - options.low_freq_factor) / (options.high_freq_factor - options.low_freq_factor);
+      const double g = (big_l / wavelen - options.low_freq_factor) /
+                       (options.high_freq_factor - options.low_freq_factor);
       theta = (1.0 - g) * theta / options.factor + g * theta;
     }
   }
-  detail::check_rope_finite(where, f.inv_freq);
+  detail::rope_scaling_impl::check_rope_finite(where, f.inv_freq);
   return f;
 }
 

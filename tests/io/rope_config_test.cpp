@@ -113,16 +113,18 @@ TEST_CASE("rope_config: the three spellings of the type", "[rope_config]") {
           "linear");
   // Both blocks, equal: fine.
   REQUIRE(parse_rope_config(R"({"head_dim": 8, "rope_scaling": {"type": "linear", "factor": 2},
-      "rope_parameters": {"type": "linear", "factor": 2}})").rope_type == "linear");
+      "rope_parameters": {"type": "linear", "factor": 2}})")
+              .rope_type == "linear");
 }
 
 TEST_CASE("rope_config: every type", "[rope_config]") {
   SECTION("default: no block, a null block, an empty block, an explicit default") {
-    for (const char* text :
-         {R"({"hidden_size": 768, "num_attention_heads": 12})",
-          R"({"hidden_size": 768, "num_attention_heads": 12, "rope_scaling": null, "rope_theta": null})",
-          R"({"hidden_size": 768, "num_attention_heads": 12, "rope_scaling": {}})",
-          R"({"hidden_size": 768, "num_attention_heads": 12, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})"}) {
+    for (
+        const char* text :
+        {R"({"hidden_size": 768, "num_attention_heads": 12})",
+         R"({"hidden_size": 768, "num_attention_heads": 12, "rope_scaling": null, "rope_theta": null})",
+         R"({"hidden_size": 768, "num_attention_heads": 12, "rope_scaling": {}})",
+         R"({"hidden_size": 768, "num_attention_heads": 12, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})"}) {
       INFO(text);
       const RopeConfig c = parse_rope_config(text);
       REQUIRE(c.rope_type == "default");
@@ -177,14 +179,15 @@ TEST_CASE("rope_config: every type", "[rope_config]") {
     REQUIRE(f.attention_factor == 1.0);
   }
   SECTION("yarn: L defaults to max_position_embeddings; betas of 0 are transformers' defaults") {
-    const RopeConfig c =
-        parse_rope_config(with_scaling(R"({"rope_type": "yarn", "factor": 2, "beta_fast": 0, "beta_slow": null})"));
+    const RopeConfig c = parse_rope_config(
+        with_scaling(R"({"rope_type": "yarn", "factor": 2, "beta_fast": 0, "beta_slow": null})"));
     REQUIRE(c.original_max_position_embeddings == Index{4096});
     REQUIRE_FALSE(c.beta_fast);
     REQUIRE_FALSE(c.beta_slow);
   }
   SECTION("longrope: Phi-3 under \"longrope\", the legacy \"su\", and Phi3Config's \"yarn\"") {
-    for (const char* entry : {R"("type": "longrope")", R"("rope_type": "longrope")", R"("type": "su")", R"("type": "yarn")"}) {
+    for (const char* entry :
+         {R"("type": "longrope")", R"("rope_type": "longrope")", R"("type": "su")", R"("type": "yarn")"}) {
       INFO(entry);
       const RopeConfig c = parse_rope_config(phi3(entry));
       REQUIRE(c.rope_type == "longrope");
@@ -207,7 +210,8 @@ TEST_CASE("rope_config: every type", "[rope_config]") {
     // "yarn" means YaRN outside Phi-3 (it then needs a factor and knows no short_factor).
     std::string other = phi3(R"("type": "yarn")");
     other.replace(other.find("\"phi3\""), 6, "\"llama\"");
-    REQUIRE_THROWS_WITH(parse_rope_config(other), Contains("rope_scaling.long_factor: unknown key for rope type 'yarn'"));
+    REQUIRE_THROWS_WITH(parse_rope_config(other),
+                        Contains("rope_scaling.long_factor: unknown key for rope type 'yarn'"));
   }
   SECTION("partial rotary (Phi-2: 80 * 0.4 = 32; GPT-NeoX-style 0.25) and its truncation") {
     const RopeConfig phi2 = parse_rope_config(
@@ -223,7 +227,8 @@ TEST_CASE("rope_config: every type", "[rope_config]") {
                                  "partial_rotary_factor) = int(100 * 0.33500000000000002) = 33 must be even"));
     // In v5's block, and the same value at the top level too.
     REQUIRE(parse_rope_config(R"({"head_dim": 128, "partial_rotary_factor": 0.5,
-        "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}})").rotary_dim == 64);
+        "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}})")
+                .rotary_dim == 64);
   }
   SECTION("head_dim: explicit (Gemma: 256 with hidden_size 3072 and 16 heads), null, or derived with //") {
     REQUIRE(parse_rope_config(R"({"hidden_size": 3072, "num_attention_heads": 16, "head_dim": 256})").head_dim == 256);
@@ -231,7 +236,8 @@ TEST_CASE("rope_config: every type", "[rope_config]") {
     REQUIRE(parse_rope_config(R"({"hidden_size": 98, "num_attention_heads": 3})").head_dim == 32);  // 98 // 3
     REQUIRE(parse_rope_config(R"({"head_dim": 128.0})").head_dim == 128);  // an integral number is an integer
     REQUIRE(parse_rope_config(R"({"head_dim": 64, "max_position_embeddings": 2048, "rope_scaling": {"type": "yarn",
-        "factor": 2, "original_max_position_embeddings": 1e3}})").original_max_position_embeddings == Index{1000});
+        "factor": 2, "original_max_position_embeddings": 1e3}})")
+                .original_max_position_embeddings == Index{1000});
   }
 }
 
@@ -262,14 +268,16 @@ TEST_CASE("rope_config: every error is a format_error naming the key", "[rope_co
   fails("[1, 2]", "(root): expected an object, got array");
   // Unknown types, never a fallback.
   fails(with_scaling(R"({"rope_type": "ntk", "factor": 2})"), "rope_scaling.rope_type: unknown rope type \"ntk\"");
-  fails(with_scaling(R"({"type": "mrope", "mrope_section": [16, 24, 24]})"), "rope_scaling.type: unknown rope type \"mrope\"");
+  fails(with_scaling(R"({"type": "mrope", "mrope_section": [16, 24, 24]})"),
+        "rope_scaling.type: unknown rope type \"mrope\"");
   fails(with_scaling(R"({"type": "LINEAR", "factor": 2})"), "rope_scaling.type: unknown rope type \"LINEAR\"");
   fails(with_scaling(R"({"rope_type": 3})"), "rope_scaling.rope_type: expected a string, got number 3");
   fails(with_scaling(R"({"rope_type": "linear", "type": "dynamic", "factor": 2})"),
         "rope_scaling.type: value \"dynamic\" disagrees with rope_scaling.rope_type = \"linear\"");
   // Missing required fields.
   fails(with_scaling(R"({"type": "linear"})"), "rope_scaling.factor: missing (rope type 'linear' needs it)");
-  fails(with_scaling(R"({"type": "dynamic", "factor": null})"), "rope_scaling.factor: missing (rope type 'dynamic' needs it)");
+  fails(with_scaling(R"({"type": "dynamic", "factor": null})"),
+        "rope_scaling.factor: missing (rope type 'dynamic' needs it)");
   fails(with_scaling(R"({"type": "yarn"})"), "rope_scaling.factor: missing (rope type 'yarn' needs it)");
   fails(with_scaling(R"({"rope_type": "llama3", "factor": 8, "high_freq_factor": 4})"),
         "rope_scaling.low_freq_factor: missing (rope type 'llama3' needs it)");
@@ -287,13 +295,18 @@ TEST_CASE("rope_config: every error is a format_error naming the key", "[rope_co
   fails(R"({"num_attention_heads": 8})", "hidden_size: missing");
   fails(R"({"hidden_size": 512})", "num_attention_heads: missing");
   // Ill-typed fields.
-  fails(with_scaling(R"({"type": "linear", "factor": "8"})"), "rope_scaling.factor: expected a number, got string \"8\"");
-  fails(with_scaling(R"({"type": "linear", "factor": true})"), "rope_scaling.factor: expected a number, got boolean true");
-  fails(with_scaling(R"({"type": "yarn", "factor": 2, "truncate": 1})"), "rope_scaling.truncate: expected true or false, got number 1");
-  fails(with_scaling(R"({"type": "yarn", "factor": 2, "beta_fast": [32]})"), "rope_scaling.beta_fast: expected a number, got array [32]");
+  fails(with_scaling(R"({"type": "linear", "factor": "8"})"),
+        "rope_scaling.factor: expected a number, got string \"8\"");
+  fails(with_scaling(R"({"type": "linear", "factor": true})"),
+        "rope_scaling.factor: expected a number, got boolean true");
+  fails(with_scaling(R"({"type": "yarn", "factor": 2, "truncate": 1})"),
+        "rope_scaling.truncate: expected true or false, got number 1");
+  fails(with_scaling(R"({"type": "yarn", "factor": 2, "beta_fast": [32]})"),
+        "rope_scaling.beta_fast: expected a number, got array [32]");
   fails(with_scaling(R"({"type": "longrope", "short_factor": 1.0, "long_factor": 1.0})"),
         "rope_scaling.short_factor: expected a list of numbers, got number 1.0");
-  fails(with_scaling(R"({"type": "longrope", "short_factor": )" + number_list(31, 1, 0) + R"(, "long_factor": [1, "x"]})"),
+  fails(with_scaling(R"({"type": "longrope", "short_factor": )" + number_list(31, 1, 0) +
+                     R"(, "long_factor": [1, "x"]})"),
         "rope_scaling.long_factor[1]: expected a number, got string \"x\"");
   fails(R"({"head_dim": -64})", "head_dim: value -64 outside [1, 9007199254740992]");
   fails(R"({"head_dim": 0})", "head_dim: value 0 outside [1, ");
@@ -302,29 +315,36 @@ TEST_CASE("rope_config: every error is a format_error naming the key", "[rope_co
   fails(R"({"head_dim": 18446744073709551615})", "head_dim: value 18446744073709551615 outside [1, ");
   fails(R"({"head_dim": 64, "max_position_embeddings": -1})", "max_position_embeddings: value -1 outside [1, ");
   fails(R"({"head_dim": 64, "rope_theta": "10000"})", "rope_theta: expected a number, got string \"10000\"");
-  fails(R"({"head_dim": 64, "rope_scaling": "linear"})", "rope_scaling: expected an object or null, got string \"linear\"");
+  fails(R"({"head_dim": 64, "rope_scaling": "linear"})",
+        "rope_scaling: expected an object or null, got string \"linear\"");
   fails(R"({"head_dim": 64, "rope_parameters": [1]})", "rope_parameters: expected an object or null, got array [1]");
   // Out of range.
   fails(with_scaling(R"({"type": "linear", "factor": 0.5})"), "rope_scaling.factor: value 0.5 outside [1, inf)");
   fails(with_scaling(R"({"type": "dynamic", "factor": -2})"), "rope_scaling.factor: value -2 outside [1, inf)");
   fails(R"({"head_dim": 64, "rope_theta": 0})", "rope_theta: value 0 outside (0, inf)");
-  fails(R"({"head_dim": 64, "rope_theta": 1, "max_position_embeddings": 64, "rope_scaling": {"type": "yarn", "factor": 2}})",
-        "rope_theta: value 1 outside (1, inf) (yarn divides by ln(rope_theta))");
+  fails(
+      R"({"head_dim": 64, "rope_theta": 1, "max_position_embeddings": 64, "rope_scaling": {"type": "yarn", "factor": 2}})",
+      "rope_theta: value 1 outside (1, inf) (yarn divides by ln(rope_theta))");
   fails(R"({"head_dim": 64, "partial_rotary_factor": 0})", "partial_rotary_factor: value 0 outside (0, 1]");
   fails(R"({"head_dim": 64, "partial_rotary_factor": 1.5})", "partial_rotary_factor: value 1.5 outside (0, 1]");
-  fails(R"({"head_dim": 63})", "partial_rotary_factor: rotary_dim = int(head_dim * partial_rotary_factor) = int(63 * 1) = 63 must be even and in [2, inf)");
+  fails(R"({"head_dim": 63})",
+        "partial_rotary_factor: rotary_dim = int(head_dim * partial_rotary_factor) = int(63 * 1) = 63 must be even and "
+        "in [2, inf)");
   fails(R"({"head_dim": 2, "max_position_embeddings": 64, "rope_scaling": {"type": "dynamic", "factor": 2}})",
         "= 2 must be even and in [4, inf)");
   fails(R"({"hidden_size": 4, "num_attention_heads": 8})", "hidden_size: value 4 is less than num_attention_heads = 8");
   fails(R"({"head_dim": 65537})", "head_dim: value 65537 outside [1, 65536]");
   fails(R"({"hidden_size": 1048576, "num_attention_heads": 1})",
         "hidden_size: value 1048576 gives head_dim = hidden_size // num_attention_heads = 1048576 outside [1, 65536]");
-  fails(R"({"head_dim": 256, "rope_theta": 5e-324})", "rope_theta: value 4.9406564584124654e-324 gives a frequency that is not finite (inv_freq[123])");
+  fails(R"({"head_dim": 256, "rope_theta": 5e-324})",
+        "rope_theta: value 4.9406564584124654e-324 gives a frequency that is not finite (inv_freq[123])");
   fails(R"({"head_dim": 8, "max_position_embeddings": 4096, "original_max_position_embeddings": 64,
         "rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": [1, 5e-324, 1, 1]}})",
         "the values give no frequencies: rope_longrope_frequencies: inv_freq[1] = inf is not finite");
-  fails(with_scaling(R"({"type": "yarn", "factor": 2, "attention_factor": 0})"), "rope_scaling.attention_factor: value 0 outside (0, inf)");
-  fails(with_scaling(R"({"type": "yarn", "factor": 2, "beta_fast": -1})"), "rope_scaling.beta_fast: value -1 outside (0, inf)");
+  fails(with_scaling(R"({"type": "yarn", "factor": 2, "attention_factor": 0})"),
+        "rope_scaling.attention_factor: value 0 outside (0, inf)");
+  fails(with_scaling(R"({"type": "yarn", "factor": 2, "beta_fast": -1})"),
+        "rope_scaling.beta_fast: value -1 outside (0, inf)");
   fails(with_scaling(R"({"type": "yarn", "factor": 2, "beta_fast": 1, "beta_slow": 2})"),
         "rope_scaling.beta_fast: value 1 is less than beta_slow = 2");
   fails(with_scaling(R"({"type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 4})"),
@@ -334,7 +354,8 @@ TEST_CASE("rope_config: every error is a format_error naming the key", "[rope_co
   fails(with_scaling(R"({"type": "longrope", "short_factor": )" + number_list(31, 1, 0) + R"(, "long_factor": )" +
                      number_list(32, 1, 0) + "}"),
         "rope_scaling.short_factor: has 31 entries, expected rotary_dim / 2 = 32");
-  fails(with_scaling(R"({"type": "longrope", "short_factor": )" + number_list(32, 1, 0) + R"(, "long_factor": [1, 0])" + "}"),
+  fails(with_scaling(R"({"type": "longrope", "short_factor": )" + number_list(32, 1, 0) + R"(, "long_factor": [1, 0])" +
+                     "}"),
         "rope_scaling.long_factor[1]: value 0 outside (0, inf)");
   fails(R"({"head_dim": 8, "max_position_embeddings": 4096, "original_max_position_embeddings": 1,
         "rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": [1, 1, 1, 1]}})",
@@ -356,9 +377,11 @@ TEST_CASE("rope_config: every error is a format_error naming the key", "[rope_co
         "rope_parameters.partial_rotary_factor: value 0.25 disagrees with partial_rotary_factor = 0.5");
   fails(R"({"head_dim": 64, "original_max_position_embeddings": 4096, "rope_scaling": {"type": "yarn", "factor": 2,
         "original_max_position_embeddings": 8192}})",
-        "rope_scaling.original_max_position_embeddings: value 8192 disagrees with original_max_position_embeddings = 4096");
-  fails(R"({"head_dim": 64, "rope_scaling": {"type": "linear", "factor": 2}, "rope_parameters": {"type": "linear", "factor": 4}})",
-        "rope_parameters: given beside rope_scaling, with other values");
+        "rope_scaling.original_max_position_embeddings: value 8192 disagrees with original_max_position_embeddings = "
+        "4096");
+  fails(
+      R"({"head_dim": 64, "rope_scaling": {"type": "linear", "factor": 2}, "rope_parameters": {"type": "linear", "factor": 4}})",
+      "rope_parameters: given beside rope_scaling, with other values");
 }
 
 TEST_CASE("rope_config: rope_frequencies on a hand-built config names what is missing", "[rope_config][errors]") {
@@ -384,7 +407,7 @@ TEST_CASE("rope_config: the inputs of fuzz/corpus/rope_config/crash-review-* are
       {"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": [1, 5e-324, 1, 1]}})",
           "rope_longrope_frequencies: inv_freq[1] = inf is not finite");
   // Dynamic NTK with factor 1e17 and M = 1: at n <= M the base is exact (it was 0 by cancellation).
-  const RopeConfig c =
-      parse_rope_config(R"({"head_dim": 8, "max_position_embeddings": 1, "rope_scaling": {"type": "dynamic", "factor": 1e17}})");
+  const RopeConfig c = parse_rope_config(
+      R"({"head_dim": 8, "max_position_embeddings": 1, "rope_scaling": {"type": "dynamic", "factor": 1e17}})");
   require_same(embedhead::rope_frequencies(c, 0), embedhead::rope_default_frequencies(8, 10000.0));
 }

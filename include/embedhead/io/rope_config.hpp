@@ -65,24 +65,24 @@ namespace embedhead {
 // A model's RoPE settings, as read from config.json (see the top of this header). The optional
 // fields are those the type uses and the config gives; rope_frequencies reads what the type needs.
 struct RopeConfig {
-  std::string rope_type = "default";   // default, linear, dynamic, yarn, longrope, llama3
-  double rope_theta = 10000.0;         // b
+  std::string rope_type = "default";  // default, linear, dynamic, yarn, longrope, llama3
+  double rope_theta = 10000.0;        // b
   Index head_dim = 0;
   double partial_rotary_factor = 1.0;
-  Index rotary_dim = 0;                // int(head_dim * partial_rotary_factor), even
+  Index rotary_dim = 0;                                   // int(head_dim * partial_rotary_factor), even
   std::optional<Index> max_position_embeddings;           // M
   std::optional<Index> original_max_position_embeddings;  // L (yarn, longrope, llama3: resolved)
-  std::optional<double> factor;            // linear, dynamic, yarn, llama3; longrope (optional)
-  std::optional<double> attention_factor;  // yarn, longrope
-  std::optional<double> beta_fast;         // yarn (default 32)
-  std::optional<double> beta_slow;         // yarn (default 1)
-  std::optional<double> mscale;            // yarn
-  std::optional<double> mscale_all_dim;    // yarn
-  std::optional<bool> truncate;            // yarn (default true)
-  std::optional<double> low_freq_factor;   // llama3
-  std::optional<double> high_freq_factor;  // llama3
-  std::vector<double> short_factor;        // longrope [rotary_dim / 2]
-  std::vector<double> long_factor;         // longrope [rotary_dim / 2]
+  std::optional<double> factor;                           // linear, dynamic, yarn, llama3; longrope (optional)
+  std::optional<double> attention_factor;                 // yarn, longrope
+  std::optional<double> beta_fast;                        // yarn (default 32)
+  std::optional<double> beta_slow;                        // yarn (default 1)
+  std::optional<double> mscale;                           // yarn
+  std::optional<double> mscale_all_dim;                   // yarn
+  std::optional<bool> truncate;                           // yarn (default true)
+  std::optional<double> low_freq_factor;                  // llama3
+  std::optional<double> high_freq_factor;                 // llama3
+  std::vector<double> short_factor;                       // longrope [rotary_dim / 2]
+  std::vector<double> long_factor;                        // longrope [rotary_dim / 2]
 };
 
 namespace detail {
@@ -157,7 +157,8 @@ inline std::optional<Index> rope_json_integer(const rope_json& obj, const std::s
   }
   if (value->is_number_float()) {
     const double x = value->get<double>();
-    if (!std::isfinite(x) || std::floor(x) != x) throw_rope_config(path, "expected an integer, got " + rope_number_text(x));
+    if (!std::isfinite(x) || std::floor(x) != x)
+      throw_rope_config(path, "expected an integer, got " + rope_number_text(x));
     if (x < static_cast<double>(lo) || x > static_cast<double>(hi)) out_of_range(rope_number_text(x));
     return static_cast<Index>(x);
   }
@@ -191,14 +192,16 @@ inline std::optional<std::vector<double>> rope_json_numbers(const rope_json& obj
     const std::string item_path = path + "[" + std::to_string(i) + "]";
     if (!item.is_number()) throw_rope_config_type(item_path, "a number", item);
     const double x = item.get<double>();
-    if (!(x > 0.0) || !std::isfinite(x)) throw_rope_config(item_path, "value " + rope_number_text(x) + " outside (0, inf)");
+    if (!(x > 0.0) || !std::isfinite(x))
+      throw_rope_config(item_path, "value " + rope_number_text(x) + " outside (0, inf)");
     out.push_back(x);
   }
   return out;
 }
 
 inline void rope_check_at_least(const std::string& path, double value, double lo) {
-  if (!(value >= lo)) throw_rope_config(path, "value " + rope_number_text(value) + " outside [" + rope_number_text(lo) + ", inf)");
+  if (!(value >= lo))
+    throw_rope_config(path, "value " + rope_number_text(value) + " outside [" + rope_number_text(lo) + ", inf)");
 }
 
 inline void rope_check_positive(const std::string& path, double value) {
@@ -208,7 +211,8 @@ inline void rope_check_positive(const std::string& path, double value) {
 // A value that may be given at the top level and in the block: both given must agree.
 template <typename T>
 std::optional<T> rope_one_of(const std::optional<T>& top, const std::string& top_path, const std::optional<T>& block,
-                             const std::string& block_path, const std::string& shown_top, const std::string& shown_block) {
+                             const std::string& block_path, const std::string& shown_top,
+                             const std::string& shown_block) {
   if (top && block && !(*top == *block))
     throw_rope_config(block_path, "value " + shown_block + " disagrees with " + top_path + " = " + shown_top);
   return block ? block : top;
@@ -225,8 +229,8 @@ inline const std::set<std::string>& rope_known_keys(const std::string& type) {
   }();
   static const std::set<std::string> yarn = [] {
     std::set<std::string> keys = common;
-    keys.insert({"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-                 "mscale", "mscale_all_dim", "truncate"});
+    keys.insert({"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+                 "mscale_all_dim", "truncate"});
     return keys;
   }();
   static const std::set<std::string> longrope = [] {
@@ -257,7 +261,8 @@ inline RopeConfig parse_rope_config_json(const rope_json& root) {
   // The block: rope_scaling (v4) or rope_parameters (v5).
   const rope_json* scaling = rope_json_find(root, "rope_scaling");
   const rope_json* parameters = rope_json_find(root, "rope_parameters");
-  if (scaling != nullptr && !scaling->is_object()) throw_rope_config_type("rope_scaling", "an object or null", *scaling);
+  if (scaling != nullptr && !scaling->is_object())
+    throw_rope_config_type("rope_scaling", "an object or null", *scaling);
   if (parameters != nullptr && !parameters->is_object())
     throw_rope_config_type("rope_parameters", "an object or null", *parameters);
   if (scaling != nullptr && parameters != nullptr && *scaling != *parameters)
@@ -276,8 +281,8 @@ inline RopeConfig parse_rope_config_json(const rope_json& root) {
   // transformers v4's LlamaConfig copied `type` over `rope_type`, v5 keeps `rope_type`: two
   // different values are ambiguous.
   if (rope_type && legacy_type && *rope_type != *legacy_type)
-    throw_rope_config(name + ".type", "value " + rope_json_preview(rope_json(*legacy_type)) + " disagrees with " + name +
-                                          ".rope_type = " + rope_json_preview(rope_json(*rope_type)));
+    throw_rope_config(name + ".type", "value " + rope_json_preview(rope_json(*legacy_type)) + " disagrees with " +
+                                          name + ".rope_type = " + rope_json_preview(rope_json(*rope_type)));
   std::string type = rope_type ? *rope_type : legacy_type ? *legacy_type : "default";
   const auto model_type = rope_json_find(root, "model_type");
   const bool phi3 = model_type != nullptr && model_type->is_string() && model_type->get<std::string>() == "phi3";
@@ -304,18 +309,20 @@ inline RopeConfig parse_rope_config_json(const rope_json& root) {
                                  root.contains("rope_theta") ? rope_json_preview(root["rope_theta"]) : "",
                                  block.contains("rope_theta") ? rope_json_preview(block["rope_theta"]) : "");
   if (theta) {
-    const std::string path = block.contains("rope_theta") && !block["rope_theta"].is_null() ? name + ".rope_theta" : "rope_theta";
+    const std::string path = block.contains("rope_theta") && !block["rope_theta"].is_null() ? name + ".rope_theta"
+                                                                                            : "rope_theta";
     rope_check_positive(path, *theta);
     if (type == "yarn" && !(*theta > 1.0))
-      throw_rope_config(path, "value " + rope_number_text(*theta) + " outside (1, inf) (yarn divides by ln(rope_theta))");
+      throw_rope_config(path,
+                        "value " + rope_number_text(*theta) + " outside (1, inf) (yarn divides by ln(rope_theta))");
     config.rope_theta = *theta;
   }
-  const auto prf = rope_one_of(
-      rope_json_number(root, "partial_rotary_factor", "partial_rotary_factor"), "partial_rotary_factor",
-      rope_json_number(block, "partial_rotary_factor", name + ".partial_rotary_factor"),
-      name + ".partial_rotary_factor",
-      root.contains("partial_rotary_factor") ? rope_json_preview(root["partial_rotary_factor"]) : "",
-      block.contains("partial_rotary_factor") ? rope_json_preview(block["partial_rotary_factor"]) : "");
+  const auto prf =
+      rope_one_of(rope_json_number(root, "partial_rotary_factor", "partial_rotary_factor"), "partial_rotary_factor",
+                  rope_json_number(block, "partial_rotary_factor", name + ".partial_rotary_factor"),
+                  name + ".partial_rotary_factor",
+                  root.contains("partial_rotary_factor") ? rope_json_preview(root["partial_rotary_factor"]) : "",
+                  block.contains("partial_rotary_factor") ? rope_json_preview(block["partial_rotary_factor"]) : "");
   const std::string prf_path = block.contains("partial_rotary_factor") && !block["partial_rotary_factor"].is_null()
                                    ? name + ".partial_rotary_factor"
                                    : "partial_rotary_factor";
@@ -328,44 +335,53 @@ inline RopeConfig parse_rope_config_json(const rope_json& root) {
   // head_dim, then rotary_dim.
   if (const auto head_dim = rope_json_integer(root, "head_dim", "head_dim", 1)) {
     if (*head_dim > kRopeMaxHeadDim)
-      throw_rope_config("head_dim", "value " + std::to_string(*head_dim) + " outside [1, " +
-                                        std::to_string(kRopeMaxHeadDim) + "]");
+      throw_rope_config("head_dim",
+                        "value " + std::to_string(*head_dim) + " outside [1, " + std::to_string(kRopeMaxHeadDim) + "]");
     config.head_dim = *head_dim;
   } else {
     const auto hidden = rope_json_integer(root, "hidden_size", "hidden_size", 1);
     const auto heads = rope_json_integer(root, "num_attention_heads", "num_attention_heads", 1);
-    if (!hidden) throw_rope_config("hidden_size", "missing (needed for head_dim = hidden_size // num_attention_heads, as head_dim is not given)");
-    if (!heads) throw_rope_config("num_attention_heads", "missing (needed for head_dim = hidden_size // num_attention_heads, as head_dim is not given)");
+    if (!hidden)
+      throw_rope_config("hidden_size",
+                        "missing (needed for head_dim = hidden_size // num_attention_heads, as head_dim is not given)");
+    if (!heads)
+      throw_rope_config("num_attention_heads",
+                        "missing (needed for head_dim = hidden_size // num_attention_heads, as head_dim is not given)");
     config.head_dim = *hidden / *heads;
     if (config.head_dim > kRopeMaxHeadDim)
-      throw_rope_config("hidden_size", "value " + std::to_string(*hidden) + " gives head_dim = hidden_size // "
-                                       "num_attention_heads = " + std::to_string(config.head_dim) + " outside [1, " +
-                                       std::to_string(kRopeMaxHeadDim) + "]");
+      throw_rope_config("hidden_size", "value " + std::to_string(*hidden) +
+                                           " gives head_dim = hidden_size // "
+                                           "num_attention_heads = " +
+                                           std::to_string(config.head_dim) + " outside [1, " +
+                                           std::to_string(kRopeMaxHeadDim) + "]");
     if (config.head_dim < 1)
-      throw_rope_config("hidden_size", "value " + std::to_string(*hidden) + " is less than num_attention_heads = " +
-                                           std::to_string(*heads) + ": head_dim = hidden_size // num_attention_heads would be 0");
+      throw_rope_config("hidden_size", "value " + std::to_string(*hidden) +
+                                           " is less than num_attention_heads = " + std::to_string(*heads) +
+                                           ": head_dim = hidden_size // num_attention_heads would be 0");
   }
   const double rotary = static_cast<double>(config.head_dim) * config.partial_rotary_factor;
   config.rotary_dim = static_cast<Index>(rotary);  // truncation toward zero, as Python's int()
   const Index min_rotary = type == "dynamic" ? 4 : 2;
   if (config.rotary_dim < min_rotary || config.rotary_dim % 2 != 0)
     throw_rope_config(prf_path, "rotary_dim = int(head_dim * partial_rotary_factor) = int(" +
-                                    std::to_string(config.head_dim) + " * " + rope_number_text(config.partial_rotary_factor) +
+                                    std::to_string(config.head_dim) + " * " +
+                                    rope_number_text(config.partial_rotary_factor) +
                                     ") = " + std::to_string(config.rotary_dim) + " must be even and in [" +
                                     std::to_string(min_rotary) + ", inf)");
 
   // Context lengths.
   config.max_position_embeddings = rope_json_integer(root, "max_position_embeddings", "max_position_embeddings", 1);
-  const auto top_original =
-      rope_json_integer(root, "original_max_position_embeddings", "original_max_position_embeddings", 1);
+  const auto top_original = rope_json_integer(root, "original_max_position_embeddings",
+                                              "original_max_position_embeddings", 1);
   const auto block_original = rope_json_integer(block, "original_max_position_embeddings",
                                                 name + ".original_max_position_embeddings", 1);
   if (type == "yarn" || type == "longrope" || type == "llama3") {
-    config.original_max_position_embeddings =
-        rope_one_of(top_original, "original_max_position_embeddings", block_original,
-                    name + ".original_max_position_embeddings", top_original ? std::to_string(*top_original) : "",
-                    block_original ? std::to_string(*block_original) : "");
-    if (!config.original_max_position_embeddings) config.original_max_position_embeddings = config.max_position_embeddings;
+    config.original_max_position_embeddings = rope_one_of(top_original, "original_max_position_embeddings",
+                                                          block_original, name + ".original_max_position_embeddings",
+                                                          top_original ? std::to_string(*top_original) : "",
+                                                          block_original ? std::to_string(*block_original) : "");
+    if (!config.original_max_position_embeddings)
+      config.original_max_position_embeddings = config.max_position_embeddings;
     if (!config.original_max_position_embeddings)
       throw_rope_config(name + ".original_max_position_embeddings",
                         "missing (rope type '" + type +
@@ -417,9 +433,9 @@ inline RopeConfig parse_rope_config_json(const rope_json& root) {
     config.short_factor = *short_factor;
     config.long_factor = *long_factor;
     if (!config.factor && !config.max_position_embeddings)
-      throw_rope_config("max_position_embeddings",
-                        "missing (rope type 'longrope' without " + field("factor") + " needs it for factor = "
-                        "max_position_embeddings / original_max_position_embeddings)");
+      throw_rope_config("max_position_embeddings", "missing (rope type 'longrope' without " + field("factor") +
+                                                       " needs it for factor = "
+                                                       "max_position_embeddings / original_max_position_embeddings)");
   }
   if (type == "llama3") {
     config.low_freq_factor = rope_json_number(block, "low_freq_factor", field("low_freq_factor"));
@@ -428,9 +444,9 @@ inline RopeConfig parse_rope_config_json(const rope_json& root) {
     if (!config.high_freq_factor) throw_rope_config(field("high_freq_factor"), "missing (rope type 'llama3' needs it)");
     rope_check_positive(field("low_freq_factor"), *config.low_freq_factor);
     if (!(*config.high_freq_factor > *config.low_freq_factor))
-      throw_rope_config(field("high_freq_factor"), "value " + rope_number_text(*config.high_freq_factor) +
-                                                       " is not greater than low_freq_factor = " +
-                                                       rope_number_text(*config.low_freq_factor));
+      throw_rope_config(field("high_freq_factor"),
+                        "value " + rope_number_text(*config.high_freq_factor) +
+                            " is not greater than low_freq_factor = " + rope_number_text(*config.low_freq_factor));
   }
   return config;
 }
@@ -453,15 +469,16 @@ inline RopeFrequencies rope_frequencies(const RopeConfig& config, Index seq_len)
   };
   const std::string& type = config.rope_type;
   if (type == "default") return rope_default_frequencies(config.rotary_dim, config.rope_theta);
-  if (type == "linear") return rope_linear_frequencies(config.rotary_dim, config.rope_theta, need(config.factor, "factor"));
+  if (type == "linear")
+    return rope_linear_frequencies(config.rotary_dim, config.rope_theta, need(config.factor, "factor"));
   if (type == "dynamic")
     return rope_dynamic_ntk_frequencies(config.rotary_dim, config.rope_theta, need(config.factor, "factor"),
                                         need(config.max_position_embeddings, "max_position_embeddings"), seq_len);
   if (type == "yarn") {
     YarnOptions options;
     options.factor = need(config.factor, "factor");
-    options.original_max_position_embeddings =
-        need(config.original_max_position_embeddings, "original_max_position_embeddings");
+    options.original_max_position_embeddings = need(config.original_max_position_embeddings,
+                                                    "original_max_position_embeddings");
     options.beta_fast = config.beta_fast.value_or(32.0);
     options.beta_slow = config.beta_slow.value_or(1.0);
     options.truncate = config.truncate.value_or(true);
@@ -474,8 +491,8 @@ inline RopeFrequencies rope_frequencies(const RopeConfig& config, Index seq_len)
     LongRopeOptions options;
     options.short_factor = config.short_factor;
     options.long_factor = config.long_factor;
-    options.original_max_position_embeddings =
-        need(config.original_max_position_embeddings, "original_max_position_embeddings");
+    options.original_max_position_embeddings = need(config.original_max_position_embeddings,
+                                                    "original_max_position_embeddings");
     options.max_position_embeddings = config.factor ? config.max_position_embeddings.value_or(
                                                           options.original_max_position_embeddings)
                                                     : need(config.max_position_embeddings, "max_position_embeddings");
@@ -488,8 +505,8 @@ inline RopeFrequencies rope_frequencies(const RopeConfig& config, Index seq_len)
     options.factor = need(config.factor, "factor");
     options.low_freq_factor = need(config.low_freq_factor, "low_freq_factor");
     options.high_freq_factor = need(config.high_freq_factor, "high_freq_factor");
-    options.original_max_position_embeddings =
-        need(config.original_max_position_embeddings, "original_max_position_embeddings");
+    options.original_max_position_embeddings = need(config.original_max_position_embeddings,
+                                                    "original_max_position_embeddings");
     return rope_llama3_frequencies(config.rotary_dim, config.rope_theta, options);
   }
   throw value_error(std::string(where) + ": unknown rope type '" + type +
