@@ -3,8 +3,9 @@
 // (exp / log instead of pow, rotations in L instead of wavelengths, the ramp written as a blend of
 // the two frequency sets) -- never the code under test -- at several rotary dims and bases; known
 // values of real configs (Llama 3.1, a Qwen2.5-style and a DeepSeek-V3-style YaRN, Phi-3's
-// LongRoPE); transformers' stateful dynamic NTK decisions (DynamicNtkRopeCache); and every error
-// with its message.
+// LongRoPE); transformers' stateful dynamic NTK decisions (DynamicNtkRopeCache); a RopeTable built
+// from the frequencies; and every error with its message.
+#include <embedhead/rope.hpp>
 #include <embedhead/rope_scaling.hpp>
 
 #include <catch2/catch.hpp>
@@ -473,4 +474,27 @@ TEST_CASE("rope_scaling: bad values are value_errors naming the function, the fi
   llbad.original_max_position_embeddings = -3;
   REQUIRE_THROWS_WITH(rope_llama3_frequencies(8, 10000.0, llbad),
                       Contains("original_max_position_embeddings = -3 outside [1, inf)"));
+}
+
+TEST_CASE("rope_scaling: the frequencies build a RopeTable, with the attention factor folded into cos and sin",
+          "[rope_scaling][table]") {
+  // Qwen2.5's YaRN (a = 0.1 ln 4 + 1) into a float table at positions up to 131071: each entry is
+  // a cos(p theta_i) and a sin(p theta_i) of the returned frequencies (rope_test checks the
+  // table's rounding itself).
+  embedhead::YarnOptions options;
+  options.factor = 4.0;
+  options.original_max_position_embeddings = 32768;
+  const RopeFrequencies f = embedhead::rope_yarn_frequencies(128, 1.0e6, options);
+  const embedhead::RopeTable<float> table(128, 128, embedhead::RopePairing::half_split, 131072, f);
+  REQUIRE(table.attention_factor() == f.attention_factor);
+  REQUIRE(table.inv_freq() == f.inv_freq);
+  for (const Index p : {Index{0}, Index{1}, Index{4095}, Index{4096}, Index{8191}, Index{65535}, Index{131071}})
+    for (const Index i : {Index{0}, Index{23}, Index{30}, Index{40}, Index{63}}) {
+      INFO("p = " << p << ", i = " << i);
+      const Real angle = Real(p) * Real(f.inv_freq[static_cast<std::size_t>(i)]);
+      const Real a = Real(f.attention_factor);
+      // Within one float ulp of |a| <= 1.14 (2^-23 * 2): the table rounds once, from double.
+      REQUIRE_THAT(table.cos(p, i), Catch::Matchers::WithinAbs(static_cast<double>(a * std::cos(angle)), 2.4e-7));
+      REQUIRE_THAT(table.sin(p, i), Catch::Matchers::WithinAbs(static_cast<double>(a * std::sin(angle)), 2.4e-7));
+    }
 }
