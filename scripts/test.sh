@@ -3,8 +3,8 @@
 #   1. gcc Release build with -Werror (tests, tools, examples, benchmarks, standalone headers) and
 #      all its tests (the python interop tests, the browser test and the parallel tests under
 #      mpirun must be among them);
-#   2. a clang libFuzzer build that replays the corpora and fuzzes the safetensors and .npy
-#      readers, each for a bounded time;
+#   2. a clang libFuzzer build that replays the corpora and fuzzes the safetensors, .npy and
+#      config.json (RoPE) readers, each for a bounded time;
 #   3. a clang ASan+UBSan build of the tests (the clang build of the test suite) and its ctest;
 #   4. a gcc Release build of the tests with every matrix product through the CBLAS backend
 #      (serial OpenBLAS: embedhead::cblas) and its ctest;
@@ -167,12 +167,12 @@ fi
 
 fuzz_work="build/asan/fuzz/run"
 # The fuzzers, each with its corpus (fuzz/corpus/<corpus>) and dictionary (fuzz/<corpus>.dict).
-fuzzers_and_corpora=(safetensors_fuzz:safetensors npy_fuzz:npy)
+fuzzers_and_corpora=(safetensors_fuzz:safetensors npy_fuzz:npy rope_config_fuzz:rope_config)
 if [ "$skip_fuzz" = "1" ]; then
   phase "Fuzz: skipped (EMBEDHEAD_SKIP_FUZZ=1)"
 else
   phase "Fuzz: build ${fuzzers_and_corpora[*]%%:*} (build/asan, clang, -fsanitize=fuzzer,address,undefined)"
-  cmake --build build/asan -j "$jobs" --target safetensors_fuzz npy_fuzz
+  cmake --build build/asan -j "$jobs" --target safetensors_fuzz npy_fuzz rope_config_fuzz
 
   # Each fuzzer fuzzes a scratch copy of its corpus, so fuzz/corpus is never modified, with one
   # libFuzzer worker per core (-jobs/-workers: each worker a process of its own, its log in
@@ -225,8 +225,8 @@ if [ "$clang_tree" = "1" ]; then
   fi
   if [ "$skip_fuzz" != "1" ]; then
     fuzz_tests="$(count_tests build/asan fuzz)"
-    if [ "${fuzz_tests:-0}" -lt 2 ]; then
-      echo "test.sh: error: expected the fuzz corpus replays (safetensors_fuzz_replay, npy_fuzz_replay) in build/asan, found ${fuzz_tests:-0}" >&2
+    if [ "${fuzz_tests:-0}" -lt 3 ]; then
+      echo "test.sh: error: expected the fuzz corpus replays (safetensors_fuzz_replay, npy_fuzz_replay, rope_config_fuzz_replay) in build/asan, found ${fuzz_tests:-0}" >&2
       exit 1
     fi
   fi

@@ -1,6 +1,7 @@
 // embedhead: the umbrella header -- every public header that needs nothing beyond Eigen (and
 // OpenMP when built with it). The headers with an extra dependency are included on their own:
 //   io/safetensors.hpp, io/checkpoint.hpp, io/optimizer_state.hpp   nlohmann/json, POSIX
+//   io/rope_config.hpp (config.json's RoPE settings)                 nlohmann/json, POSIX
 //   parallel/mpi_communicator.hpp                                    MPI
 //   backends/onednn_head.hpp                                         oneDNN
 //
@@ -19,7 +20,7 @@
 #include "scatter_workspace.hpp"
 #include "types.hpp"
 
-// The layers and the losses on the head; ALiBi's attention bias and RoPE's rotation kernels.
+// The layers and the losses on the head; ALiBi's attention bias, RoPE's rotation kernels and scalings.
 #include "alibi.hpp"
 #include "cross_entropy.hpp"
 #include "dropout.hpp"
@@ -33,6 +34,7 @@
 #include "quantized_embedding.hpp"
 #include "quantized_head.hpp"
 #include "rope.hpp"
+#include "rope_scaling.hpp"
 #include "shortlist.hpp"
 #include "token_embedding.hpp"
 #include "vocabulary.hpp"
