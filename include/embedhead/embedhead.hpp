@@ -31,6 +31,7 @@
 #include "position_embedding.hpp"
 #include "quantized_embedding.hpp"
 #include "rope.hpp"
+#include "sampling.hpp"
 #include "token_embedding.hpp"
 #include "vocabulary.hpp"
 
