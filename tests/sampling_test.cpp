@@ -64,7 +64,8 @@ std::vector<double> ref_log_softmax(const std::vector<double>& z) {
 std::vector<std::size_t> order_desc(const std::vector<double>& z) {
   std::vector<std::size_t> idx(z.size());
   std::iota(idx.begin(), idx.end(), 0);
-  std::sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
+  std::sort(idx.begin(), idx.end(),
+            [&](std::size_t a, std::size_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
   return idx;
 }
 
@@ -210,7 +211,8 @@ RowMatrix<S> test_logits(Index N, Index V, std::uint64_t seed) {
   RowMatrix<S> z = random_matrix<S>(N, V, seed, 4.0);
   std::mt19937_64 gen(seed + 1);
   for (Index n = 0; n < N; ++n) {
-    for (int t = 0; t < 3; ++t) z(n, static_cast<Index>(gen() % static_cast<std::uint64_t>(V))) = -std::numeric_limits<S>::infinity();
+    for (int t = 0; t < 3; ++t)
+      z(n, static_cast<Index>(gen() % static_cast<std::uint64_t>(V))) = -std::numeric_limits<S>::infinity();
     for (int t = 0; t < 3; ++t) {
       const Index a = static_cast<Index>(gen() % static_cast<std::uint64_t>(V));
       const Index b = static_cast<Index>(gen() % static_cast<std::uint64_t>(V));
@@ -242,8 +244,9 @@ void check_against_reference(const RowMatrix<S>& logits, const SamplingOptions& 
   embedhead::process_logits<S>(logits, o, views, processed);
   const double tol = std::is_same_v<S, float> ? 1e-6 : 1e-13;
   for (Index n = 0; n < logits.rows(); ++n) {
-    const std::vector<double> expected =
-        ref_chain(row_of(logits, n), o, hist.empty() ? std::vector<Index>{} : hist[static_cast<std::size_t>(n)]);
+    const std::vector<double> expected = ref_chain(row_of(logits, n), o,
+                                                   hist.empty() ? std::vector<Index>{}
+                                                                : hist[static_cast<std::size_t>(n)]);
     for (Index j = 0; j < logits.cols(); ++j) {
       const double e = expected[static_cast<std::size_t>(j)], a = static_cast<double>(processed(n, j));
       INFO("row " << n << " column " << j << ": expected " << e << ", got " << a);
@@ -314,11 +317,16 @@ double chi_square(const std::vector<long>& counts, const std::vector<double>& pr
 }  // namespace
 
 TEST_CASE("sampling: HF's order is the documented default", "[sampling]") {
-  const std::vector<SamplingStep> expected = {
-      SamplingStep::logit_bias,  SamplingStep::repetition_penalty, SamplingStep::frequency_presence_penalty,
-      SamplingStep::banned_ids,  SamplingStep::allowed_ids,        SamplingStep::temperature,
-      SamplingStep::top_k,       SamplingStep::top_p,              SamplingStep::min_p,
-      SamplingStep::typical_p};
+  const std::vector<SamplingStep> expected = {SamplingStep::logit_bias,
+                                              SamplingStep::repetition_penalty,
+                                              SamplingStep::frequency_presence_penalty,
+                                              SamplingStep::banned_ids,
+                                              SamplingStep::allowed_ids,
+                                              SamplingStep::temperature,
+                                              SamplingStep::top_k,
+                                              SamplingStep::top_p,
+                                              SamplingStep::min_p,
+                                              SamplingStep::typical_p};
   REQUIRE(embedhead::hf_sampling_order() == expected);
   REQUIRE(SamplingOptions().order == expected);
 }
@@ -518,8 +526,8 @@ TEMPLATE_TEST_CASE("sampling: each step alone against the naive reference", "[sa
   }
 }
 
-TEMPLATE_TEST_CASE("sampling: the chain in HF's order and in another order against the reference", "[sampling]",
-                   float, double) {
+TEMPLATE_TEST_CASE("sampling: the chain in HF's order and in another order against the reference", "[sampling]", float,
+                   double) {
   using S = TestType;
   const Index N = 5, V = 300;  // V > 2 * 16: the selection's halving runs
   const RowMatrix<S> logits = test_logits<S>(N, V, 21);
@@ -539,9 +547,15 @@ TEMPLATE_TEST_CASE("sampling: the chain in HF's order and in another order again
   o.min_p = 0.02;
   o.typical_p = 0.9;
   check_against_reference(logits, o, hist);
-  o.order = {SamplingStep::typical_p,  SamplingStep::min_p,       SamplingStep::top_p,
-             SamplingStep::temperature, SamplingStep::top_k,      SamplingStep::banned_ids,
-             SamplingStep::logit_bias, SamplingStep::repetition_penalty, SamplingStep::frequency_presence_penalty};
+  o.order = {SamplingStep::typical_p,
+             SamplingStep::min_p,
+             SamplingStep::top_p,
+             SamplingStep::temperature,
+             SamplingStep::top_k,
+             SamplingStep::banned_ids,
+             SamplingStep::logit_bias,
+             SamplingStep::repetition_penalty,
+             SamplingStep::frequency_presence_penalty};
   check_against_reference(logits, o, hist);
   // Large V: every selection path, against the reference on a few parameter values.
   const RowMatrix<S> wide = test_logits<S>(2, 5000, 33);
@@ -572,10 +586,14 @@ TEMPLATE_TEST_CASE("sampling: raw and processed log-probs, greedy with ties", "[
     const std::vector<double> p = ref_log_softmax(ref_chain(row_of(logits, n), o, {}));
     for (Index j = 0; j < V; ++j) {
       const double rj = r[static_cast<std::size_t>(j)], pj = p[static_cast<std::size_t>(j)];
-      if (std::isinf(rj)) REQUIRE(static_cast<double>(raw(n, j)) == rj);
-      else REQUIRE(std::fabs(static_cast<double>(raw(n, j)) - rj) <= tol * std::max(1.0, std::fabs(rj)));
-      if (std::isinf(pj)) REQUIRE(static_cast<double>(processed(n, j)) == pj);
-      else REQUIRE(std::fabs(static_cast<double>(processed(n, j)) - pj) <= tol * std::max(1.0, std::fabs(pj)));
+      if (std::isinf(rj))
+        REQUIRE(static_cast<double>(raw(n, j)) == rj);
+      else
+        REQUIRE(std::fabs(static_cast<double>(raw(n, j)) - rj) <= tol * std::max(1.0, std::fabs(rj)));
+      if (std::isinf(pj))
+        REQUIRE(static_cast<double>(processed(n, j)) == pj);
+      else
+        REQUIRE(std::fabs(static_cast<double>(processed(n, j)) - pj) <= tol * std::max(1.0, std::fabs(pj)));
     }
   }
   // In place.
@@ -588,7 +606,8 @@ TEMPLATE_TEST_CASE("sampling: raw and processed log-probs, greedy with ties", "[
   for (Index n = 0; n < N; ++n) {
     const Index t = s.tokens[static_cast<std::size_t>(n)];
     REQUIRE(std::fabs(s.raw_log_probs[static_cast<std::size_t>(n)] - static_cast<double>(raw(n, t))) <= 1e-5);
-    REQUIRE(std::fabs(s.processed_log_probs[static_cast<std::size_t>(n)] - static_cast<double>(processed(n, t))) <= 1e-5);
+    REQUIRE(std::fabs(s.processed_log_probs[static_cast<std::size_t>(n)] - static_cast<double>(processed(n, t))) <=
+            1e-5);
   }
   // Greedy: ties to the smaller id.
   RowMatrix<S> g(2, 5);
@@ -630,7 +649,8 @@ TEST_CASE("sampling: 10^6 draws follow softmax of the processed logits (chi-squa
   std::vector<std::uint64_t> draws(static_cast<std::size_t>(rows));
   for (Index c = 0; c < calls; ++c) {
     // Rows in reverse draw order: a row's draw depends on its index, not its position.
-    for (Index r = 0; r < rows; ++r) draws[static_cast<std::size_t>(r)] = static_cast<std::uint64_t>(c * rows + rows - 1 - r);
+    for (Index r = 0; r < rows; ++r)
+      draws[static_cast<std::size_t>(r)] = static_cast<std::uint64_t>(c * rows + rows - 1 - r);
     const embedhead::SampledTokens s = embedhead::sample_tokens<double>(batch, o, h, rng, draws);
     for (const Index t : s.tokens) ++counts[static_cast<std::size_t>(t)];
   }
@@ -653,8 +673,9 @@ TEST_CASE("sampling: a draw depends on (seed, draw index) only, not on its row o
   const embedhead::Rng rng(99);
   for (std::uint64_t draw : {0ULL, 1ULL, 12345ULL, 1ULL << 40}) {
     const embedhead::SampledTokens alone = embedhead::sample_tokens<float>(row, o, {}, rng, draw);
-    const embedhead::SampledTokens inside =
-        embedhead::sample_tokens<float>(batch, o, {}, rng, std::vector<std::uint64_t>{7, 8, 9, 10, draw, 11});
+    const embedhead::SampledTokens inside = embedhead::sample_tokens<float>(batch, o, {}, rng,
+                                                                            std::vector<std::uint64_t>{7, 8, 9, 10,
+                                                                                                       draw, 11});
     REQUIRE(alone.tokens[0] == inside.tokens[4]);
     REQUIRE(alone.processed_log_probs[0] == inside.processed_log_probs[4]);
   }
@@ -669,8 +690,8 @@ TEST_CASE("verify_draft: the emitted tokens follow the target's p (chi-square, 1
   const Index V = 8, k = 3;
   // p and q far apart: q puts most mass where p has little, and p has mass where q has none.
   RowMatrix<double> p(k + 1, V), q(k, V);
-  p << 0.40, 0.30, 0.10, 0.10, 0.05, 0.05, 0.00, 0.00,  //
-      0.05, 0.05, 0.05, 0.05, 0.10, 0.10, 0.20, 0.40,   //
+  p << 0.40, 0.30, 0.10, 0.10, 0.05, 0.05, 0.00, 0.00,         //
+      0.05, 0.05, 0.05, 0.05, 0.10, 0.10, 0.20, 0.40,          //
       0.125, 0.125, 0.125, 0.125, 0.125, 0.125, 0.125, 0.125,  //
       0.00, 0.00, 0.00, 0.50, 0.25, 0.25, 0.00, 0.00;
   q << 0.02, 0.03, 0.05, 0.10, 0.30, 0.20, 0.30, 0.00,  //
@@ -691,14 +712,15 @@ TEST_CASE("verify_draft: the emitted tokens follow the target's p (chi-square, 1
     return Index{0};
   };
   const long trials = 1000000;
-  std::vector<std::vector<long>> counts(static_cast<std::size_t>(k + 1), std::vector<long>(static_cast<std::size_t>(V), 0));
+  std::vector<std::vector<long>> counts(static_cast<std::size_t>(k + 1),
+                                        std::vector<long>(static_cast<std::size_t>(V), 0));
   std::vector<long> emitted(static_cast<std::size_t>(k + 1), 0);
   std::vector<long> accepted_hist(static_cast<std::size_t>(k + 1), 0);
   IdMatrix<std::int32_t> draft(1, k);
   for (long i = 0; i < trials; ++i) {
     for (Index t = 0; t < k; ++t) draft(0, t) = static_cast<std::int32_t>(draw_q(t));
-    const embedhead::DraftVerification v =
-        embedhead::verify_draft<double>(draft, q, p, rng, static_cast<std::uint64_t>(i) * (k + 1));
+    const embedhead::DraftVerification v = embedhead::verify_draft<double>(draft, q, p, rng,
+                                                                           static_cast<std::uint64_t>(i) * (k + 1));
     REQUIRE(static_cast<Index>(v.tokens.size()) == v.accepted + 1);
     ++accepted_hist[static_cast<std::size_t>(v.accepted)];
     for (std::size_t t = 0; t < v.tokens.size(); ++t) {
@@ -724,8 +746,8 @@ TEST_CASE("verify_draft: the emitted tokens follow the target's p (chi-square, 1
   REQUIRE(std::fabs(rate0 - 0.30) < 0.003);
 }
 
-TEMPLATE_TEST_CASE("sampling: every bad input is an error naming it, with nothing changed", "[sampling][errors]",
-                   float, double) {
+TEMPLATE_TEST_CASE("sampling: every bad input is an error naming it, with nothing changed", "[sampling][errors]", float,
+                   double) {
   using S = TestType;
   using embedhead::index_error;
   using embedhead::shape_error;
@@ -780,7 +802,8 @@ TEMPLATE_TEST_CASE("sampling: every bad input is an error naming it, with nothin
   {
     SamplingOptions a;
     a.banned_ids = {3, 10};
-    REQUIRE_THROWS_MATCHES(process(a), index_error, Catch::Message("process_logits: banned id 10 at 1 outside [0, 10)"));
+    REQUIRE_THROWS_MATCHES(process(a), index_error,
+                           Catch::Message("process_logits: banned id 10 at 1 outside [0, 10)"));
     SamplingOptions b;
     b.logit_bias = {{-1, 1.0}};
     REQUIRE_THROWS_MATCHES(process(b), index_error,
@@ -824,7 +847,8 @@ TEMPLATE_TEST_CASE("sampling: every bad input is an error naming it, with nothin
     RowMatrix<S> masked = logits;
     masked.row(1).setConstant(-std::numeric_limits<S>::infinity());
     REQUIRE_THROWS_MATCHES(embedhead::process_logits<S>(masked, SamplingOptions(), {}, out), value_error,
-                           Catch::Message("process_logits: every entry of row 1 is -inf (masked): nothing to sample from"));
+                           Catch::Message(
+                               "process_logits: every entry of row 1 is -inf (masked): nothing to sample from"));
   }
   unchanged();
   // NaN and +inf logits.

@@ -49,9 +49,12 @@
 // u_j comes from the counter-based Rng (init.hpp): draw number i of a stream uses
 //   u_j = rng.uniform_at(i * V + j)      for each surviving id j (counters [i V, i V + V))
 // so a draw is a function of (seed, i, the processed row) only: not of the thread count, the
-// batch it is in or its row in it. Only surviving ids are evaluated (2 logs each), so after top-k
-// a draw costs k uniforms, not V. Each row of a call names its own draw index (the caller keeps
-// one per sequence, e.g. its number of generated tokens). Ties of z_j + g_j go to the smaller id.
+// batch it is in or its row in it. Only surviving ids are evaluated, so after top-k a draw costs k
+// uniforms, not V. The two logs run in Eigen's vectorised log, 16 values at a time through the
+// same packet code wherever they are (detail/softmax.hpp's map_lanes); a build for another SIMD
+// instruction set may round them differently in the last bit. Each row of a call names its own
+// draw index (the caller keeps one per sequence, e.g. its number of generated tokens). Ties of
+// z_j + g_j go to the smaller id.
 // Greedy: argmax_j z_j, ties to the smaller id (greedy_tokens, on raw or processed logits).
 //
 // Speculative verification (Leviathan et al. 2023, "Fast Inference from Transformers via
@@ -66,13 +69,19 @@
 // in increasing order from u = rng.uniform_at(c + k), where c is the caller's counter.
 //
 // Cost (one row of V logits, K surviving tokens before a step): bias, penalties and the banned
-// list O(their lengths) (history sorted: O(L log L)); the allowed set, temperature O(V) (O(K));
-// top-k: std::nth_element over the K survivors, O(K) expected; top-p, min-p and typical: one
-// exp (and log) pass over the survivors, then, for top-p and typical, a selection of the prefix
-// by repeated halving -- nth_element on the undecided range, its mass summed, half of it decided
-// -- O(K) expected in all, with a std::sort of at most 16 tokens at the end. Nothing sorts V (or
-// K) entries. The chain runs in double; processed logits are rounded once to Scalar. Sampling:
-// O(K') for K' survivors. Rows are processed one after another on the calling thread (no
+// list O(their lengths) (history sorted: O(L log L)); the allowed set and temperature O(V);
+// top-k O(K): a min-heap of the k largest values seen when k <= K / 64 (one comparison per value
+// once full, about k ln(K / k) insertions), else std::nth_element on a copy; top-p, min-p and
+// typical: one vectorised exp pass over the survivors (the softmax core's sum_exp_shifted), then,
+// for top-p and typical, a selection of the mass prefix by repeated halving -- nth_element on the
+// undecided range, its mass summed, one half decided -- O(K) expected in all, with a std::sort of
+// at most 16 tokens at the end (top-p first drops the tokens below (1 - top_p) / K of the mass,
+// which are all in its removed tail). Nothing sorts V (or K) entries. The survivors are kept as a
+// list once found (no step revives a removed token), so steps after a cut cost O(K), not O(V).
+// The chain runs in double; processed logits are rounded once to Scalar. Sampling: O(K') for K'
+// survivors. Scratch: a workspace per thread (thread_local), grown to the largest V seen and kept
+// for the thread's life (about 9 V doubles: 18 MB at V = 256,000), so calls allocate only their
+// results once it has grown. Rows are processed one after another on the calling thread (no
 // threading), so results cannot depend on a thread count.
 #ifndef EMBEDHEAD_SAMPLING_HPP
 #define EMBEDHEAD_SAMPLING_HPP
@@ -116,9 +125,15 @@ enum class SamplingStep {
 // penalty after the repetition penalty: logit_bias, repetition_penalty,
 // frequency_presence_penalty, banned_ids, allowed_ids, temperature, top_k, top_p, min_p, typical_p.
 inline std::vector<SamplingStep> hf_sampling_order() {
-  return {SamplingStep::logit_bias,  SamplingStep::repetition_penalty, SamplingStep::frequency_presence_penalty,
-          SamplingStep::banned_ids,  SamplingStep::allowed_ids,        SamplingStep::temperature,
-          SamplingStep::top_k,       SamplingStep::top_p,              SamplingStep::min_p,
+  return {SamplingStep::logit_bias,
+          SamplingStep::repetition_penalty,
+          SamplingStep::frequency_presence_penalty,
+          SamplingStep::banned_ids,
+          SamplingStep::allowed_ids,
+          SamplingStep::temperature,
+          SamplingStep::top_k,
+          SamplingStep::top_p,
+          SamplingStep::min_p,
           SamplingStep::typical_p};
 }
 
@@ -326,7 +341,10 @@ struct Ranked {
   Index id;
   double weight;
 };
-inline bool ranked_before(const Ranked& a, const Ranked& b) { return a.key < b.key || (a.key == b.key && a.id < b.id); }
+struct RankedBefore {  // a function object, so that std::nth_element inlines it
+  bool operator()(const Ranked& a, const Ranked& b) const { return a.key < b.key || (a.key == b.key && a.id < b.id); }
+};
+inline constexpr RankedBefore ranked_before{};
 
 // The smallest prefix, in ranked_before order, of a [n] whose weights sum to >= target: rearranges
 // a so that its first c entries are that prefix (in no particular order, except the last <= 16
@@ -513,6 +531,22 @@ inline void run_chain(SamplingRow& row, const SamplingOptions& o, const TokenIds
         row.candidates();
         if (row.cand.empty()) break;  // the masks removed everything: process_row reports it
         const double S = row.exp_weights();
+        // Pre-cut: tokens with w_j < (1 - p) S / K weigh less than (1 - p) S together, and each is
+        // lighter than every other token, so they are all in the removed tail. Dropped before
+        // ranking, unless fewer than min_tokens_to_keep would remain.
+        const double floor_w = (1.0 - p) * S / static_cast<double>(row.cand.size());
+        Index heavy = 0;
+        for (const Index j : row.cand) heavy += row.w[static_cast<std::size_t>(j)] < floor_w ? 0 : 1;
+        if (heavy >= keep && heavy < static_cast<Index>(row.cand.size())) {
+          std::size_t k = 0;
+          for (const Index j : row.cand) {
+            if (row.w[static_cast<std::size_t>(j)] < floor_w)
+              at(j) = kNegInf;
+            else
+              row.cand[k++] = j;
+          }
+          row.cand.resize(k);
+        }
         row.rank(minus_z, weight_w);
         const Index n = static_cast<Index>(row.ranked.size());
         const Index c = select_mass_prefix(row.ranked.data(), n, p * S);
@@ -522,7 +556,7 @@ inline void run_chain(SamplingRow& row, const SamplingOptions& o, const TokenIds
       case SamplingStep::min_p: {
         row.candidates();
         if (row.cand.empty()) break;  // the masks removed everything: process_row reports it
-        row.exp_weights();  // w_j = p_j / p_max
+        row.exp_weights();            // w_j = p_j / p_max
         const double min_p = *o.min_p;
         Index survivors = 0;
         for (const Index j : row.cand) survivors += row.w[static_cast<std::size_t>(j)] < min_p ? 0 : 1;
@@ -564,7 +598,8 @@ inline void run_chain(SamplingRow& row, const SamplingOptions& o, const TokenIds
         }
         const Index kept = keep_at_least(row.ranked.data(), n, c, keep);
         for (Index i = kept; i < n; ++i)
-          if (row.ranked[static_cast<std::size_t>(i)].key > cut) at(row.ranked[static_cast<std::size_t>(i)].id) = kNegInf;
+          if (row.ranked[static_cast<std::size_t>(i)].key > cut)
+            at(row.ranked[static_cast<std::size_t>(i)].id) = kNegInf;
         break;
       }
     }
@@ -580,7 +615,7 @@ inline double row_lse(SamplingRow& row) {
 }
 
 // The workspace of the calling thread, grown to the largest V seen and kept for the thread's
-// life (about 5 V doubles: 10 MB at V = 256,000), so a call allocates nothing once it has grown.
+// life (about 9 V doubles: 18 MB at V = 256,000), so a call allocates nothing once it has grown.
 inline SamplingRow& sampling_workspace() {
   thread_local SamplingRow row;
   return row;
@@ -604,16 +639,15 @@ void process_row(const char* where, const ConstMatrixRef<Scalar>& logits, Index 
     if (std::isnan(v) || v == std::numeric_limits<double>::infinity() ||
         (v > kNegInf && std::fabs(v) > static_cast<double>(std::numeric_limits<Scalar>::max()))) {
       std::ostringstream m;
-      m << where << ": the chain gives " << v << " at (row " << n << ", column " << j
-        << "), outside the finite " << scalar_name<Scalar>() << " numbers (an option overflowed)";
+      m << where << ": the chain gives " << v << " at (row " << n << ", column " << j << "), outside the finite "
+        << scalar_name<Scalar>() << " numbers (an option overflowed)";
       throw value_error(m.str());
     }
     any = any || v > kNegInf;
   }
   if (!any) {
     std::ostringstream m;
-    m << where << ": the masks (banned_ids, allowed_ids) remove every token of row " << n
-      << ": nothing to sample from";
+    m << where << ": the masks (banned_ids, allowed_ids) remove every token of row " << n << ": nothing to sample from";
     throw value_error(m.str());
   }
 }
@@ -877,8 +911,8 @@ DraftVerification verify_draft(const TokenIds& draft, const ConstMatrixRef<Scala
   for (Index t = 0; t < k; ++t) {
     if (!(q(t, draft.at(t)) > Scalar(0))) {
       std::ostringstream m;
-      m << where << ": q(" << t << ", " << draft.at(t) << ") = 0 at drafted token " << draft.at(t) << " (position "
-        << t << "): outside (0, 1], the draft model could not have drawn it";
+      m << where << ": q(" << t << ", " << draft.at(t) << ") = 0 at drafted token " << draft.at(t) << " (position " << t
+        << "): outside (0, 1], the draft model could not have drawn it";
       throw value_error(m.str());
     }
   }
