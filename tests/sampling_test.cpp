@@ -447,6 +447,48 @@ TEST_CASE("sampling: worked examples (negative logits, masked entries, ties)", "
   }
 }
 
+TEMPLATE_TEST_CASE("sampling: in place, V = 1, and every step at once on one row", "[sampling]", float, double) {
+  using S = TestType;
+  // In place: processed may be logits.
+  RowMatrix<S> z = test_logits<S>(3, 37, 41);
+  SamplingOptions o;
+  o.temperature = 0.7;
+  o.top_p = 0.8;
+  RowMatrix<S> expected(3, 37);
+  embedhead::process_logits<S>(z, o, {}, expected);
+  embedhead::process_logits<S>(z, o, {}, z);
+  REQUIRE(same_values(z, expected));
+  // V = 1: every step keeps the one token; the draw and greedy return it; verify_draft with k = 1.
+  RowMatrix<S> one(2, 1);
+  one << S(-3), S(5);
+  SamplingOptions all;
+  all.logit_bias = {{0, 1.0}};
+  all.repetition_penalty = 1.5;
+  all.frequency_penalty = 0.5;
+  all.presence_penalty = 0.5;
+  all.allowed_ids = std::vector<Index>{0};
+  all.temperature = 0.5;
+  all.top_k = 1;
+  all.top_p = 0.5;
+  all.min_p = 0.5;
+  all.typical_p = 0.5;
+  IdMatrix<std::int32_t> h(1, 2);
+  h << 0, 0;
+  const embedhead::SampledTokens s = embedhead::sample_tokens<S>(one, all, {TokenIds(h), TokenIds(h)},
+                                                                 embedhead::Rng(3), std::uint64_t{9});
+  REQUIRE(s.tokens == std::vector<Index>{0, 0});
+  REQUIRE(s.processed_log_probs == std::vector<double>{0.0, 0.0});
+  REQUIRE(embedhead::greedy_tokens<S>(one).tokens == std::vector<Index>{0, 0});
+  RowMatrix<S> q1(1, 1), p1(2, 1);
+  q1 << S(1);
+  p1 << S(1), S(1);
+  IdMatrix<std::int32_t> d1(1, 1);
+  d1 << 0;
+  const embedhead::DraftVerification v = embedhead::verify_draft<S>(d1, q1, p1, embedhead::Rng(3), 0);
+  REQUIRE(v.accepted == 1);
+  REQUIRE(v.tokens == std::vector<Index>{0, 0});
+}
+
 TEMPLATE_TEST_CASE("sampling: each step alone against the naive reference", "[sampling]", float, double) {
   using S = TestType;
   const Index N = 4, V = 61;

@@ -64,9 +64,11 @@
 //   accept x_t with probability min(1, p_t(x_t) / q_t(x_t))   (u_t < p_t(x_t) / q_t(x_t));
 //   at the first rejection emit a token from r = normalize(max(0, p_t - q_t)) and stop;
 //   if all k are accepted emit a bonus token from p_k.
-// The emitted tokens are distributed exactly as k + 1 ... tokens of the target alone. Draws:
-// u_t = rng.uniform_at(c + t) for the test of x_t, and the emitted token by inverse CDF over ids
-// in increasing order from u = rng.uniform_at(c + k), where c is the caller's counter.
+// The emitted tokens (accepted + 1 of them) are distributed exactly as the target's own next
+// tokens would be: each is a draw from p_t given the tokens before it (the correctness proofs of
+// both papers). Draws: u_t = rng.uniform_at(c + t) for the test of x_t, and the emitted token by
+// inverse CDF over ids in increasing order from u = rng.uniform_at(c + k), where c is the
+// caller's counter.
 //
 // Cost (one row of V logits, K surviving tokens before a step): bias, penalties and the banned
 // list O(their lengths) (history sorted: O(L log L)); the allowed set and temperature O(V);
@@ -796,8 +798,8 @@ SampledTokens sample_tokens(const ConstMatrixRef<Scalar>& logits, const Sampling
   return out;
 }
 
-// The same with draw index first_draw + n for row n (for a batch that is one stream; a batch of
-// independent sequences should pass each its own index instead).
+// logits [N, V] -> one token per row, as above with draw index first_draw + n for row n (for a
+// batch that is one stream; a batch of independent sequences should pass each its own index).
 template <typename Scalar>
 SampledTokens sample_tokens(const ConstMatrixRef<Scalar>& logits, const SamplingOptions& options,
                             const std::vector<TokenIds>& history, const Rng& rng, std::uint64_t first_draw) {
