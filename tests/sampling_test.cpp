@@ -599,16 +599,19 @@ TEMPLATE_TEST_CASE("sampling: the chain in HF's order and in another order again
              SamplingStep::repetition_penalty,
              SamplingStep::frequency_presence_penalty};
   check_against_reference(logits, o, hist);
-  // Large V: every selection path, against the reference on a few parameter values.
-  const RowMatrix<S> wide = test_logits<S>(2, 5000, 33);
-  for (const double p : {0.2, 0.9, 0.999}) {
-    SamplingOptions w;
-    w.temperature = 1.5;
-    w.top_p = p;
-    check_against_reference(wide, w, {});
-    SamplingOptions t;
-    t.typical_p = p;
-    check_against_reference(wide, t, {});
+  // Large V: every selection path (halving alone up to 8192 candidates, buckets then halving
+  // above), against the reference on a few parameter values, peaked and flat rows.
+  for (const RowMatrix<S>& wide :
+       {test_logits<S>(2, 5000, 33), test_logits<S>(2, 20000, 34), RowMatrix<S>(random_matrix<S>(2, 20000, 35, 0.5))}) {
+    for (const double p : {0.2, 0.9, 0.999}) {
+      SamplingOptions w;
+      w.temperature = 1.5;
+      w.top_p = p;
+      check_against_reference(wide, w, {});
+      SamplingOptions t;
+      t.typical_p = p;
+      check_against_reference(wide, t, {});
+    }
   }
 }
 

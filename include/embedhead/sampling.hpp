@@ -77,7 +77,9 @@
 // typical: one vectorised exp pass over the survivors (the softmax core's sum_exp_shifted), then,
 // for top-p and typical, a selection of the mass prefix by repeated halving -- nth_element on the
 // undecided range, its mass summed, one half decided -- O(K) expected in all, with a std::sort of
-// at most 16 tokens at the end (top-p first drops the tokens below (1 - top_p) / K of the mass,
+// at most 16 tokens at the end; above 8192 tokens the halving runs only in the one of 2048
+// equal-width buckets of the keys that holds the cut, found by one pass summing each bucket's mass
+// (top-p first drops the tokens below (1 - top_p) / K of the mass,
 // which are all in its removed tail). Nothing sorts V (or K) entries. The survivors are kept as a
 // list once found (no step revives a removed token), so steps after a cut cost O(K), not O(V).
 // The chain runs in double; processed logits are rounded once to Scalar. Sampling: O(K') for K'
@@ -348,12 +350,12 @@ struct RankedBefore {  // a function object, so that std::nth_element inlines it
 };
 inline constexpr RankedBefore ranked_before{};
 
-// The smallest prefix, in ranked_before order, of a [n] whose weights sum to >= target: rearranges
-// a so that its first c entries are that prefix (in no particular order, except the last <= 16
-// decided by sorting) and returns c (n when the whole set falls short). Halving: nth_element on
-// the undecided range [lo, hi), the mass of its better half decides which half holds the cut.
-// O(n) expected; nothing sorts more than 16 entries.
-inline Index select_mass_prefix(Ranked* a, Index n, double target) {
+// The smallest prefix, in ranked_before order, of a [n] whose weights sum to >= target, by
+// halving: rearranges a so that its first c entries are that prefix (in no particular order,
+// except the last <= 16, decided by sorting) and returns c (n when the whole set falls short).
+// nth_element on the undecided range [lo, hi); the mass of its better half decides which half holds
+// the cut. O(n) expected; nothing sorts more than 16 entries.
+inline Index select_mass_prefix_halving(Ranked* a, Index n, double target) {
   Index lo = 0, hi = n;
   double acc = 0.0;  // mass of a[0 .. lo), all in the prefix
   while (hi - lo > 16) {
@@ -374,6 +376,40 @@ inline Index select_mass_prefix(Ranked* a, Index n, double target) {
     if (acc >= target) return i + 1;
   }
   return hi;
+}
+
+// The same prefix (same contract), for large n first narrowed by buckets: the keys' range is cut
+// into kBuckets equal buckets (bucket(key) = floor((key - min) / (max - min) * kBuckets), which is
+// monotone in the key, so every token of a lower bucket comes before every token of a higher one),
+// one pass sums each bucket's mass, the bucket where the running mass reaches target holds the
+// cut, one partition puts the lower buckets first and that bucket next, and halving runs on that
+// bucket alone. Three passes over n plus a selection in one bucket: O(n).
+inline Index select_mass_prefix(Ranked* a, Index n, double target, std::vector<double>& bucket_mass) {
+  constexpr Index kBuckets = 2048;
+  if (n <= 4 * kBuckets) return select_mass_prefix_halving(a, n, target);
+  double lo = a[0].key, hi = a[0].key;
+  for (Index i = 1; i < n; ++i) {
+    lo = std::min(lo, a[i].key);
+    hi = std::max(hi, a[i].key);
+  }
+  const double scale = static_cast<double>(kBuckets) / (hi - lo);
+  if (!(hi > lo) || !std::isfinite(scale)) return select_mass_prefix_halving(a, n, target);
+  const auto bucket = [lo, scale](double key) {
+    return std::min<Index>(kBuckets - 1, static_cast<Index>((key - lo) * scale));
+  };
+  bucket_mass.assign(static_cast<std::size_t>(kBuckets), 0.0);
+  for (Index i = 0; i < n; ++i) bucket_mass[static_cast<std::size_t>(bucket(a[i].key))] += a[i].weight;
+  double acc = 0.0;  // the mass of the buckets below b
+  Index b = 0;
+  for (; b < kBuckets; ++b) {
+    if (acc + bucket_mass[static_cast<std::size_t>(b)] >= target) break;
+    acc += bucket_mass[static_cast<std::size_t>(b)];
+  }
+  if (b == kBuckets) return n;  // the whole set falls short (rounding)
+  Ranked* const below = std::partition(a, a + n, [&](const Ranked& r) { return bucket(r.key) < b; });
+  Ranked* const within = std::partition(below, a + n, [&](const Ranked& r) { return bucket(r.key) == b; });
+  const Index first = static_cast<Index>(below - a);
+  return first + select_mass_prefix_halving(below, static_cast<Index>(within - below), target - acc);
 }
 
 // Moves the keep - c best of a[c .. n) (ranked_before) to a[c .. keep), when c < keep <= n; returns
@@ -551,7 +587,7 @@ inline void run_chain(SamplingRow& row, const SamplingOptions& o, const TokenIds
         }
         row.rank(minus_z, weight_w);
         const Index n = static_cast<Index>(row.ranked.size());
-        const Index c = select_mass_prefix(row.ranked.data(), n, p * S);
+        const Index c = select_mass_prefix(row.ranked.data(), n, p * S, row.vals);
         row.remove_ranked_from(keep_at_least(row.ranked.data(), n, c, keep));
         break;
       }
@@ -590,7 +626,7 @@ inline void run_chain(SamplingRow& row, const SamplingOptions& o, const TokenIds
         for (const Index j : row.cand) row.s[static_cast<std::size_t>(j)] = std::fabs(-(at(j) - lse) - H);
         row.rank([&row](Index j) { return row.s[static_cast<std::size_t>(j)]; }, weight_w);
         const Index n = static_cast<Index>(row.ranked.size());
-        const Index c = select_mass_prefix(row.ranked.data(), n, mass);
+        const Index c = select_mass_prefix(row.ranked.data(), n, mass, row.vals);
         // s* = s of the boundary token (the c-th in order, or the last if the mass never reached
         // typical_p): the largest key of the prefix.
         double cut = std::numeric_limits<double>::infinity();
