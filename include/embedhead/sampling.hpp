@@ -436,17 +436,22 @@ struct SamplingRow {
   // cand <- the ids with z > -inf, in increasing order. No step turns -inf into a value, so once
   // cand is valid a later call filters it (O(K)) instead of scanning the row (O(V)).
   void candidates() {
+    // Branch-free compaction: survival is data-dependent and a branch on it mispredicts.
+    std::size_t k = 0;
     if (cand_valid) {
-      std::size_t k = 0;
-      for (const Index j : cand)
-        if (z[static_cast<std::size_t>(j)] > kNegInf) cand[k++] = j;
-      cand.resize(k);
-      return;
+      for (const Index j : cand) {
+        cand[k] = j;
+        k += z[static_cast<std::size_t>(j)] > kNegInf ? 1 : 0;
+      }
+    } else {
+      cand.resize(z.size());
+      for (std::size_t j = 0; j < z.size(); ++j) {
+        cand[k] = static_cast<Index>(j);
+        k += z[j] > kNegInf ? 1 : 0;
+      }
+      cand_valid = true;
     }
-    cand.clear();
-    for (Index j = 0; j < static_cast<Index>(z.size()); ++j)
-      if (z[static_cast<std::size_t>(j)] > kNegInf) cand.push_back(j);
-    cand_valid = true;
+    cand.resize(k);
   }
   // Over the candidates (call candidates() first): m = max z_j, w_j = exp(z_j - m), by the
   // softmax core's vectorised pass (detail/softmax.hpp) on the packed values; returns
