@@ -8,6 +8,10 @@
 //                                  vocab_block S (0: auto), P = 1 token_chunks of S tokens,
 //                                  P = 2 automatic (the default options)
 //   FusedEval/threads:T            FusedHeadLoss::forward (the loss only, no gradient)
+//   Score/what:W/threads:T         score_head (head_scores.hpp) on the same h, W, b and targets:
+//                                  W = 0 the given tokens' log-probs, 1 also entropy and top-5,
+//                                  2 all of that at temperature 0.7 (raw and processed) -- issue
+//                                  17's target: at most 1.1x FusedEval's time
 //   FusedSweep/N/V/d/threads:T     the default fused step from 1k to 16k tokens and 32k to 262k
 //                                  rows, and Gemma's V = 256,000, d = 2048 (BM_FusedSweep); select
 //                                  with --benchmark_filter=FusedSweep, skip with -FusedSweep
@@ -147,6 +151,20 @@ void BM_FusedEval(benchmark::State& state) {
   add_counters(state, 2.0 * kN * kV * kD, static_cast<double>(chunk > 0 ? chunk * kV : kN * block) * sizeof(float));
 }
 
+void BM_Score(benchmark::State& state) {
+  set_threads(state, static_cast<int>(state.range(1)));
+  Problem& p = problem();
+  embedhead::HeadScoreOptions options;
+  if (state.range(0) >= 1) options.entropy = true, options.top_k = 5;
+  if (state.range(0) == 2) options.temperature = 0.7;
+  const auto W = static_cast<const embedhead::Parameter<float>&>(p.head.weight()).value();
+  const RowMatrix<float> no_bias(0, 1);  // the problem's head has none, as FusedEval's
+  for (auto _ : state) benchmark::DoNotOptimize(embedhead::score_head<float>(p.h, W, no_bias, p.targets, options));
+  const Index chunk = std::min<Index>(kN, embedhead::detail::kScoreTokenChunk);
+  add_counters(state, 2.0 * kN * kV * kD,
+               static_cast<double>(chunk * embedhead::detail::fused_vocab_block(0, kV)) * sizeof(float));
+}
+
 // How the fused step's cost grows: N tokens (1k..16k) and V (32k..262k) at d = 768, and the
 // Gemma-sized head (V = 256,000, d = 2048), with the default options (automatic plan). Counters:
 // ps_per_NVd, the time per N V d (flat when the time is linear in N V d), plan_tokens (the token
@@ -201,6 +219,12 @@ void register_benchmarks() {
         ->ArgName("threads")
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
+    for (const std::int64_t what : {0, 1, 2})
+      benchmark::RegisterBenchmark("Score", BM_Score)
+          ->Args({what, t})
+          ->ArgNames({"what", "threads"})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
   }
   // The sweep on the most threads only: each point is one step of 0.4 to 5 TFLOP.
   const std::int64_t most = threads.back();

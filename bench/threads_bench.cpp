@@ -17,6 +17,9 @@
 // The decode path, in bytes of W per second (bytes_per_second counter):
 //   Decode/N:n/V:../d:../threads:T            output_projection_decode, n = 1, 2, 4, 8 tokens
 //   EigenDecode/...                           the same as one Eigen product (GEMV for n = 1)
+//   DecodeInt8/...                            the int8 head (quantized_head_forward) on W quantized
+//                                             per row; its bytes_per_second also counts W's float
+//                                             bytes, so its rate over Decode's is the speed-up
 //   ReadW/..., MemcpyW/...                    a vectorised sum over W and a memcpy of W, by the
 //                                             same chunks: the bandwidth ceiling of the decode
 //
@@ -326,6 +329,7 @@ void check_head_thread_counts_agree() {
 
 struct DecodeProblem {
   RowMatrix<float> W, b, h, logits, copy;
+  std::unique_ptr<embedhead::QuantizedEmbedding> int8;  // built on first use
   DecodeProblem(Index V, Index d) : W(V, d), b(V, 1), h(embedhead::detail::kDecodeMaxTokens, d), logits(h.rows(), V) {
     // Cheap deterministic values: the 256000 x 2048 table has 524 M entries.
     for (Index v = 0; v < V; ++v)
@@ -361,6 +365,31 @@ void BM_Decode(benchmark::State& state) {
   check_close(logits, expected, "Decode");
   for (auto _ : state) {
     embedhead::output_projection_decode<float>(h, p.W, p.b, logits);
+    benchmark::DoNotOptimize(p.logits.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes_of_W(state, p.W);
+}
+
+void BM_DecodeInt8(benchmark::State& state) {
+  const Index n = state.range(0);
+  DecodeProblem& p = decode_problem(state.range(1), state.range(2));
+  if (!p.int8) p.int8 = std::make_unique<embedhead::QuantizedEmbedding>(p.W);
+  use_threads(static_cast<int>(state.range(3)), false);
+  const auto h = p.h.topRows(n);
+  auto logits = p.logits.topRows(n);
+  embedhead::quantized_head_forward(h, p.int8->values(), p.int8->scales(), p.b, logits);
+  // Against the float head: within the quantization bound sum_k |h_k| scale_v / 2 (+ rounding).
+  RowMatrix<float> expected = h * p.W.transpose();
+  expected.rowwise() += p.b.col(0).transpose();
+  for (Index t = 0; t < n; ++t)
+    for (Index v = 0; v < p.W.rows(); v += 997) {
+      const double bound = h.row(t).cwiseAbs().sum() * p.int8->scales()(v, 0) / 2 + 1e-4;
+      if (std::abs(logits(t, v) - expected(t, v)) > bound)
+        bench_support::fail(kProgram, "DecodeInt8: a logit is outside the quantization bound");
+    }
+  for (auto _ : state) {
+    embedhead::quantized_head_forward(h, p.int8->values(), p.int8->scales(), p.b, logits);
     benchmark::DoNotOptimize(p.logits.data());
     benchmark::ClobberMemory();
   }
@@ -491,6 +520,7 @@ void register_benchmarks() {
         args[0] = n;
         benchmark::RegisterBenchmark("Decode", BM_Decode)->Args(args)->ArgNames(names)->UseRealTime();
         benchmark::RegisterBenchmark("EigenDecode", BM_EigenDecode)->Args(args)->ArgNames(names)->UseRealTime();
+        benchmark::RegisterBenchmark("DecodeInt8", BM_DecodeInt8)->Args(args)->ArgNames(names)->UseRealTime();
       }
     }
 }

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Build what the demo shows and show it: the benchmark tour (bench/tour), then the examples.
 # Installs only the demo's packages (scripts/install_deps.sh demo: a compiler, cmake, ninja, Eigen,
-# Google Benchmark) and builds only the tour and the examples, not the tests (scripts/test.sh).
+# Google Benchmark, nlohmann-json) and builds only the tour and the examples, not the tests
+# (scripts/test.sh). The examples run in examples/CMakeLists.txt's order: quickstart,
+# parameter_budget, train_bigram, train_lm, undertrained_tokens, then tiny_gpt (a 2-layer RoPE
+# transformer trained for about half a minute; it leaves build/release/examples/tiny_gpt.safetensors).
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -3,8 +3,9 @@
 #
 # Usage: scripts/install_deps.sh [demo|full] [extra-package ...]
 #
-#   demo  what scripts/demo.sh needs: a compiler, cmake, ninja, Eigen and Google Benchmark
-#   full  (default) everything scripts/test.sh needs: also Catch2, nlohmann-json, numpy, clang
+#   demo  what scripts/demo.sh needs: a compiler, cmake, ninja, Eigen, Google Benchmark and
+#         nlohmann-json (the tiny_gpt example saves a safetensors checkpoint)
+#   full  (default) everything scripts/test.sh needs: also Catch2, numpy, clang
 #         with libFuzzer and OpenMP, chromium and OpenMPI
 #
 # Only packages that are not installed yet are installed; `apt-get update` is
@@ -17,7 +18,8 @@ case "${1:-}" in
 esac
 
 # ninja-build: the scripts use Ninja when it is there (it schedules both cores better than make).
-demo_packages=(cmake g++ ninja-build libeigen3-dev libbenchmark-dev)
+# nlohmann-json3-dev: embedhead::safetensors, which the tiny_gpt example saves its checkpoint with.
+demo_packages=(cmake g++ ninja-build libeigen3-dev libbenchmark-dev nlohmann-json3-dev)
 # python3-numpy: the python interop tests (tests/python); clang + libclang-rt-14-dev: the libFuzzer
 # build of fuzz/ and the clang ASan+UBSan build of the tests (libFuzzer and the sanitizer runtimes
 # are in libclang-rt-14-dev on Debian 12); libomp-dev: OpenMP for clang (threads_test);
@@ -26,7 +28,7 @@ demo_packages=(cmake g++ ninja-build libeigen3-dev libbenchmark-dev)
 # make: cmake's fallback generator; clang-format-14: the formatting check (ctest label format);
 # libopenblas-serial-dev: the CBLAS backend the third tree's tests run on (embedhead::cblas);
 # libdnnl-dev: oneDNN, the bf16 products' backend the Release tree tests (embedhead::onednn).
-full_packages=("${demo_packages[@]}" make catch2 nlohmann-json3-dev python3-numpy clang libclang-rt-14-dev
+full_packages=("${demo_packages[@]}" make catch2 python3-numpy clang libclang-rt-14-dev
                libomp-dev chromium libopenmpi-dev openmpi-bin clang-format-14 libopenblas-serial-dev
                libdnnl-dev)
 if [ "$set_name" = "demo" ]; then

@@ -291,7 +291,40 @@ void check_packed_sequences() {
   }
 }
 
+// The decode kernel (Kernel::decode: M <= 8 rows of A row-major, op(B) = W^T) against the same
+// written-out sequence, for every token count, across the lanes x lanes transposes (rows of W and
+// depth not multiples of the lanes), the depth blocks and the chunks.
+template <typename Scalar>
+void check_decode_sequences() {
+  using gemm::Layout;
+  std::mt19937_64 gen(31);
+  std::uniform_real_distribution<double> dist(-1.0, 1.0);
+  for (const Index K : {Index{1}, Index{15}, Index{16}, Index{17}, Index{255}, Index{256}, Index{257}, Index{700}})
+    for (const Index N : {Index{1}, Index{15}, Index{16}, Index{17}, Index{33}, Index{1030}})
+      for (Index M = 1; M <= 8; ++M)
+        for (gemm::Init init : {gemm::Init::zero, gemm::Init::bias}) {
+          CAPTURE(M, N, K, static_cast<int>(init));
+          const Index lda = K + 3, ldb = K + 5, ldc = N + 2;
+          std::vector<Scalar> A(static_cast<std::size_t>(M * lda)), B(static_cast<std::size_t>(N * ldb)),
+              bias(static_cast<std::size_t>(2 * N)), expected(static_cast<std::size_t>(M * ldc), Scalar(7));
+          for (auto* v : {&A, &B, &bias})
+            for (auto& x : *v) x = static_cast<Scalar>(dist(gen));
+          std::vector<Scalar> got = expected;
+          gemm::Op<Scalar, Layout::row_major, Layout::col_major> op{M,   N,        K,           A.data(),
+                                                                    lda, B.data(), ldb,         expected.data(),
+                                                                    ldc, init,     bias.data(), 2};
+          reference_packed(op);
+          op.c = got.data();
+          gemm::run<gemm::Kernel::decode, gemm::PackedBackend>(op, gemm::Plan{gemm::Split::cols, 512, true});
+          CHECK(std::memcmp(expected.data(), got.data(), expected.size() * sizeof(Scalar)) == 0);
+        }
+}
+
 }  // namespace
+
+TEMPLATE_TEST_CASE("decode kernel: every logit is the packed kernel's sequence, bit for bit", "[gemm]", float, double) {
+  check_decode_sequences<TestType>();
+}
 
 TEST_CASE("packed kernel: the build's multiply-add is fused exactly when packed_gemm_fuses() says so", "[gemm]") {
   using Packet = gemm::PackedTile<float>::Packet;

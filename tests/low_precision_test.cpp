@@ -19,6 +19,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -631,4 +632,31 @@ TEMPLATE_TEST_CASE("low precision: without a bias, bias_grad() is an untouched g
   head = std::move(other);
   CHECK(head.vocab_size() == 3);
   CHECK(head.bias_grad().rows() == 3);
+}
+
+TEMPLATE_TEST_CASE(
+    "low-precision head: decode (N <= 8) widens W as it streams; a token's logits are the same "
+    "bits in any batch and equal the float head's on float(W)",
+    "[low_precision][batch_invariance]", Eigen::bfloat16, Eigen::half) {
+  using Storage = TestType;
+  // V not a multiple of the lanes, d across a depth block with a tail.
+  const Index V = 1000, d = 300, total = 40;
+  const RowMatrix<Storage> W = embedhead::convert_table<Storage>(random_matrix<float>(V, d, 61, 0.1));
+  const RowMatrix<float> Wf = widen_by_bits(W), bias = random_matrix<float>(V, 1, 62);
+  const RowMatrix<float> h = random_matrix<float>(total, d, 63);
+  LowPrecisionOutputProjection<Storage> head(W, bias);
+  // Float head on float(W), each token alone (its decode path).
+  RowMatrix<float> alone(total, V);
+  for (Index n = 0; n < total; ++n) {
+    RowMatrix<float> row(1, V);
+    embedhead::output_projection_forward<float>(h.row(n), Wf, bias, row);
+    alone.row(n) = row;
+  }
+  for (const Index N : {Index{1}, Index{2}, Index{7}, Index{8}, Index{9}, Index{40}})
+    for (const Index o : {Index{0}, total - N}) {
+      CAPTURE(N, o);
+      const RowMatrix<float> got = head.forward(h.middleRows(o, N));
+      if (N <= 8 || std::is_same_v<embedhead::detail::gemm::DefaultBackend, embedhead::detail::gemm::PackedBackend>)
+        CHECK(first_difference(got, alone.middleRows(o, N)) == "");
+    }
 }

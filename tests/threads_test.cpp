@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -392,5 +393,47 @@ TEMPLATE_TEST_CASE("threads: RoPE forward and backward are bit-identical for 1 a
     const RowMatrix<Scalar> one = run(1), two = run(2), again = run(2);
     CHECK(bit_identical(one, two));
     CHECK(bit_identical(two, again));
+  }
+}
+
+TEST_CASE("threads: a token's logits and loss terms are the same bits alone on 1 thread and in a batch on 2",
+          "[threads][batch_invariance]") {
+  if (!std::is_same_v<embedhead::detail::gemm::DefaultBackend, embedhead::detail::gemm::PackedBackend>) return;
+  const Index V = 3000, d = 300, N = 512;
+  const RowMatrix<float> h = test_support::random_matrix<float>(N, d, 91);
+  const RowMatrix<float> W = test_support::random_matrix<float>(V, d, 92, 0.1);
+  const RowMatrix<float> b = test_support::random_matrix<float>(V, 1, 93);
+  const IdMatrix<std::int64_t> targets = test_support::random_ids<std::int64_t>(N, 1, V, 94);
+  // Alone, one thread: the decode path and a one-token fused loss.
+  RowMatrix<float> alone(N, V), alone_losses(N, 1);
+  with_threads(1, [&] {
+    for (Index n = 0; n < N; ++n) {
+      RowMatrix<float> row(1, V), loss(1, 1);
+      embedhead::output_projection_decode<float>(h.row(n), W, b, row);
+      alone.row(n) = row;
+      embedhead::FusedHeadLossOptions options;
+      options.reduction = embedhead::Reduction::none;
+      embedhead::FusedHeadLossWorkspace<float> workspace;
+      embedhead::FusedHeadLossExtras<float> extras{{nullptr, 0, 1}, {nullptr, 0, 1}, {loss.data(), 1, 1}};
+      embedhead::fused_head_loss<float>(h.row(n), W, b, targets.row(n), workspace, options, extras);
+      alone_losses(n, 0) = loss(0, 0);
+    }
+    return 0;
+  });
+  // The whole batch on two threads: the GEMM and both fused plans.
+  for (const auto plan : {embedhead::FusedPlan::token_chunks, embedhead::FusedPlan::vocab_blocks}) {
+    const auto [logits, losses] = with_threads(2, [&] {
+      RowMatrix<float> out(N, V), loss(N, 1);
+      embedhead::output_projection_forward<float>(h, W, b, out);
+      embedhead::FusedHeadLossOptions options;
+      options.reduction = embedhead::Reduction::none;
+      options.plan = plan;
+      embedhead::FusedHeadLossWorkspace<float> workspace;
+      embedhead::FusedHeadLossExtras<float> extras{{nullptr, 0, 1}, {nullptr, 0, 1}, {loss.data(), N, 1}};
+      embedhead::fused_head_loss<float>(h, W, b, targets, workspace, options, extras);
+      return std::make_pair(out, loss);
+    });
+    CHECK(bit_identical(logits, alone));
+    CHECK(bit_identical(losses, alone_losses));
   }
 }

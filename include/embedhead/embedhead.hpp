@@ -24,14 +24,17 @@
 #include "cross_entropy.hpp"
 #include "dropout.hpp"
 #include "fused_head_loss.hpp"
+#include "head_scores.hpp"
 #include "gemm_backend.hpp"
 #include "low_precision.hpp"
 #include "output_projection.hpp"
 #include "parameter_count.hpp"
 #include "position_embedding.hpp"
 #include "quantized_embedding.hpp"
+#include "quantized_head.hpp"
 #include "rope.hpp"
 #include "sampling.hpp"
+#include "shortlist.hpp"
 #include "token_embedding.hpp"
 #include "vocabulary.hpp"
 
@@ -57,5 +60,6 @@
 
 // The geometry of a trained table.
 #include "analysis/geometry.hpp"
+#include "analysis/head_comparison.hpp"
 
 #endif  // EMBEDHEAD_EMBEDHEAD_HPP

@@ -13,7 +13,8 @@
 // chunks (detail::head_forward_chunked / head_backward_chunked) through the GEMM seam. On the
 // default backend, the library's packed kernel, W is widened (exactly) while the kernel packs it,
 // so the head computes the float head's sequence on float(W): its forward, dW and dh equal the
-// float head's on float(W) bit for bit (N > 8: the float head decodes N <= 8). On the Eigen and
+// float head's on float(W) bit for bit (N <= 8 tokens take the decode kernel, as the float head
+// does, widening W as it streams: the decode path reads half the bytes of a float W). On the Eigen and
 // CBLAS backends the seam's mixed-precision path (detail/gemm.hpp) converts W kWidenTileRows = 256
 // rows at a time into a per-thread float tile (HeadTileWorkspace) and each tile is one float GEMM:
 // forward and dW as the float head's, dh summing V in tiles of 256 rows (within rounding of the
@@ -182,8 +183,9 @@ void embedding_forward(const ConstMatrixRef<Storage>& E, TokenIds ids, float sca
 // h float [N, d], W Storage [V, d], bias float [V, 1] or empty (no bias) -> logits float [N, V]
 // = h float(W)^T + b, by the float head's chunks of 1024 rows of W (over the OpenMP threads when
 // built with OpenMP); W widened while packed (the packed kernel) or 256 rows at a time into the
-// thread's tile in workspace.tiles (Eigen, CBLAS). Bit-identical for any thread count, and equal
-// to output_projection_forward<float> on float(W) for N > 8.
+// thread's tile in workspace.tiles (Eigen, CBLAS); N <= 8 tokens take the decode kernel, W widened
+// as it streams. Bit-identical for any thread count, and equal to output_projection_forward<float>
+// on float(W) for every N (on the Eigen and CBLAS backends: for N <= 8).
 // \pre logits aliases neither h nor W. \throws shape_error on any shape mismatch (nothing
 // written). Cost: 2 N V d flops plus V*d conversions; allocates only when the workspace is too
 // small (256 * d floats per thread, Eigen and CBLAS), plus the kernel's packing buffers.
@@ -197,6 +199,15 @@ void output_projection_forward(const ConstMatrixRef<float>& h, const ConstMatrix
   detail::check_shape(where, "h", h, N, d);
   if (bias.size() != 0) detail::check_shape(where, "bias", bias, V, 1);
   detail::check_shape(where, "logits", logits, N, V);
+  if (N >= 1 && N <= detail::kDecodeMaxTokens) {
+    // The decode kernel, W widened as it streams (the same on every backend).
+    using namespace gemm;
+    Op<float, Layout::row_major, Layout::col_major, Storage> op{
+        N, V, d, h.data(), h.outerStride(), W.data(), W.outerStride(), logits.data(), logits.outerStride(), Init::zero};
+    if (bias.size() != 0) op.init = Init::bias, op.bias = bias.data(), op.bias_stride = bias.outerStride();
+    run<Kernel::decode, PackedBackend>(op, Plan{Split::cols, kDecodeVocabChunk, V * d >= kDecodeMinElements});
+    return;
+  }
   detail::head_forward_chunked<float, Storage>(h, W, bias, logits, detail::kHeadVocabChunk, &workspace.tiles);
 }
 

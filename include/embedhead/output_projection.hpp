@@ -162,8 +162,7 @@ void head_decode(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& 
 // larger N runs one GEMM per chunk of 1024 rows of W, the chunks spread over the OpenMP threads
 // when built with OpenMP. The result is bit-identical for any thread count, with or without
 // OpenMP; on the default (packed) kernel a token's logits are also the same bits in any batch of
-// N > 8 tokens (detail/gemm_packed.hpp). A token's logits from an N <= 8 call (the decode kernel)
-// may differ in the last bits from the same token's in a larger batch.
+// any N, the decode path's included (detail/gemm_packed.hpp, docs/threading.md "Batch invariance").
 // \pre logits aliases neither h nor W. \throws shape_error on any shape mismatch (nothing written).
 // Cost: 2 N V d flops. Nothing of size N*V is allocated; the packed kernel keeps per-thread packing
 // buffers (at most about 5 MiB a thread in float, 10 in double, grown on first use and kept for the
@@ -194,9 +193,10 @@ void output_projection_forward(const ConstMatrixRef<Scalar>& h, const ConstMatri
 }
 
 // Decode: h [N, d] with 1 <= N <= 8, W [V, d], bias [V, 1] or empty -> logits [N, V] = h W^T + b,
-// streaming W from memory once. For each row v of W, the N dot products with the rows of h are
-// accumulated together while the row is in registers (a SIMD packet per token), so the cost is one read
-// of W's V d values plus 2 N V d flops: memory-bound, about the time of reading W. Chunks of 1024
+// streaming W from memory once. Rows of W are read a SIMD packet's width at a time, transposed in
+// registers and multiplied into all N tokens, each logit by the packed GEMM's sequence (so the
+// same bits as in a batch, on the default backend), so the cost is one read of W's V d values plus
+// 2 N V d flops: memory-bound, about the time of reading W. Chunks of 1024
 // rows of W go to the OpenMP threads; the result is bit-identical for any thread count.
 // output_projection_forward (and so OutputProjection::forward) calls this for N <= 8 by itself;
 // call it directly to insist on the decode path.

@@ -30,11 +30,14 @@
 //                       one thread: coefficient-wise below M + N + K = 20, matrix-vector when M or
 //                       N is 1, else the same GEMM kernel (never Eigen's threaded split).
 //   Kernel::decode      1 <= M <= kDecodeMaxTokens rows of A row-major, B = W^T (col_major): one
-//                       pass over W's rows, the M dot products of each row accumulated together in
-//                       SIMD registers (decode_tokens), the bias added to each finished sum.
+//                       pass over W's rows, lanes rows at a time transposed in registers, each
+//                       logit by the packed GEMM's sequence (gemm::packed_decode), on every backend.
 // The head and geometry use Kernel::gemm, the fused loss Kernel::expression, decoding
 // Kernel::decode. The packed backend (the default) runs gemm and expression alike, the CBLAS
-// backend as one sgemm / dgemm a chunk; both run decode as the Eigen backend does.
+// backend as one sgemm / dgemm a chunk. On the packed backend a token's logits are therefore the
+// same bits from the decode path, from a batch of any size and from the fused loss (batch
+// invariance); on the Eigen and CBLAS backends the decode path's logits may differ in the last bits
+// from a batch's.
 //
 // Backends are types chosen at compile time (run<Kernel, Backend>). DefaultBackend is
 // PackedBackend, the library's own kernel (detail/gemm_packed.hpp); EigenBackend when the program
@@ -173,67 +176,22 @@ inline void widen_row(const Eigen::bfloat16* src, Index d, float scale, float* d
 
 // ---- decode kernel: few tokens, one pass over W ----
 
-// Decode kernel for a fixed number of tokens: for v in [v0, v1),
-//   logits[t * ldl + v] = sum_j h[t * ldh + j] W[v * ldw + j] (+ bias[v * ldb]),  t < kTokens.
-// Each row of W is loaded once, one SIMD packet at a time (16 floats with AVX-512), and multiplied
-// into the kTokens running packet sums while it is in a register (fused multiply-adds with h read
-// from L1), so W streams from memory once for all the tokens. Raw Eigen packets rather than
-// Eigen::Array objects: GCC keeps an array of packets in registers, while an array of 16-float
-// Arrays was spilled to the stack in some inlining contexts (store and reload every step). The
-// summation order -- packet-wide running sums, Eigen's fixed reduction of the packet, the scalar
-// tail, then the bias -- depends on d and the build's packet width only: a logit does not depend
-// on v0, v1, the thread, nor on the other tokens of the call.
-//
-// While reading row v it prefetches row v + kDecodePrefetchRows, one cache line per 64 bytes
-// read, spread over the loop: with 4 or 8 tokens the FMAs leave the hardware prefetcher too little
-// lead. Tried on the project's machine (GFLOP/s over a 154 MB W, 8 tokens): no prefetch 12-14,
-// a whole row prefetched at once 16-29, spread over the loop 36-39 for 1 to 8 rows ahead.
-constexpr Index kDecodePrefetchRows = 4;
-
-template <int kTokens, typename Scalar>
-void decode_tokens(const Scalar* h, Index ldh, const Scalar* W, Index ldw, Index d, const Scalar* bias, Index ldb,
-                   Scalar* logits, Index ldl, Index v0, Index v1) {
-  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
-  constexpr Index kLanes = Eigen::internal::packet_traits<Scalar>::size;
-  constexpr Index kLineStep = std::max<Index>(kLanes, 64 / static_cast<Index>(sizeof(Scalar)));
-  const Index body = d - d % kLanes;
-  for (Index v = v0; v < v1; ++v) {
-    const Scalar* w = W + v * ldw;
-    const Scalar* ahead = W + std::min(v + kDecodePrefetchRows, v1 - 1) * ldw;  // stays inside the chunk
-    Packet acc[kTokens];
-    for (int t = 0; t < kTokens; ++t) acc[t] = Eigen::internal::pset1<Packet>(Scalar(0));
-    for (Index j = 0; j < body; j += kLanes) {
-#if defined(__GNUC__) || defined(__clang__)
-      if (j % kLineStep == 0) __builtin_prefetch(ahead + j);  // once per cache line
-#endif
-      const Packet wj = Eigen::internal::ploadu<Packet>(w + j);
-      for (int t = 0; t < kTokens; ++t)
-        acc[t] = Eigen::internal::pmadd(wj, Eigen::internal::ploadu<Packet>(h + t * ldh + j), acc[t]);
-    }
-    for (int t = 0; t < kTokens; ++t) {
-      Scalar tail(0);
-      for (Index j = body; j < d; ++j) tail += w[j] * h[t * ldh + j];
-      Scalar sum = Eigen::internal::predux(acc[t]) + tail;
-      if (bias) sum += bias[v * ldb];
-      logits[t * ldl + v] = sum;
-    }
-  }
-}
-
-// decode_tokens with the token count as a run-time value in [1, kDecodeMaxTokens].
-template <typename Scalar>
-void decode_rows(Index tokens, const Scalar* h, Index ldh, const Scalar* W, Index ldw, Index d, const Scalar* bias,
+// The decode kernel (gemm::packed_decode, detail/gemm_packed.hpp: the packed GEMM's sequence, so a
+// token's logits are the same bits as in any batch on the packed backend) with the token count as
+// a run-time value in [1, kDecodeMaxTokens].
+template <typename Scalar, typename WStorage = Scalar>
+void decode_rows(Index tokens, const Scalar* h, Index ldh, const WStorage* W, Index ldw, Index d, const Scalar* bias,
                  Index ldb, Scalar* logits, Index ldl, Index v0, Index v1) {
   static_assert(kDecodeMaxTokens == 8, "the switch below lists 1 ... kDecodeMaxTokens");
   switch (tokens) {
-    case 1: return decode_tokens<1>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 2: return decode_tokens<2>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 3: return decode_tokens<3>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 4: return decode_tokens<4>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 5: return decode_tokens<5>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 6: return decode_tokens<6>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 7: return decode_tokens<7>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
-    case 8: return decode_tokens<8>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 1: return gemm::packed_decode<1, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 2: return gemm::packed_decode<2, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 3: return gemm::packed_decode<3, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 4: return gemm::packed_decode<4, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 5: return gemm::packed_decode<5, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 6: return gemm::packed_decode<6, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 7: return gemm::packed_decode<7, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
+    case 8: return gemm::packed_decode<8, Scalar, WStorage>(h, ldh, W, ldw, d, bias, ldb, logits, ldl, v0, v1);
     default: return;  // unreachable: the callers check the range
   }
 }
@@ -398,8 +356,12 @@ struct PackedBackend {
   template <Kernel kKernel, typename Scalar, Layout LA, Layout LB, typename BStorage, typename AStorage>
   static void multiply(const Op<Scalar, LA, LB, BStorage, AStorage>& op) {
     if constexpr (kKernel == Kernel::decode) {
-      static_assert(std::is_same_v<Scalar, BStorage> && std::is_same_v<Scalar, AStorage>, "decode: stored as Scalar");
-      EigenBackend::template multiply<kKernel>(op);
+      static_assert(LA == Layout::row_major && LB == Layout::col_major, "decode: A = h row-major, op(B) = W^T");
+      static_assert(std::is_same_v<Scalar, AStorage>, "decode: h stored as Scalar (W may be bf16 / fp16)");
+      if (op.M == 0 || op.N == 0) return;
+      const Scalar* bias = op.init == Init::bias ? op.bias : nullptr;
+      decode_rows<Scalar, BStorage>(op.M, op.a, op.lda, op.b, op.ldb, op.K, bias, op.bias_stride, op.c, op.ldc, 0,
+                                    op.N);
     } else {
       packed_gemm(op);
     }

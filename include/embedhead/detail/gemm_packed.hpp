@@ -406,6 +406,126 @@ void packed_gemm(const Op<Scalar, LA, LB, BStorage, AStorage>& op) {
   }
 }
 
+// ---- decode: few tokens, one pass over W, the same sequence ----
+
+// logits[t * ldl + v] = sum_k h[t * ldh + k] W[v * ldw + k] (+ bias[v * ldb]) for t < kTokens and
+// v in [v0, v1): C = h W^T for a few tokens (the decode path), by exactly the sequence at the top
+// of this file -- so a token's logits are the same bits from here, from packed_gemm in any batch,
+// and from the fused loss. The GEMM vectorises across columns of C (rows of W) with k running
+// sequentially, and so does this kernel: rows of W are taken lanes at a time, read lanes x lanes
+// values at a time (each row's values consecutive) and transposed in registers (Eigen's
+// ptranspose), so that packet j holds W[v .. v + lanes - 1][k + j]; each token's running sums then
+// take fused multiply-adds k by k in increasing order, from zero at the start of each block of
+// kPackedDepth, and the block sums are added to C in order, then the bias. W streams from memory
+// once for all the tokens and nothing is packed: the transposed values live in registers only.
+// Depth left over in a block (fewer than lanes values) and rows of W left over at the end (fewer
+// than lanes rows) follow the same sequence value by value. The next rows of W are prefetched one
+// cache line of each row per lanes values of depth.
+//
+// W may be stored as bf16 or fp16 (Scalar float): each packet is widened exactly as it is loaded,
+// so the low-precision head's decode is the float decode on float(W), value for value.
+
+// A packet of Scalar from the lanes stored values at p (exact widening of bf16 / fp16).
+template <typename Scalar, typename Storage>
+EIGEN_STRONG_INLINE typename PackedTile<Scalar>::Packet load_widened(const Storage* p) {
+  using Packet = typename PackedTile<Scalar>::Packet;
+  constexpr int L = PackedTile<Scalar>::lanes;
+  if constexpr (std::is_same_v<Scalar, Storage>) {
+    return Eigen::internal::ploadu<Packet>(p);
+  } else {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<Scalar, float> && L == 16) {  // Packet16f, __m512
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      if constexpr (std::is_same_v<Storage, Eigen::bfloat16>)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      else
+        return _mm512_cvtph_ps(raw);
+    }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+    if constexpr (std::is_same_v<Scalar, float> && L == 8) {  // Packet8f, __m256
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      if constexpr (std::is_same_v<Storage, Eigen::bfloat16>)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+      else
+        return _mm256_cvtph_ps(raw);
+    }
+#endif
+    alignas(64) Scalar lanes[L];
+    for (int i = 0; i < L; ++i) lanes[i] = packed_value<Scalar>(p[i]);
+    return Eigen::internal::pload<Packet>(lanes);
+  }
+}
+
+template <int kTokens, typename Scalar, typename WStorage = Scalar>
+void packed_decode(const Scalar* h, Index ldh, const WStorage* W, Index ldw, Index d, const Scalar* bias, Index ldb,
+                   Scalar* logits, Index ldl, Index v0, Index v1) {
+  using Tile = PackedTile<Scalar>;
+  using Packet = typename Tile::Packet;
+  constexpr int L = Tile::lanes;
+  using namespace Eigen::internal;
+  Index v = v0;
+  if constexpr (Tile::vectorised) {
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // as in transpose_lanes
+#endif
+    for (; v + L <= v1; v += L) {
+      const WStorage* w = W + v * ldw;
+      const bool prefetch_next = v + 2 * L <= v1;
+      Packet c[kTokens];
+      for (int t = 0; t < kTokens; ++t) c[t] = pset1<Packet>(Scalar(0));
+      for (Index k0 = 0; k0 < d; k0 += kPackedDepth) {
+        const Index k1 = std::min(d, k0 + kPackedDepth);
+        Packet s[kTokens];
+        for (int t = 0; t < kTokens; ++t) s[t] = pset1<Packet>(Scalar(0));
+        Index k = k0;
+        for (; k + L <= k1; k += L) {
+          PacketBlock<Packet, L> block;
+          for (int r = 0; r < L; ++r) block.packet[r] = load_widened<Scalar>(w + r * ldw + k);
+          if (prefetch_next && k % std::max<Index>(L, 64 / static_cast<Index>(sizeof(Scalar))) == 0)
+            for (int r = 0; r < L; ++r) prefetch(w + (L + r) * ldw + k);
+          ptranspose(block);  // block.packet[j] = W[v .. v + L - 1][k + j]
+          for (int j = 0; j < L; ++j)
+            for (int t = 0; t < kTokens; ++t)
+              s[t] = packed_madd(pset1<Packet>(h[t * ldh + k + j]), block.packet[j], s[t]);
+        }
+        for (; k < k1; ++k) {
+          alignas(64) Scalar column[L];
+          for (int r = 0; r < L; ++r) column[r] = packed_value<Scalar>(w[r * ldw + k]);
+          const Packet wk = pload<Packet>(column);
+          for (int t = 0; t < kTokens; ++t) s[t] = packed_madd(pset1<Packet>(h[t * ldh + k]), wk, s[t]);
+        }
+        for (int t = 0; t < kTokens; ++t) c[t] = k0 == 0 ? s[t] : padd(c[t], s[t]);
+      }
+      if (bias) {
+        alignas(64) Scalar lanes[L];
+        for (int r = 0; r < L; ++r) lanes[r] = bias[(v + r) * ldb];
+        const Packet b = pload<Packet>(lanes);
+        for (int t = 0; t < kTokens; ++t) c[t] = padd(c[t], b);
+      }
+      for (int t = 0; t < kTokens; ++t) pstoreu(logits + t * ldl + v, c[t]);
+    }
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+  }
+  for (; v < v1; ++v) {
+    const WStorage* w = W + v * ldw;
+    for (int t = 0; t < kTokens; ++t) {
+      Scalar c(0);
+      for (Index k0 = 0; k0 < d; k0 += kPackedDepth) {
+        const Index k1 = std::min(d, k0 + kPackedDepth);
+        Scalar s(0);
+        for (Index k = k0; k < k1; ++k) s = packed_madd(h[t * ldh + k], packed_value<Scalar>(w[k]), s);
+        c = k0 == 0 ? s : c + s;
+      }
+      if (bias) c = c + bias[v * ldb];
+      logits[t * ldl + v] = c;
+    }
+  }
+}
+
 }  // namespace gemm
 }  // namespace detail
 }  // namespace embedhead

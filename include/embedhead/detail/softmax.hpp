@@ -15,11 +15,16 @@
 //           a = 1 + 2 z_loss lse,  p_j = softmax(s)_j = exp(s_j - lse) = exp(s_j - m) / S
 //                                                                       apply_softmax_gradient
 // The row's loss is ce + zl; the callers weight it and reduce over the rows.
+//   E     = sum_j exp(s_j - m) (s_j - m)                                SoftmaxRowStats (entropy)
+//   H     = -sum_j p_j log p_j = log S - E / S                          row_entropy
+// (the entropy from statistics shifted by m, so nothing cancels however large the logits; a class
+// of probability 0, s_j = -inf, adds 0, not 0 * -inf).
 //
 // The statistics (m, S, s_y, sum_j s_j) of a row split into blocks of columns -- blocks of the
 // vocabulary in the fused loss, shards on the ranks -- combine by the online rescale of Milakov &
 // Gimelshein (2018):
-//   m = max(m1, m2),  S = S1 exp(m1 - m) + S2 exp(m2 - m),  s_y = s_y1 + s_y2,  sum s = sum1 + sum2
+//   m = max(m1, m2),  S = S1 exp(m1 - m) + S2 exp(m2 - m),  s_y = s_y1 + s_y2,  sum s = sum1 + sum2,
+//   E = (E1 + (m1 - m) S1) exp(m1 - m) + (E2 + (m2 - m) S2) exp(m2 - m)
 // (the block without the target adds s_y = 0; a block with no column has m = -inf, S = 0).
 // SoftmaxRowStats::accumulate applies it block by block, all_reduce_row_max + all_reduce_row_sums
 // across ranks. Two orders of work, each kept because the results depend on it:
@@ -73,6 +78,7 @@ struct SoftmaxTerms {
   double z_loss = 0;                                       // coefficient of lse^2
   double softcap = 0;                                      // c > 0: s = c tanh(z / c); 0: off
   Index classes = 0;                                       // C: the columns that are classes
+  bool entropy = false;                                    // E is summed (head_scores.hpp)
   bool logit_sums() const { return label_smoothing > 0; }  // sum_j s_j is needed
 };
 
@@ -157,25 +163,33 @@ Scalar row_max(const Scalar* s, Index width) {
 // 0), then a fixed tree over them -- depends only on width: not on the row's alignment, nor on
 // whether out is written. So the loss is bit-identical with or without the gradient and wherever
 // the logits live in memory.
+//
+// With entropy_sum not null, *entropy_sum = sum_j exp(s_j - m) (s_j - m) (the terms where the
+// exponential is 0 add 0), summed the same way; the sum of exponentials is the same bits either way.
 template <typename Scalar>
-Scalar sum_exp_shifted(const Scalar* s, Index width, Scalar m, Scalar* out) {
+Scalar sum_exp_shifted(const Scalar* s, Index width, Scalar m, Scalar* out, Scalar* entropy_sum = nullptr) {
   using Lanes = SoftmaxLanes<Scalar>;
-  Lanes acc = Lanes::Zero();
+  Lanes acc = Lanes::Zero(), weighted = Lanes::Zero();
+  const auto add = [&](const Lanes& x) {
+    const Lanes e = exp_lanes<Scalar>(x);
+    acc += e;
+    // x = -inf has e = 0: clamped to the lowest finite value, its term is 0 * finite = 0, not NaN.
+    if (entropy_sum) weighted += e * x.max(std::numeric_limits<Scalar>::lowest());
+    return e;
+  };
   Index j = 0;
   for (; j + kSoftmaxLanes <= width; j += kSoftmaxLanes) {
-    const Lanes e = exp_lanes<Scalar>(Eigen::Map<const Lanes>(s + j) - m);
+    const Lanes e = add(Eigen::Map<const Lanes>(s + j) - m);
     if (out) {
       Eigen::Map<Lanes> block(out + j);
       block = e;
     }
-    acc += e;
   }
   if (j < width) {
-    const Lanes e = exp_lanes<Scalar>(load_partial_lanes(s + j, width - j, -std::numeric_limits<Scalar>::infinity()) -
-                                      m);
+    const Lanes e = add(load_partial_lanes(s + j, width - j, -std::numeric_limits<Scalar>::infinity()) - m);
     if (out) std::copy_n(e.data(), width - j, out + j);
-    acc += e;
   }
+  if (entropy_sum) *entropy_sum = weighted.sum();
   return acc.sum();
 }
 
@@ -198,10 +212,18 @@ struct SoftmaxRowStats {
   double sum_exp = 0;                                     // S = sum_j exp(s_j - max)
   double target = 0;                                      // s_y, 0 where y is not among the columns
   double logit_sum = 0;                                   // sum_j s_j, with SoftmaxTerms::logit_sums()
+  double entropy_sum = 0;                                 // E = sum_j exp(s_j - max) (s_j - max), with terms.entropy
 
-  // max <- new_max (>= max), S rescaled to it; S = 0 stays 0 (also for max = -inf).
+  // max <- new_max (>= max), S (and E) rescaled to it; S = 0 stays 0 (also for max = -inf).
   void rescale_to(double new_max) {
-    sum_exp = sum_exp == 0.0 ? 0.0 : sum_exp * std::exp(max - new_max);
+    if (sum_exp == 0.0) {
+      sum_exp = 0.0;
+      entropy_sum = 0.0;
+    } else {
+      const double factor = std::exp(max - new_max);
+      entropy_sum = (entropy_sum + (max - new_max) * sum_exp) * factor;
+      sum_exp = sum_exp * factor;
+    }
     max = new_max;
   }
 
@@ -217,7 +239,9 @@ struct SoftmaxRowStats {
     if (target_column >= 0 && target_column < width) target = static_cast<double>(s[target_column]);
     if (terms.logit_sums()) logit_sum += sum_in_lanes(s, width);
     const Scalar shift = max == -std::numeric_limits<double>::infinity() ? Scalar(0) : static_cast<Scalar>(max);
-    sum_exp += static_cast<double>(sum_exp_shifted(s, width, shift, exp_out));
+    Scalar block_entropy(0);
+    sum_exp += static_cast<double>(sum_exp_shifted(s, width, shift, exp_out, terms.entropy ? &block_entropy : nullptr));
+    entropy_sum += static_cast<double>(block_entropy);
   }
 
   // The online step: the block's max, S rescaled when it exceeds the running max, then the block
@@ -270,6 +294,12 @@ void all_reduce_row_sums(Comm& comm, SoftmaxRowStats* stats, Index rows, const S
   for (std::size_t i = 0; i < n; ++i) stats[i].store_sums(&buffer[parts * i], terms);
   comm.all_reduce_sum(buffer.data(), static_cast<Index>(parts * n));
   for (std::size_t i = 0; i < n; ++i) stats[i].load_sums(&buffer[parts * i], terms);
+}
+
+// H = log S - E / S: the entropy of softmax(s) from a row's statistics over all its columns (needs
+// terms.entropy while they were summed).
+inline double row_entropy(const SoftmaxRowStats& stats) {
+  return std::log(stats.sum_exp) - stats.entropy_sum / stats.sum_exp;
 }
 
 // A row's loss, from its statistics over all its columns.
