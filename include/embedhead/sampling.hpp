@@ -85,7 +85,7 @@
 // The chain runs in double; processed logits are rounded once to Scalar. Sampling: O(K') for K'
 // survivors. Scratch: a workspace per thread (thread_local), grown to the largest V seen and kept
 // for the thread's life (about 9 V doubles: 18 MB at V = 256,000), so calls allocate only their
-// results once it has grown. Rows are processed one after another on the calling thread (no
+// results and O(N) bookkeeping once it has grown. Rows are processed one after another on the calling thread (no
 // threading), so results cannot depend on a thread count.
 #ifndef EMBEDHEAD_SAMPLING_HPP
 #define EMBEDHEAD_SAMPLING_HPP
