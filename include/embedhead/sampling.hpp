@@ -755,6 +755,30 @@ void raw_log_probs(const ConstMatrixRef<Scalar>& logits, MatrixRef<Scalar> log_p
   }
 }
 
+namespace detail {
+
+// The checks of the whole-matrix functions (out [N, V], the options, the history, the logits),
+// then the chain over every row once -- so that a row that throws does so before anything is
+// written -- then again, handing each row's result to write(n, row) (row is the workspace).
+template <typename Scalar, typename Write>
+void run_chain_checked(const char* where, const char* out_name, const ConstMatrixRef<Scalar>& logits,
+                       const SamplingOptions& options, const std::vector<TokenIds>& history,
+                       const MatrixRef<Scalar>& out, const Write& write) {
+  const Index N = logits.rows(), V = logits.cols();
+  check_shape(where, out_name, out, N, V);
+  check_sampling_options(where, options, V);
+  check_history(where, history, N, V);
+  check_logits_rows<Scalar>(where, logits);
+  SamplingRow& row = sampling_workspace();
+  for (Index n = 0; n < N; ++n) process_row<Scalar>(where, logits, n, options, history, row);
+  for (Index n = 0; n < N; ++n) {
+    process_row<Scalar>(where, logits, n, options, history, row);
+    write(n, row);
+  }
+}
+
+}  // namespace detail
+
 // logits [N, V] -> processed [N, V]: each row through the chain of `options` (removed tokens -inf),
 // computed in double and rounded once to Scalar. history: empty, or N views (one per row, any
 // shape, read as a flat list) of the tokens each row has seen, for the penalties. processed may be
@@ -769,18 +793,11 @@ template <typename Scalar>
 void process_logits(const ConstMatrixRef<Scalar>& logits, const SamplingOptions& options,
                     const std::vector<TokenIds>& history, MatrixRef<Scalar> processed) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
-  const char* where = "process_logits";
-  const Index N = logits.rows(), V = logits.cols();
-  detail::check_shape(where, "processed", processed, N, V);
-  detail::check_sampling_options(where, options, V);
-  detail::check_history(where, history, N, V);
-  detail::check_logits_rows<Scalar>(where, logits);
-  detail::SamplingRow& row = detail::sampling_workspace();
-  for (Index n = 0; n < N; ++n) detail::process_row<Scalar>(where, logits, n, options, history, row);
-  for (Index n = 0; n < N; ++n) {
-    detail::process_row<Scalar>(where, logits, n, options, history, row);
-    for (Index j = 0; j < V; ++j) processed(n, j) = static_cast<Scalar>(row.z[static_cast<std::size_t>(j)]);
-  }
+  detail::run_chain_checked<Scalar>("process_logits", "processed", logits, options, history, processed,
+                                    [&](Index n, detail::SamplingRow& row) {
+                                      for (Index j = 0; j < logits.cols(); ++j)
+                                        processed(n, j) = static_cast<Scalar>(row.z[static_cast<std::size_t>(j)]);
+                                    });
 }
 
 // logits [N, V] -> log_probs [N, V]: the processed log-probs, log_softmax of the chain's output
@@ -790,19 +807,12 @@ template <typename Scalar>
 void processed_log_probs(const ConstMatrixRef<Scalar>& logits, const SamplingOptions& options,
                          const std::vector<TokenIds>& history, MatrixRef<Scalar> log_probs) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
-  const char* where = "processed_log_probs";
-  const Index N = logits.rows(), V = logits.cols();
-  detail::check_shape(where, "log_probs", log_probs, N, V);
-  detail::check_sampling_options(where, options, V);
-  detail::check_history(where, history, N, V);
-  detail::check_logits_rows<Scalar>(where, logits);
-  detail::SamplingRow& row = detail::sampling_workspace();
-  for (Index n = 0; n < N; ++n) detail::process_row<Scalar>(where, logits, n, options, history, row);
-  for (Index n = 0; n < N; ++n) {
-    detail::process_row<Scalar>(where, logits, n, options, history, row);
-    const double lse = detail::row_lse(row);
-    for (Index j = 0; j < V; ++j) log_probs(n, j) = static_cast<Scalar>(row.z[static_cast<std::size_t>(j)] - lse);
-  }
+  detail::run_chain_checked<Scalar>("processed_log_probs", "log_probs", logits, options, history, log_probs,
+                                    [&](Index n, detail::SamplingRow& row) {
+                                      const double lse = detail::row_lse(row);
+                                      for (Index j = 0; j < logits.cols(); ++j)
+                                        log_probs(n, j) = static_cast<Scalar>(row.z[static_cast<std::size_t>(j)] - lse);
+                                    });
 }
 
 // logits [N, V] -> one token per row, drawn from softmax(chain(row)) by Gumbel-max with draw index
