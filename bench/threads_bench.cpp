@@ -17,6 +17,9 @@
 // The decode path, in bytes of W per second (bytes_per_second counter):
 //   Decode/N:n/V:../d:../threads:T            output_projection_decode, n = 1, 2, 4, 8 tokens
 //   EigenDecode/...                           the same as one Eigen product (GEMV for n = 1)
+//   DecodeBf16/...                            the bf16 head's decode (LowPrecisionOutputProjection
+//                                             forward, W widened as it streams), W rounded to bf16;
+//                                             bytes counted as W's float bytes, like DecodeInt8
 //   DecodeInt8/...                            the int8 head (quantized_head_forward) on W quantized
 //                                             per row; its bytes_per_second also counts W's float
 //                                             bytes, so its rate over Decode's is the speed-up
@@ -329,7 +332,8 @@ void check_head_thread_counts_agree() {
 
 struct DecodeProblem {
   RowMatrix<float> W, b, h, logits, copy;
-  std::unique_ptr<embedhead::QuantizedEmbedding> int8;  // built on first use
+  std::unique_ptr<embedhead::QuantizedEmbedding> int8;                        // built on first use
+  std::unique_ptr<embedhead::LowPrecisionOutputProjection<Eigen::bfloat16>> bf16;  // built on first use
   DecodeProblem(Index V, Index d) : W(V, d), b(V, 1), h(embedhead::detail::kDecodeMaxTokens, d), logits(h.rows(), V) {
     // Cheap deterministic values: the 256000 x 2048 table has 524 M entries.
     for (Index v = 0; v < V; ++v)
@@ -390,6 +394,30 @@ void BM_DecodeInt8(benchmark::State& state) {
     }
   for (auto _ : state) {
     embedhead::quantized_head_forward(h, p.int8->values(), p.int8->scales(), p.b, logits);
+    benchmark::DoNotOptimize(p.logits.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes_of_W(state, p.W);
+}
+
+void BM_DecodeBf16(benchmark::State& state) {
+  const Index n = state.range(0);
+  DecodeProblem& p = decode_problem(state.range(1), state.range(2));
+  if (!p.bf16) p.bf16 = std::make_unique<embedhead::LowPrecisionOutputProjection<Eigen::bfloat16>>(p.W, p.b);
+  use_threads(static_cast<int>(state.range(3)), false);
+  const auto h = p.h.topRows(n);
+  auto logits = p.logits.topRows(n);
+  p.bf16->forward(h, logits);
+  // Against the float head on the bf16-rounded W, computed in double for a few rows.
+  const RowMatrix<float> Wr = embedhead::widen_table<Eigen::bfloat16>(p.bf16->weight().value().topRows(8));
+  for (Index t = 0; t < n; ++t)
+    for (Index v = 0; v < 8; ++v) {
+      const double expected = Wr.row(v).cast<double>().dot(h.row(t).cast<double>()) + p.b(v, 0);
+      if (std::abs(logits(t, v) - expected) > 1e-4 * (1 + std::abs(expected)))
+        bench_support::fail(kProgram, "DecodeBf16: a logit differs from the float head on the rounded W");
+    }
+  for (auto _ : state) {
+    p.bf16->forward(h, logits);
     benchmark::DoNotOptimize(p.logits.data());
     benchmark::ClobberMemory();
   }
@@ -520,6 +548,7 @@ void register_benchmarks() {
         args[0] = n;
         benchmark::RegisterBenchmark("Decode", BM_Decode)->Args(args)->ArgNames(names)->UseRealTime();
         benchmark::RegisterBenchmark("EigenDecode", BM_EigenDecode)->Args(args)->ArgNames(names)->UseRealTime();
+        benchmark::RegisterBenchmark("DecodeBf16", BM_DecodeBf16)->Args(args)->ArgNames(names)->UseRealTime();
         benchmark::RegisterBenchmark("DecodeInt8", BM_DecodeInt8)->Args(args)->ArgNames(names)->UseRealTime();
       }
     }

@@ -428,12 +428,14 @@ TEMPLATE_TEST_CASE("low precision: head forward = h widen(W)^T + b, tile by tile
       CHECK(first_difference(RowMatrix<float>(big.block(1, 2, sz.N, sz.V)), logits) == "");
       big.block(1, 2, sz.N, sz.V).setConstant(-9.0f);
       CHECK(big == RowMatrix<float>::Constant(sz.N + 2, sz.V + 3, -9.0f));
-      // On a backend that widens W itself while packing it (the default, the packed kernel), no
-      // tile at all; otherwise one tile of min(V, 256) rows (one thread: these sizes run on the
-      // calling thread). Never V x d.
+      // On a backend that widens W itself while packing it (the default, the packed kernel), and
+      // on the decode path (N <= 8, W widened as it streams, on every backend), no tile at all;
+      // otherwise one tile of min(V, 256) rows (one thread: these sizes run on the calling
+      // thread). Never V x d.
       const bool widened_by_backend = embedhead::detail::gemm::DefaultBackend::template takes<float, Storage, float>;
+      const bool decoded = sz.N >= 1 && sz.N <= embedhead::detail::kDecodeMaxTokens;
       CHECK(workspace.tiles.size() ==
-            (widened_by_backend ? 0 : static_cast<std::size_t>(std::min<Index>(sz.V, 256) * sz.d)));
+            (widened_by_backend || decoded ? 0 : static_cast<std::size_t>(std::min<Index>(sz.V, 256) * sz.d)));
     }
   }
 }
