@@ -332,7 +332,7 @@ void check_head_thread_counts_agree() {
 
 struct DecodeProblem {
   RowMatrix<float> W, b, h, logits, copy;
-  std::unique_ptr<embedhead::QuantizedEmbedding> int8;                        // built on first use
+  std::unique_ptr<embedhead::QuantizedEmbedding> int8;                             // built on first use
   std::unique_ptr<embedhead::LowPrecisionOutputProjection<Eigen::bfloat16>> bf16;  // built on first use
   DecodeProblem(Index V, Index d) : W(V, d), b(V, 1), h(embedhead::detail::kDecodeMaxTokens, d), logits(h.rows(), V) {
     // Cheap deterministic values: the 256000 x 2048 table has 524 M entries.
