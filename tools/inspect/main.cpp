@@ -5,6 +5,8 @@
 // chosen matrix: row norms, distances to the centroid, anisotropy (mean pairwise cosine), the top
 // principal directions, and the tokens most likely to be under-trained (Land & Bartolo 2024,
 // "Fishing for Magikarp"). Answers nearest-neighbour queries and writes an HTML/SVG report.
+// With --compare-head A B it runs two heads on the same hidden states instead and prints how far
+// apart their output distributions are (analysis/head_comparison.hpp), streaming.
 //
 // stdout carries the results; stderr carries errors and the progress bar. Exit status: 0 on
 // success, 1 for an error in the data or a file, 2 for a command-line mistake.
@@ -13,8 +15,12 @@
 #include "text.hpp"
 
 #include <embedhead/analysis/geometry.hpp>
+#include <embedhead/analysis/head_comparison.hpp>
 #include <embedhead/io/checkpoint.hpp>
 #include <embedhead/io/safetensors.hpp>
+#include <embedhead/low_precision.hpp>
+#include <embedhead/output_projection.hpp>
+#include <embedhead/quantized_head.hpp>
 
 #include <unistd.h>
 
@@ -35,6 +41,7 @@ using inspect::thousands;
 using inspect::usage_error;
 
 constexpr const char* kUsage = R"(usage: embedhead-inspect FILE.safetensors [options]
+       embedhead-inspect --compare-head A B [--hidden FILE[:TENSOR] | --tokens N] [--head NAME] [--family F]
 
 Inspects the token table (or the LM head) of a safetensors checkpoint: summary statistics,
 under-trained token candidates, nearest neighbours, and an HTML/SVG report.
@@ -67,6 +74,19 @@ Report:
   --title TEXT         the report's title (default: the file name)
   --max-points N       at most N tokens in the PCA scatter (default 20000; a fixed-seed sample)
 
+Comparing two heads (instead of the above):
+  --compare-head A B   run head A and head B on the same hidden states and print, over the states,
+                       the mean and max KL(P_A || P_B) in nats (A is the reference), how often their
+                       top-1 ids agree, and |P_A - P_B| at A's top id (mean, max). Streaming: a few
+                       states at a time, no [N, V] logits kept. A and B are each FILE.safetensors
+                       (its head: --head NAME, else the family's head tensor, else the tied table;
+                       --family applies) or FILE.safetensors:TENSOR; B may also be 'int8' (A's rows
+                       quantized to int8 with a float scale each) or 'bf16' (A rounded to bf16).
+                       Heads are taken without a bias.
+  --hidden FILE[:T]    the hidden states [N, d], tensor T of FILE (default 'hidden_states')
+  --tokens N           without --hidden: N states drawn from N(0, 1), seeded (default 1024); they
+                       say less about a trained model than its own hidden states do
+
 Other:
   --progress           draw progress bars on stderr even when it is not a terminal
   --no-progress        never draw them (default: draw when stderr is a terminal)
@@ -87,7 +107,10 @@ struct Options {
   Index components = 8;
   std::optional<std::string> vocab, html, svg, title;
   Index max_points = 20000;
-  int progress = -1;  // -1 auto, 0 never, 1 always
+  int progress = -1;                 // -1 auto, 0 never, 1 always
+  std::vector<std::string> compare;  // --compare-head A B
+  std::optional<std::string> hidden;
+  Index tokens = 1024;
 };
 
 Index parse_count(const std::string& option, const std::string& value, Index min) {
@@ -148,6 +171,13 @@ Options parse_options(int argc, char** argv) {
       o.title = value(i);
     else if (a == "--max-points")
       o.max_points = parse_count(a, value(i), 1);
+    else if (a == "--compare-head") {
+      o.compare.push_back(value(i));
+      o.compare.push_back(value(i));
+    } else if (a == "--hidden")
+      o.hidden = value(i);
+    else if (a == "--tokens")
+      o.tokens = parse_count(a, value(i), 1);
     else if (a == "--progress")
       o.progress = 1;
     else if (a == "--no-progress")
@@ -159,6 +189,14 @@ Options parse_options(int argc, char** argv) {
     else
       throw usage_error("more than one input file ('" + o.file + "' and '" + a + "')");
   }
+  if (!o.compare.empty()) {
+    if (!o.file.empty())
+      throw usage_error("--compare-head A B takes its files itself; '" + o.file + "' is one too many");
+    if (o.compare[0] == "int8" || o.compare[0] == "bf16")
+      throw usage_error("--compare-head: A must be a file (the reference head); '" + o.compare[0] + "' is B's form");
+    return o;
+  }
+  if (o.hidden || o.tokens != 1024) throw usage_error("--hidden and --tokens go with --compare-head");
   if (o.file.empty()) throw usage_error("no input file");
   if (o.unused.empty() && !o.unused_source.empty()) throw usage_error(o.unused_source + ": no ids given");
   return o;
@@ -226,8 +264,117 @@ std::string quantile_row(const char* label, const std::array<double, 5>& q) {
   return format("  %-20s %10.4f %10.4f %10.4f %10.4f %10.4f\n", label, q[0], q[1], q[2], q[3], q[4]);
 }
 
+// "FILE.safetensors:NAME" -> {FILE.safetensors, NAME}; anything else -> {it, ""}.
+std::pair<std::string, std::string> split_tensor_spec(const std::string& spec) {
+  const std::string suffix = ".safetensors:";
+  const std::size_t at = spec.rfind(suffix);
+  if (at == std::string::npos) return {spec, ""};
+  return {spec.substr(0, at + suffix.size() - 1), spec.substr(at + suffix.size())};
+}
+
+// The head of a checkpoint: the tensor named in the spec, else --head, else the family's head
+// tensor when the file has it, else (tied) the token table. -> its name.
+std::string head_tensor_name(const SafetensorsFile& file, const std::string& named, const Options& o) {
+  if (!named.empty()) return named;
+  if (o.head) return *o.head;
+  ModelFamily family = ModelFamily::gpt2;
+  if (o.family)
+    family = *o.family == "gpt2" ? ModelFamily::gpt2 : *o.family == "llama" ? ModelFamily::llama : ModelFamily::gemma;
+  else
+    try {
+      family = guess_model_family(file);
+    } catch (const format_error&) {
+      throw format_error("'" + file.path() +
+                         "' has neither GPT-2 nor Llama/Gemma names; name the head as FILE.safetensors:TENSOR or "
+                         "with --head NAME. Its 2-D tensors are:" +
+                         list_tables(file));
+    }
+  const CheckpointNames names = hugging_face_names(family, &file);
+  return file.contains(names.head_weight) ? names.head_weight : names.token_embedding;
+}
+
+struct LoadedHead {
+  std::string description;
+  RowMatrix<float> W;
+};
+
+LoadedHead load_head(const std::string& spec, const Options& o) {
+  const auto [path, named] = split_tensor_spec(spec);
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  const std::string name = head_tensor_name(file, named, o);
+  const TensorInfo& t = find_matrix(file, name, "head");
+  return {file.path() + "  " + t.name + " " + t.shape_string() + " " + dtype_name(t.dtype), file.read<float>(t.name)};
+}
+
+int run_compare(const Options& o) {
+  const LoadedHead a = load_head(o.compare[0], o);
+  const Index V = a.W.rows(), d = a.W.cols();
+  const std::string& form = o.compare[1];
+  std::optional<LoadedHead> b;
+  std::string b_description;
+  if (form == "int8") {
+    b_description = "int8 rounding of A (one float scale per row)";
+  } else if (form == "bf16") {
+    b_description = "bf16 rounding of A";
+  } else {
+    b = load_head(form, o);
+    b_description = b->description;
+    if (b->W.rows() != V || b->W.cols() != d)
+      throw shape_error("--compare-head: head B is [" + std::to_string(b->W.rows()) + ", " +
+                        std::to_string(b->W.cols()) + "], head A [" + std::to_string(V) + ", " + std::to_string(d) +
+                        "]: the heads must have the same shape");
+  }
+  RowMatrix<float> h;
+  std::string hidden_description;
+  if (o.hidden) {
+    auto [path, name] = split_tensor_spec(*o.hidden);
+    if (name.empty()) name = "hidden_states";
+    const SafetensorsFile file = SafetensorsFile::open(path);
+    const TensorInfo& t = find_matrix(file, name, "hidden states");
+    if (t.shape[1] != static_cast<std::uint64_t>(d))
+      throw shape_error("--hidden: '" + name + "' in '" + file.path() + "' is " + t.shape_string() +
+                        "; the heads take d = " + std::to_string(d) + " columns");
+    h = file.read<float>(name);
+    hidden_description = file.path() + "  " + name + " " + t.shape_string() + " " + dtype_name(t.dtype);
+  } else {
+    h.resize(o.tokens, d);
+    Rng rng(20241);
+    init_normal<float>(h, 1.0, rng);
+    hidden_description = std::to_string(o.tokens) + " states from N(0, 1), seed 20241 (not a model's own states)";
+  }
+
+  const RowMatrix<float> no_bias(0, 1);
+  const auto float_head = [&](const RowMatrix<float>& W) {
+    return [&W, &no_bias](const ConstMatrixRef<float>& x, MatrixRef<float> logits) {
+      output_projection_forward<float>(x, W, no_bias, logits);
+    };
+  };
+  HeadComparison c;
+  if (form == "int8") {
+    const QuantizedOutputProjection int8(a.W);
+    c = compare_heads(h, V, float_head(a.W),
+                      [&](const ConstMatrixRef<float>& x, MatrixRef<float> logits) { int8.forward(x, logits); });
+  } else if (form == "bf16") {
+    LowPrecisionOutputProjection<Eigen::bfloat16> bf16(RowMatrix<Eigen::bfloat16>(a.W.cast<Eigen::bfloat16>()));
+    c = compare_heads(h, V, float_head(a.W),
+                      [&](const ConstMatrixRef<float>& x, MatrixRef<float> logits) { bf16.forward(x, logits); });
+  } else {
+    c = compare_heads(h, V, float_head(a.W), float_head(b->W));
+  }
+  std::printf("A             %s\n", a.description.c_str());
+  std::printf("B             %s\n", b_description.c_str());
+  std::printf("hidden        %s\n", hidden_description.c_str());
+  std::printf("\nover %lld states, V = %lld:\n", static_cast<long long>(c.tokens), static_cast<long long>(V));
+  std::printf("mean KL       %.6g nats   (KL(P_A || P_B), A the reference)\n", c.mean_kl);
+  std::printf("max KL        %.6g nats\n", c.max_kl);
+  std::printf("same top-1    %.3f %%\n", 100 * c.same_top1);
+  std::printf("|delta p|     mean %.6g, max %.6g   (|P_A - P_B| at A's top id)\n", c.mean_abs_dp_top, c.max_abs_dp_top);
+  return 0;
+}
+
 int run(int argc, char** argv) {
   const Options o = parse_options(argc, argv);
+  if (!o.compare.empty()) return run_compare(o);
   const bool draw_progress = o.progress == 1 || (o.progress == -1 && ::isatty(STDERR_FILENO));
 
   const SafetensorsFile file = SafetensorsFile::open(o.file);

@@ -10,9 +10,18 @@
 //                      and an emoji among them (for the escaping test).
 //   llama.safetensors  model.embed_tokens.weight [300, 16] + lm_head.weight [300, 16], BF16, untied.
 //   other.safetensors  encoder.weight [10, 4] only: no known layout.
+//   heads.safetensors  two heads a, b [3, 2] and hidden_states [2, 2] with a known comparison:
+//                      a = [[1, 0], [0, 1], [0, 0]], b = [[0, 1], [1, 0], [0, 0]] (b swaps the
+//                      first two classes); state 1 h = (ln 3, 0): P_a = (3, 1, 1) / 5,
+//                      P_b = (1, 3, 1) / 5, KL(P_a || P_b) = (3/5) ln 3 + (1/5) ln(1/3) = (2/5) ln 3
+//                      = 0.4394449, top-1 0 against 1, |P_a - P_b| at id 0 = 2/5; state 2 h = 0:
+//                      both uniform, KL 0, top-1 0 for both (ties to the smaller id), |dp| 0.
+//                      Over the two: mean KL 0.2197225, max 0.4394449, same top-1 50 %, |dp| mean
+//                      0.2, max 0.4.
 #include <embedhead/io/checkpoint.hpp>
 #include <embedhead/io/safetensors.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -94,6 +103,17 @@ int main(int argc, char** argv) {
       SafetensorsWriter w;
       w.add<float>("encoder.weight", X, DType::F32);
       w.write(dir + "/other.safetensors");
+    }
+    {
+      RowMatrix<float> a(3, 2), b(3, 2), h(2, 2);
+      a << 1, 0, 0, 1, 0, 0;
+      b << 0, 1, 1, 0, 0, 0;
+      h << static_cast<float>(std::log(3.0)), 0, 0, 0;
+      SafetensorsWriter w;
+      w.add<float>("a", a, DType::F32);
+      w.add<float>("b", b, DType::F32);
+      w.add<float>("hidden_states", h, DType::F32);
+      w.write(dir + "/heads.safetensors");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "make_fixture: error: %s\n", e.what());
