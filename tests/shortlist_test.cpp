@@ -131,3 +131,160 @@ TEST_CASE("shortlist: bad ids throw naming the position and value", "[shortlist]
                          Catch::Message("VocabShortlist::score: valid_vocab = 1 must be -1 (the shortlist is the "
                                         "classes)"));
 }
+
+// The chain over a shortlist, step by step and chained: process() with options in original ids
+// must give, at each shortlisted id, what the full-vocabulary chain gives on a row where every id
+// outside the shortlist is -inf (the definition at the top of shortlist.hpp), with ids of the
+// options and the history both inside and outside the shortlist. A few steps are also checked
+// against values written out here from HF's definitions.
+TEST_CASE("shortlist: every sampling step works in original ids", "[shortlist][sampling]") {
+  using embedhead::SamplingOptions;
+  using embedhead::SamplingStep;
+  using embedhead::TokenIds;
+  const Index V = 200, d = 8, N = 3;
+  const RowMatrix<double> W = random_matrix<double>(V, d, 21), h = random_matrix<double>(N, d, 22);
+  std::vector<std::int64_t> chosen;
+  for (std::int64_t v = 3; v < V; v += 5) chosen.push_back(v);  // 40 ids: 3, 8, ..., 198
+  const Index k = static_cast<Index>(chosen.size());
+  const IdMatrix<std::int64_t> ids = Eigen::Map<const IdMatrix<std::int64_t>>(chosen.data(), 1, k);
+  const VocabShortlist<double> shortlist(W, RowMatrix<double>(0, 1), ids);
+  RowMatrix<double> logits = 3 * shortlist.forward(h);
+  logits(0, 2) = -logits(0, 2) - 1;  // some negative logits among the penalised ids
+  logits(1, 4) = -std::abs(logits(1, 4)) - 0.5;
+  const RowMatrix<double> full = shortlist.to_full(logits);
+
+  // Histories in original ids: shortlisted ids (13 = column 2, 23 = column 4, 8 twice) and others.
+  std::vector<IdMatrix<std::int64_t>> seen;
+  for (Index n = 0; n < N; ++n) {
+    IdMatrix<std::int64_t> row(1, 6);
+    row << 13, 23, 8, 8, 50 + n, 199;
+    seen.push_back(row);
+  }
+  const std::vector<TokenIds> history(seen.begin(), seen.end());
+
+  std::vector<std::pair<const char*, SamplingOptions>> cases;
+  const auto add = [&](const char* name, const auto& set) {
+    SamplingOptions o;
+    set(o);
+    cases.push_back({name, o});
+  };
+  add("logit_bias", [](SamplingOptions& o) { o.logit_bias = {{8, 2.5}, {9, 100.0}, {198, -1.0}}; });
+  add("repetition_penalty", [](SamplingOptions& o) { o.repetition_penalty = 1.7; });
+  add("frequency_presence_penalty", [](SamplingOptions& o) {
+    o.frequency_penalty = 0.4;
+    o.presence_penalty = -0.3;
+  });
+  add("banned_ids", [](SamplingOptions& o) { o.banned_ids = {8, 10, 103}; });
+  add("allowed_ids", [](SamplingOptions& o) { o.allowed_ids = std::vector<Index>{0, 3, 13, 14, 98, 199}; });
+  add("temperature", [](SamplingOptions& o) { o.temperature = 0.6; });
+  add("top_k", [](SamplingOptions& o) { o.top_k = 7; });
+  add("top_p", [](SamplingOptions& o) { o.top_p = 0.8; });
+  add("min_p", [](SamplingOptions& o) { o.min_p = 0.05; });
+  add("typical_p", [](SamplingOptions& o) { o.typical_p = 0.7; });
+  add("chained", [](SamplingOptions& o) {
+    o.logit_bias = {{8, 1.5}, {9, 100.0}};
+    o.repetition_penalty = 1.3;
+    o.frequency_penalty = 0.2;
+    o.banned_ids = {18, 11};
+    o.temperature = 0.9;
+    o.top_k = 20;
+    o.top_p = 0.95;
+    o.min_p = 0.01;
+    o.typical_p = 0.99;
+  });
+  for (const auto& [name, options] : cases) {
+    INFO("step: " << name);
+    RowMatrix<double> local(N, k), reference(V, V);
+    reference.resize(N, V);
+    shortlist.process(logits, options, history, local);
+    embedhead::process_logits<double>(full, options, history, reference);
+    for (Index n = 0; n < N; ++n)
+      for (Index j = 0; j < k; ++j) {
+        const double expected = reference(n, chosen[static_cast<std::size_t>(j)]);
+        if (std::isinf(expected)) {
+          CHECK(local(n, j) == expected);
+        } else {
+          CHECK(local(n, j) == Approx(expected).epsilon(1e-14).margin(1e-14));
+        }
+      }
+    // A draw returns an original id of the shortlist that survived the chain, with its processed
+    // log-prob: the processed logit minus the log-sum-exp of the processed row.
+    const embedhead::SampledTokens drawn = shortlist.sample(logits, options, history, embedhead::Rng(5), {0, 1, 2});
+    for (Index n = 0; n < N; ++n) {
+      const Index token = drawn.tokens[static_cast<std::size_t>(n)];
+      REQUIRE(shortlist.contains(token));
+      const Index j = shortlist.index_of(token);
+      REQUIRE(std::isfinite(local(n, j)));
+      long double sum = 0;
+      for (Index c = 0; c < k; ++c)
+        if (std::isfinite(local(n, c))) sum += std::exp(static_cast<long double>(local(n, c)));
+      CHECK(drawn.processed_log_probs[static_cast<std::size_t>(n)] ==
+            Approx(static_cast<double>(local(n, j) - std::log(sum))).epsilon(1e-12));
+    }
+  }
+
+  // Written out from HF's definitions, at shortlisted columns: the repetition penalty divides the
+  // positive and multiplies the negative logits of the ids seen (13 -> column 2, 23 -> column 4,
+  // 8 -> column 1), whatever the ids outside the shortlist in the history.
+  RowMatrix<double> local(N, k);
+  SamplingOptions rp;
+  rp.repetition_penalty = 2.0;
+  shortlist.process(logits, rp, history, local);
+  for (Index n = 0; n < N; ++n)
+    for (Index j = 0; j < k; ++j) {
+      const bool penalised = j == 1 || j == 2 || j == 4;
+      const double z = logits(n, j);
+      CHECK(local(n, j) == (penalised ? (z > 0 ? z / 2 : z * 2) : z));
+    }
+  CHECK(logits(0, 2) < 0);  // the negative case is exercised
+  // The bias of id 8 lands on column 1; the bias of id 9 (not shortlisted) nowhere.
+  SamplingOptions bias;
+  bias.logit_bias = {{8, 2.5}, {9, 100.0}};
+  shortlist.process(logits, bias, {}, local);
+  for (Index n = 0; n < N; ++n)
+    for (Index j = 0; j < k; ++j) CHECK(local(n, j) == logits(n, j) + (j == 1 ? 2.5 : 0.0));
+  // Greedy returns original ids.
+  const embedhead::SampledTokens best = shortlist.greedy(logits);
+  for (Index n = 0; n < N; ++n) {
+    Index argmax = 0;
+    for (Index j = 1; j < k; ++j)
+      if (logits(n, j) > logits(n, argmax)) argmax = j;
+    CHECK(best.tokens[static_cast<std::size_t>(n)] == chosen[static_cast<std::size_t>(argmax)]);
+  }
+}
+
+TEST_CASE("shortlist: sampling errors name original ids and change nothing", "[shortlist][sampling][errors]") {
+  using embedhead::SamplingOptions;
+  const RowMatrix<float> W = random_matrix<float>(10, 4, 31);
+  std::vector<std::int64_t> chosen{1, 4, 6};
+  const IdMatrix<std::int64_t> ids = Eigen::Map<const IdMatrix<std::int64_t>>(chosen.data(), 1, 3);
+  const VocabShortlist<float> shortlist(W, RowMatrix<float>(0, 1), ids);
+  const RowMatrix<float> logits = shortlist.forward(random_matrix<float>(2, 4, 32));
+  RowMatrix<float> out = RowMatrix<float>::Constant(2, 3, 7.0f);
+  SamplingOptions banned;
+  banned.banned_ids = {4, 10};
+  REQUIRE_THROWS_MATCHES(shortlist.process(logits, banned, {}, out), embedhead::index_error,
+                         Catch::Message("VocabShortlist::process: banned id 10 at 1 outside [0, 10)"));
+  SamplingOptions bias;
+  bias.logit_bias = {{-1, 1.0}};
+  REQUIRE_THROWS_MATCHES(shortlist.sample(logits, bias, {}, embedhead::Rng(1), {0, 1}), embedhead::index_error,
+                         Catch::Message("VocabShortlist::sample: logit_bias id -1 at 0 outside [0, 10)"));
+  IdMatrix<std::int64_t> h0(1, 2), h1(1, 2);
+  h0 << 1, 2;
+  h1 << 3, 12;
+  const std::vector<embedhead::TokenIds> history{h0, h1};
+  REQUIRE_THROWS_MATCHES(shortlist.process(logits, SamplingOptions{}, history, out), embedhead::index_error,
+                         Catch::Message("VocabShortlist::process: history id 12 at (row 1, 1) outside [0, 10)"));
+  SamplingOptions top;
+  top.top_k = 4;  // more than the 3 shortlisted classes
+  REQUIRE_THROWS_MATCHES(shortlist.process(logits, top, {}, out), embedhead::value_error,
+                         Catch::Message("VocabShortlist::process: top_k = 4 outside [1, 3]"));
+  SamplingOptions none;
+  none.allowed_ids = std::vector<embedhead::Index>{0, 2};  // none shortlisted: every class masked
+  REQUIRE_THROWS_MATCHES(shortlist.process(logits, none, {}, out), embedhead::value_error,
+                         Catch::Message("process_logits: the masks (banned_ids, allowed_ids) remove every token of "
+                                        "row 0: nothing to sample from"));
+  REQUIRE_THROWS_AS(shortlist.process(logits.leftCols(2), SamplingOptions{}, {}, out.leftCols(2)),
+                    embedhead::shape_error);
+  CHECK((out.array() == 7.0f).all());  // nothing written
+}

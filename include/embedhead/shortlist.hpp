@@ -6,6 +6,9 @@
 //   logits   = h W_S^T + b_S  [N, k]: column j is original id s_j   (forward)
 //   scores   = score_head on (W_S, b_S), tokens given as original ids and top-k returned as
 //              original ids (score)
+//   sampling = the sampling chain (sampling.hpp) on the [N, k] logits, every id of the options
+//              and histories given as an original id and every token returned as one (process,
+//              sample, greedy)
 //
 // Restricting the output vocabulary (to the tokens a task allows, a language's subset, the ids a
 // translation's source suggests) makes the head k / V of its cost. The classic bug with it is an id
@@ -17,6 +20,13 @@
 // On the default backend a shortlisted id's logit is the same bits as the full head's logit for it
 // (each logit's sequence depends on its own row of W and h only), and its scores those of the full
 // head restricted to S (a softmax over S, not over V: a shortlist changes the distribution).
+//
+// The chain over a shortlist is the chain over the full vocabulary with every id outside S at
+// -inf: an id outside S has no logit here, so a logit bias, a ban or a permission for it changes
+// nothing and is dropped, and so is a history token outside S (its penalty would fall on a logit
+// that does not exist). Ids are still checked against [0, V). top_k is checked against k, the
+// number of classes (as the chain checks it against V). Gumbel-max draw i uses the counters
+// i k + j for local column j (sampling.hpp with k classes).
 #ifndef EMBEDHEAD_SHORTLIST_HPP
 #define EMBEDHEAD_SHORTLIST_HPP
 
@@ -24,6 +34,7 @@
 #include "errors.hpp"
 #include "head_scores.hpp"
 #include "output_projection.hpp"
+#include "sampling.hpp"
 #include "token_ids.hpp"
 #include "types.hpp"
 
@@ -149,7 +160,92 @@ class VocabShortlist {
     return scores;
   }
 
+  // logits [N, k] (forward's) -> processed [N, k]: process_logits with the options' and the
+  // histories' ids in original ids (see the top of this header). history: empty or N views.
+  // \throws as process_logits (ids checked against [0, V), top_k against k). Nothing is written on
+  // a throw.
+  void process(const ConstMatrixRef<Scalar>& logits, const SamplingOptions& options,
+               const std::vector<TokenIds>& history, MatrixRef<Scalar> processed) const {
+    const Local local = localise("VocabShortlist::process", logits, options, history);
+    process_logits<Scalar>(logits, local.options, local.views(), processed);
+  }
+
+  // logits [N, k] -> one token per row as sample_tokens (draw index draws[n]), as an ORIGINAL id,
+  // with its raw and processed log-probs over the shortlist. \throws as sample_tokens.
+  SampledTokens sample(const ConstMatrixRef<Scalar>& logits, const SamplingOptions& options,
+                       const std::vector<TokenIds>& history, const Rng& rng,
+                       const std::vector<std::uint64_t>& draws) const {
+    const Local local = localise("VocabShortlist::sample", logits, options, history);
+    SampledTokens out = sample_tokens<Scalar>(logits, local.options, local.views(), rng, draws);
+    for (Index& token : out.tokens) token = static_cast<Index>(ids_[static_cast<std::size_t>(token)]);
+    return out;
+  }
+
+  // logits [N, k] -> the argmax of each row as an ORIGINAL id (greedy_tokens; ties to the smaller
+  // id, the same in both numberings). \throws shape_error for logits not [N, k]; as greedy_tokens.
+  SampledTokens greedy(const ConstMatrixRef<Scalar>& logits) const {
+    if (logits.cols() != size())
+      detail::throw_shape("VocabShortlist::greedy", "logits", logits.rows(), logits.cols(), logits.rows(), size());
+    SampledTokens out = greedy_tokens<Scalar>(logits);
+    for (Index& token : out.tokens) token = static_cast<Index>(ids_[static_cast<std::size_t>(token)]);
+    return out;
+  }
+
  private:
+  // The options and histories in local columns (see the top of this header).
+  struct Local {
+    SamplingOptions options;
+    std::vector<IdMatrix<std::int64_t>> history;
+    std::vector<TokenIds> views() const { return std::vector<TokenIds>(history.begin(), history.end()); }
+  };
+
+  // The local column of an original id, or -1 when it is not in the shortlist.
+  Index column_of(std::int64_t id) const {
+    const auto it = std::lower_bound(ids_.begin(), ids_.end(), id);
+    return it != ids_.end() && *it == id ? static_cast<Index>(it - ids_.begin()) : -1;
+  }
+
+  Local localise(const char* where, const ConstMatrixRef<Scalar>& logits, const SamplingOptions& options,
+                 const std::vector<TokenIds>& history) const {
+    if (logits.cols() != size())
+      detail::throw_shape(where, "logits", logits.rows(), logits.cols(), logits.rows(), size());
+    const Index V = full_vocab_;
+    detail::check_history(where, history, logits.rows(), V);
+    Local local;
+    local.options = options;
+    local.options.logit_bias.clear();
+    for (std::size_t i = 0; i < options.logit_bias.size(); ++i) {
+      detail::check_vocab_id(where, "logit_bias id", options.logit_bias[i].first, static_cast<Index>(i), V);
+      const Index j = column_of(options.logit_bias[i].first);
+      if (j >= 0) local.options.logit_bias.push_back({j, options.logit_bias[i].second});
+    }
+    local.options.banned_ids.clear();
+    for (std::size_t i = 0; i < options.banned_ids.size(); ++i) {
+      detail::check_vocab_id(where, "banned id", options.banned_ids[i], static_cast<Index>(i), V);
+      const Index j = column_of(options.banned_ids[i]);
+      if (j >= 0) local.options.banned_ids.push_back(j);
+    }
+    if (options.allowed_ids) {
+      local.options.allowed_ids.emplace();
+      for (std::size_t i = 0; i < options.allowed_ids->size(); ++i) {
+        detail::check_vocab_id(where, "allowed id", (*options.allowed_ids)[i], static_cast<Index>(i), V);
+        const Index j = column_of((*options.allowed_ids)[i]);
+        if (j >= 0) local.options.allowed_ids->push_back(j);
+      }
+    }
+    for (const TokenIds& row : history) {
+      std::vector<std::int64_t> kept;
+      for (Index t = 0; t < row.size(); ++t) {
+        const Index j = column_of(row.at(t));
+        if (j >= 0) kept.push_back(j);
+      }
+      local.history.push_back(
+          Eigen::Map<const IdMatrix<std::int64_t>>(kept.data(), 1, static_cast<Index>(kept.size())));
+    }
+    detail::check_sampling_options(where, local.options, size());  // top_k etc. against k, named here
+    return local;
+  }
+
   Index full_vocab_;
   std::vector<std::int64_t> ids_;
   RowMatrix<Scalar> W_, bias_;
