@@ -3,6 +3,7 @@
 // For a row z = logits[n] [V] with target y = targets[n]:
 //   lse    = m + log sum_j exp(z_j - m),  m = max_j z_j        (the true row max: no overflow)
 //   loss_n = lse - z_y                                          (= -log softmax(z)_y)
+//          = (m - z_y) + log sum_j exp(z_j - m)                 (computed so: nothing cancels)
 //   dz     = (softmax(z) - one_hot(y)) * scale,  softmax(z)_j = exp(z_j - lse)
 // Rows whose target equals ignore_index give loss 0, dz = 0 and are not counted.
 // scale = 1 / count for Reduction::mean, 1 for sum and none (none: dz is d loss_n / d z), times

@@ -235,9 +235,11 @@ HeadScores score_head(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scal
     for (Index n = 0; n < N; ++n) {
       const std::size_t i = static_cast<std::size_t>(n);
       const detail::SoftmaxRowStats& st = processed[i];
-      result.processed_logprob[i] = st.target - (st.max + std::log(st.sum_exp));
+      // (s_y - m) - log S: the negated cross-entropy of the softmax core's row_loss, bit for bit
+      // (m - s_y exact, nothing of lse's size subtracted).
+      result.processed_logprob[i] = (st.target - st.max) - std::log(st.sum_exp);
       const detail::SoftmaxRowStats& rs = tempered ? raw[i] : st;
-      result.raw_logprob[i] = rs.target - (rs.max + std::log(rs.sum_exp));
+      result.raw_logprob[i] = (rs.target - rs.max) - std::log(rs.sum_exp);
     }
   }
   if (options.entropy) {
@@ -252,10 +254,10 @@ HeadScores score_head(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scal
       auto& kept = top[static_cast<std::size_t>(n)].kept;
       std::sort(kept.begin(), kept.end(), detail::better<Scalar>);
       const detail::SoftmaxRowStats& st = processed[static_cast<std::size_t>(n)];
-      const double lse = st.max + std::log(st.sum_exp);
+      const double log_sum = std::log(st.sum_exp);
       for (Index j = 0; j < k; ++j) {
         result.top_ids(n, j) = kept[static_cast<std::size_t>(j)].id;
-        result.top_logprobs(n, j) = static_cast<double>(kept[static_cast<std::size_t>(j)].value) - lse;
+        result.top_logprobs(n, j) = (static_cast<double>(kept[static_cast<std::size_t>(j)].value) - st.max) - log_sum;
       }
     }
   }
