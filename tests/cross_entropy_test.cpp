@@ -800,6 +800,7 @@ TEMPLATE_TEST_CASE("cross_entropy options match the naive definition", "[cross_e
     o.softcap = 2.0;
     o.valid_vocab = classes;
     o.gradient_scale = 2.0;
+    o.entropy_bonus = 0.3;
     RowMatrix<Scalar> dz(10, V), losses(10, 1);
     const auto r = embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, losses, o);
     naive::LossOptions ref;
@@ -809,9 +810,11 @@ TEMPLATE_TEST_CASE("cross_entropy options match the naive definition", "[cross_e
     ref.softcap = 2.0;
     ref.classes = classes;
     ref.gradient_scale = 2.0;
+    ref.entropy_bonus = 0.3;
     const naive::LossResult expected = naive::full_loss(logits.template cast<double>(), targets, {}, ref);
     CHECK(r.count == 9);
     CHECK_THAT(r.loss, WithinRel(expected.loss, loss_tolerance<Scalar>()));
+    CHECK_THAT(r.entropy, WithinRel(expected.entropy, loss_tolerance<Scalar>()));
     for (Index n = 0; n < 10; ++n) {
       CHECK_THAT(static_cast<double>(losses(n, 0)), WithinAbs(expected.losses[n], 4 * loss_tolerance<Scalar>()));
       for (Index j = 0; j < V; ++j) {
@@ -833,12 +836,59 @@ TEST_CASE("cross_entropy options gradient check in double", "[cross_entropy][opt
   o.z_loss = 0.05;
   o.softcap = 1.7;
   o.valid_vocab = 6;
-  RowMatrix<double> dz(4, 7);
-  embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, o);
-  const RowMatrix<double> numeric = naive::numerical_gradient(logits, [&] {
-    return embedhead::cross_entropy<double>(logits, targets, o).loss;
-  });
-  CHECK(naive::max_relative_error(dz, numeric, 1e-6) < 1e-6);
+  for (const double bonus : {0.0, 0.4, -0.7}) {
+    CAPTURE(bonus);
+    o.entropy_bonus = bonus;
+    for (const bool capped : {true, false}) {
+      o.softcap = capped ? 1.7 : 0.0;
+      RowMatrix<double> dz(4, 7);
+      embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, o);
+      const RowMatrix<double> numeric = naive::numerical_gradient(logits, [&] {
+        return embedhead::cross_entropy<double>(logits, targets, o).loss;
+      });
+      CHECK(naive::max_relative_error(dz, numeric, 1e-6) < 1e-6);
+      // In place (dlogits = logits) gives the same gradient.
+      RowMatrix<double> inplace = logits;
+      embedhead::cross_entropy_forward_backward<double>(inplace, targets, inplace, o);
+      CHECK((inplace.array() == dz.array()).all());
+    }
+  }
+}
+
+TEST_CASE("cross_entropy entropy bonus: hand-computed values", "[cross_entropy][options][entropy]") {
+  // Two classes, logits (0, 0): p = (1/2, 1/2), H = ln 2; target 0: ce = ln 2. With beta = 0.5
+  // the loss is ln 2 - 0.5 ln 2 = (ln 2) / 2; the entropy's gradient is beta p_j (log p_j + H) =
+  // 0.5 * 0.5 * (-ln 2 + ln 2) = 0 at the uniform distribution (its maximum), so dz = p - onehot.
+  RowMatrix<double> logits = RowMatrix<double>::Zero(1, 2);
+  IdMatrix<std::int32_t> targets(1, 1);
+  targets << 0;
+  CrossEntropyOptions o;
+  o.entropy_bonus = 0.5;
+  RowMatrix<double> dz(1, 2);
+  const auto r = embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, o);
+  CHECK(r.loss == Approx(0.5 * std::log(2.0)).epsilon(1e-15));
+  CHECK(r.entropy == Approx(std::log(2.0)).epsilon(1e-15));
+  CHECK(dz(0, 0) == Approx(-0.5).epsilon(1e-15));
+  CHECK(dz(0, 1) == Approx(0.5).epsilon(1e-15));
+  // Logits (ln 3, 0): p = (3/4, 1/4), H = -(3/4) ln(3/4) - (1/4) ln(1/4); the bonus's gradient
+  // at class 0 is beta (3/4) (ln(3/4) + H).
+  logits(0, 0) = std::log(3.0);
+  const auto r2 = embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, o);
+  const double H = -0.75 * std::log(0.75) - 0.25 * std::log(0.25);
+  CHECK(r2.entropy == Approx(H).epsilon(1e-14));
+  CHECK(r2.loss == Approx(-std::log(0.75) - 0.5 * H).epsilon(1e-14));
+  CHECK(dz(0, 0) == Approx(0.75 - 1 + 0.5 * 0.75 * (std::log(0.75) + H)).epsilon(1e-14));
+  CHECK(dz(0, 1) == Approx(0.25 + 0.5 * 0.25 * (std::log(0.25) + H)).epsilon(1e-14));
+  // Without the bonus and without `entropy`, no entropy is computed: 0.
+  o.entropy_bonus = 0;
+  CHECK(embedhead::cross_entropy<double>(logits, targets, o).entropy == 0.0);
+  o.entropy = true;
+  CHECK(embedhead::cross_entropy<double>(logits, targets, o).entropy == Approx(H).epsilon(1e-14));
+  o.entropy_bonus = std::numeric_limits<double>::infinity();
+  REQUIRE_THROWS_MATCHES(embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, o),
+                         embedhead::value_error,
+                         Catch::Message(
+                             "cross_entropy_forward_backward: entropy_bonus = inf outside the finite numbers"));
 }
 
 TEMPLATE_TEST_CASE("cross_entropy rejects options out of range and writes nothing", "[cross_entropy][options][errors]",

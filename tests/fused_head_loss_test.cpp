@@ -137,6 +137,7 @@ std::vector<Variant> variants(Index V) {
   add("z-loss", [](FusedHeadLossOptions& o) { o.z_loss = 1e-2; });
   add("soft-cap", [](FusedHeadLossOptions& o) { o.softcap = 2.0; });
   add("gradient scale", [](FusedHeadLossOptions& o) { o.gradient_scale = 0.25; });
+  add("entropy bonus", [](FusedHeadLossOptions& o) { o.entropy_bonus = 0.3; });
   add(
       "padded vocabulary", [](FusedHeadLossOptions&) {}, V - 3);
   add(
@@ -146,6 +147,7 @@ std::vector<Variant> variants(Index V) {
         o.z_loss = 1e-3;
         o.softcap = 3.0;
         o.ignore_index = 1;
+        o.entropy_bonus = -0.2;
       },
       V - 5);
   return list;
@@ -305,23 +307,29 @@ TEST_CASE("fused head loss gradient check in double, every option on", "[fused_h
   options.softcap = 1.5;
   options.valid_vocab = classes;
   options.vocab_block = 4;
-  for (const PlanCase& plan : plan_cases()) {
-    CAPTURE(plan.name);
-    const FusedHeadLossOptions planned = with_plan<double>(options, plan, classes);
-    const Outputs analytic = fused<double>(p, true, planned, weights);
-    auto loss = [&] {
-      FusedHeadLossWorkspace<double> ws;
-      RowMatrix<double> lse(0, 1), losses(0, 1);
-      return embedhead::fused_head_loss<double>(p.h, p.W, p.bias, p.targets, ws, planned,
-                                                extras_of(weights, lse, losses))
-          .loss;
-    };
-    CHECK(naive::max_relative_error(analytic.dh, naive::numerical_gradient(p.h, loss), 1e-6) < 1e-6);
-    CHECK(naive::max_relative_error(analytic.dW, naive::numerical_gradient(p.W, loss), 1e-6) < 1e-6);
-    CHECK(naive::max_relative_error(analytic.db, naive::numerical_gradient(p.bias, loss), 1e-6) < 1e-6);
-    // Padding rows of W are not classes: the loss does not depend on them.
-    CHECK(analytic.dW.bottomRows(V - classes).cwiseAbs().maxCoeff() == 0.0);
-  }
+  // With the entropy bonus the loss is smooth enough for a step of 1e-4, whose differences are
+  // exact to about 1e-8 relative; the step of 1e-6 leaves their rounding (1e-16 |loss| / 1e-6,
+  // about 1e-10) at 2e-6 of dW's entries near 1e-4.
+  for (const double bonus : {0.0, 0.35})
+    for (const PlanCase& plan : plan_cases()) {
+      CAPTURE(plan.name, bonus);
+      options.entropy_bonus = bonus;
+      const double step = bonus != 0 ? 1e-4 : 1e-6;
+      const FusedHeadLossOptions planned = with_plan<double>(options, plan, classes);
+      const Outputs analytic = fused<double>(p, true, planned, weights);
+      auto loss = [&] {
+        FusedHeadLossWorkspace<double> ws;
+        RowMatrix<double> lse(0, 1), losses(0, 1);
+        return embedhead::fused_head_loss<double>(p.h, p.W, p.bias, p.targets, ws, planned,
+                                                  extras_of(weights, lse, losses))
+            .loss;
+      };
+      CHECK(naive::max_relative_error(analytic.dh, naive::numerical_gradient(p.h, loss, step), 1e-6) < 1e-6);
+      CHECK(naive::max_relative_error(analytic.dW, naive::numerical_gradient(p.W, loss, step), 1e-6) < 1e-6);
+      CHECK(naive::max_relative_error(analytic.db, naive::numerical_gradient(p.bias, loss, step), 1e-6) < 1e-6);
+      // Padding rows of W are not classes: the loss does not depend on them.
+      CHECK(analytic.dW.bottomRows(V - classes).cwiseAbs().maxCoeff() == 0.0);
+    }
 }
 
 TEMPLATE_TEST_CASE("fused_head_loss (no gradient) gives the same loss and writes no gradient",

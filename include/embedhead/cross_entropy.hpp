@@ -54,6 +54,14 @@ struct CrossEntropyOptions {
   double softcap = 0;          // c > 0 caps logits to c tanh(z / c) (30 in Gemma 2); 0: off
   Index valid_vocab = -1;      // classes are columns [0, valid_vocab); -1: all V columns
   double gradient_scale = 1;   // multiplies every gradient (e.g. 1 / micro-batches), finite
+  // Entropy terms (RL trainers' use): with entropy_bonus = beta, each row's loss gets -beta H_n,
+  // H_n = -sum_j p_j log p_j the entropy of its softmax (of the soft-capped logits), and its
+  // gradient beta p_j (s_j - lse + H_n): beta > 0 rewards entropy (PPO's entropy coefficient),
+  // beta < 0 penalises it. Finite. entropy (or a non-zero bonus) reports the rows' entropy in
+  // CrossEntropyResult::entropy, reduced as the loss. Per-row entropies without a loss:
+  // score_head (head_scores.hpp).
+  double entropy_bonus = 0;
+  bool entropy = false;
   // NaN and infinite logits (in the fused loss: h, W, bias) that reach the loss throw value_error,
   // naming the first, instead of giving PyTorch's NaN / inf results (docs/errors.md, "Non-finite
   // values"). Off by default, as in PyTorch; -inf masks are rejected too. Costs a scan of the
@@ -68,6 +76,9 @@ struct CrossEntropyResult {
   Index count = 0;        // rows whose target is not ignore_index
   double weight_sum = 0;  // sum of the counted rows' weights (= count without per-token weights)
   double z_loss = 0;      // the z-loss part of `loss`, reduced the same way
+  double entropy = 0;     // the rows' entropy H_n, weighted and reduced as the loss (computed with
+                          // options.entropy or a non-zero entropy_bonus; else 0). The bonus's part
+                          // of `loss` is -entropy_bonus * entropy.
 };
 
 namespace detail {
@@ -92,6 +103,9 @@ void check_loss_options(const char* where, const CrossEntropyOptions& options, I
   check_in_scalar<Scalar>(where, "z_loss", options.z_loss, "[0, inf)", /*reject_underflow=*/false);
   if (!(options.softcap >= 0) || !std::isfinite(options.softcap)) fail("softcap", options.softcap, "[0, inf) (0: off)");
   check_in_scalar<Scalar>(where, "softcap", options.softcap, "[0, inf) (0: off)");
+  if (!std::isfinite(options.entropy_bonus)) fail("entropy_bonus", options.entropy_bonus, "the finite numbers");
+  check_in_scalar<Scalar>(where, "entropy_bonus", options.entropy_bonus, "the finite numbers",
+                          /*reject_underflow=*/false);
   if (!std::isfinite(options.gradient_scale)) fail("gradient_scale", options.gradient_scale, "the finite numbers");
   check_in_scalar<Scalar>(where, "gradient_scale", options.gradient_scale, "the finite numbers");
   if (options.valid_vocab != -1 && (options.valid_vocab < 1 || options.valid_vocab > V)) {
@@ -152,9 +166,10 @@ void check_finite_logits(const char* where, const ConstMatrixRef<Scalar>& logits
 // Adds a row's (weighted) loss to the result and stores it in losses[n] when asked.
 template <typename Scalar>
 void add_row_loss(const RowLoss& row, double weight, CrossEntropyResult& result, MatrixRef<Scalar>* losses, Index n) {
-  const double loss_n = weight == 1.0 ? row.ce + row.z_loss : weight * (row.ce + row.z_loss);
+  const double loss_n = weight == 1.0 ? row.total() : weight * row.total();
   result.sum += loss_n;
   result.z_loss += weight == 1.0 ? row.z_loss : weight * row.z_loss;
+  result.entropy += weight == 1.0 ? row.entropy : weight * row.entropy;
   if (losses) (*losses)(n, 0) = static_cast<Scalar>(loss_n);
 }
 
@@ -164,6 +179,7 @@ inline void finish_reduction(CrossEntropyResult& result, Reduction reduction) {
     const double denominator = result.weight_sum;
     result.loss = denominator > 0 ? result.sum / denominator : 0.0;
     result.z_loss = denominator > 0 ? result.z_loss / denominator : 0.0;
+    result.entropy = denominator > 0 ? result.entropy / denominator : 0.0;
   } else {
     result.loss = result.sum;
   }

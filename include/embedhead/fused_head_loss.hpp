@@ -124,6 +124,7 @@ struct FusedHeadLossWorkspace {
   std::vector<Index> tokens;                       // token index n of each counted row
   std::vector<detail::SoftmaxRowStats> row_stats;  // pass 1's running statistics
   std::vector<double> lse;                         // each counted row's log-sum-exp
+  std::vector<double> entropy;                     // and its entropy (with an entropy term)
   std::vector<double> reduced;                     // vocabulary-parallel: the per-row sums all-reduced in one call
   // bf16 mixed precision (W stored in bf16): h and dz rounded to bf16, as bf16 where the backend takes
   // bf16 operands (oneDNN), else as Scalar holding the rounded values (hidden then holds h's); the
@@ -434,6 +435,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   ws.row_stats.assign(static_cast<std::size_t>(count), SoftmaxRowStats{});
   ws.lse.resize(static_cast<std::size_t>(count));
   const SoftmaxTerms terms = softmax_terms(options, classes);
+  if (terms.entropy) ws.entropy.resize(static_cast<std::size_t>(count));
   const double softcap = options.softcap;
   const Scalar cap = static_cast<Scalar>(softcap);
 
@@ -506,6 +508,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
       const Index n = ws.tokens[i];
       const RowLoss row = row_loss(ws.row_stats[i], terms);
       ws.lse[i] = row.lse;
+      if (terms.entropy) ws.entropy[i] = row.entropy;
       add_row_loss<Scalar>(row, weight_of(n), result, want_losses ? losses : nullptr, n);
       if (want_lse) (*lse)(n, 0) = static_cast<Scalar>(row.lse);
     }
@@ -514,7 +517,10 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   auto gradient_row = [&](Index r, Scalar* z, Index v0, Index width) {
     const std::size_t i = static_cast<std::size_t>(r);
     const double w = weight_of(ws.tokens[i]) * scale;
-    const SoftmaxGradient<Scalar> k = softmax_gradient_at_lse<Scalar>(ws.lse[i], w, terms);
+    RowLoss row;
+    row.lse = ws.lse[i];
+    if (terms.entropy) row.entropy = ws.entropy[i];
+    const SoftmaxGradient<Scalar> k = softmax_gradient_at_lse<Scalar>(row, w, terms);
     const Index y = target_of(ws.tokens[i]) - begin;  // in W's local numbering
     apply_softmax_gradient(z, width, y - v0, k, terms, /*holds_exp=*/false);
   };

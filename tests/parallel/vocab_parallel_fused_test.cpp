@@ -220,6 +220,7 @@ std::vector<Variant> variants() {
   add("label smoothing", [](FusedHeadLossOptions& o) { o.label_smoothing = 0.1; });
   add("z-loss", [](FusedHeadLossOptions& o) { o.z_loss = 1e-2; });
   add("soft-cap", [](FusedHeadLossOptions& o) { o.softcap = 2.0; });
+  add("entropy bonus", [](FusedHeadLossOptions& o) { o.entropy_bonus = 0.3; });
   add("padding: a whole shard on 3 ranks", [](FusedHeadLossOptions& o) { o.valid_vocab = 36; });
   add("padding inside a shard", [](FusedHeadLossOptions& o) { o.valid_vocab = 50; });
   add("everything", [](FusedHeadLossOptions& o) {
@@ -229,6 +230,7 @@ std::vector<Variant> variants() {
     o.ignore_index = 1;
     o.valid_vocab = 36;
     o.gradient_scale = 0.5;
+    o.entropy_bonus = -0.2;
   });
   return list;
 }

@@ -324,7 +324,9 @@ std::vector<LossCase> loss_cases() {
   // 36 classes: on 3 ranks the last shard [36, 53) is all padding, on 2 ranks half of [27, 53).
   add("valid_vocab", [](CrossEntropyOptions& o) { o.valid_vocab = 36; });
   add("gradient_scale", [](CrossEntropyOptions& o) { o.gradient_scale = 0.25; });
+  add("entropy bonus", [](CrossEntropyOptions& o) { o.entropy_bonus = 0.3; });
   add("everything", [](CrossEntropyOptions& o) {
+    o.entropy_bonus = -0.2;
     o.reduction = Reduction::sum;
     o.label_smoothing = 0.2;
     o.z_loss = 1e-3;

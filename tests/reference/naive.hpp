@@ -82,10 +82,12 @@ struct LossOptions {
   double softcap = 0;
   Index classes = -1;  // -1: all columns
   double gradient_scale = 1;
+  double entropy_bonus = 0;  // beta: -beta H_n added to each row's loss
 };
 
 struct LossResult {
   double loss = 0, sum = 0, weight_sum = 0;
+  double entropy = 0;  // weighted entropies, reduced as the loss
   Index count = 0;
   RowMatrix<double> dlogits;
   std::vector<double> lse, losses;
@@ -118,14 +120,20 @@ LossResult full_loss(const RowMatrix<double>& logits, const TargetsT& targets, c
     const double lse = m + std::log(total);
     double smooth = 0;
     for (Index j = 0; j < C; ++j) smooth -= s[j] - lse;  // -sum_j log p_j
+    // H = -sum_j p_j log p_j, straight from the definition.
+    double H = 0;
+    for (Index j = 0; j < C; ++j) H -= std::exp(s[j] - lse) * (s[j] - lse);
     const double loss_n = weight(n) * (-(1 - o.label_smoothing) * (s[y] - lse) + o.label_smoothing / C * smooth +
-                                       o.z_loss * lse * lse);
+                                       o.z_loss * lse * lse - o.entropy_bonus * H);
+    r.entropy += weight(n) * H;
     r.sum += loss_n;
     r.lse[n] = lse;
     r.losses[n] = loss_n;
     for (Index k = 0; k < C; ++k) {
       const double p = std::exp(s[k] - lse);
       double g = p - o.label_smoothing / C + 2 * o.z_loss * lse * p - (k == y ? 1 - o.label_smoothing : 0.0);
+      // d(-beta H)/ds_k = beta p_k (log p_k + H), from dH/ds_k = -p_k (log p_k + H).
+      g += o.entropy_bonus * p * ((s[k] - lse) + H);
       if (o.softcap > 0) {
         const double t = std::tanh(logits(n, k) / o.softcap);
         g *= 1 - t * t;
@@ -134,6 +142,7 @@ LossResult full_loss(const RowMatrix<double>& logits, const TargetsT& targets, c
     }
   }
   r.loss = o.mean ? (r.weight_sum > 0 ? r.sum / r.weight_sum : 0.0) : r.sum;
+  if (o.mean) r.entropy = r.weight_sum > 0 ? r.entropy / r.weight_sum : 0.0;
   return r;
 }
 

@@ -15,9 +15,11 @@
 //   dz_j  = w (a p_j - eps / C - (1 - eps) [j = y]) (1 - (s_j / c)^2 if c > 0)
 //           a = 1 + 2 z_loss lse,  p_j = softmax(s)_j = exp(s_j - lse) = exp(s_j - m) / S
 //                                                                       apply_softmax_gradient
-// The row's loss is ce + zl; the callers weight it and reduce over the rows.
 //   E     = sum_j exp(s_j - m) (s_j - m)                                SoftmaxRowStats (entropy)
 //   H     = -sum_j p_j log p_j = log S - E / S                          row_entropy
+//   eb    = -beta H                                                     row_loss (entropy bonus beta)
+//   dz_j += w beta p_j (s_j - lse + H)   (= -w beta dH/ds_j; times the softcap factor as above)
+// The row's loss is ce + zl + eb; the callers weight it and reduce over the rows.
 // (the entropy from statistics shifted by m, so nothing cancels however large the logits; a class
 // of probability 0, s_j = -inf, adds 0, not 0 * -inf).
 //
@@ -78,8 +80,9 @@ struct SoftmaxTerms {
   double label_smoothing = 0;                              // eps
   double z_loss = 0;                                       // coefficient of lse^2
   double softcap = 0;                                      // c > 0: s = c tanh(z / c); 0: off
+  double entropy_bonus = 0;                                // beta: -beta H added to the loss
   Index classes = 0;                                       // C: the columns that are classes
-  bool entropy = false;                                    // E is summed (head_scores.hpp)
+  bool entropy = false;                                    // E is summed (entropy outputs, the bonus)
   bool logit_sums() const { return label_smoothing > 0; }  // sum_j s_j is needed
 };
 
@@ -90,7 +93,9 @@ SoftmaxTerms softmax_terms(const Options& options, Index classes) {
   terms.label_smoothing = options.label_smoothing;
   terms.z_loss = options.z_loss;
   terms.softcap = options.softcap;
+  terms.entropy_bonus = options.entropy_bonus;
   terms.classes = classes;
+  terms.entropy = options.entropy || options.entropy_bonus != 0;
   return terms;
 }
 
@@ -260,17 +265,22 @@ struct SoftmaxRowStats {
   }
 
   // The statistics that ranks (or blocks) add once they share one max: S, s_y (one holder plus
-  // zeros, so exact) and, for label smoothing, sum_j s_j -- summed_parts(terms) values.
-  static int summed_parts(const SoftmaxTerms& terms) { return terms.logit_sums() ? 3 : 2; }
+  // zeros, so exact), for label smoothing sum_j s_j, and with terms.entropy E --
+  // summed_parts(terms) values.
+  static int summed_parts(const SoftmaxTerms& terms) { return 2 + terms.logit_sums() + terms.entropy; }
   void store_sums(double* parts, const SoftmaxTerms& terms) const {
     parts[0] = sum_exp;
     parts[1] = target;
-    if (terms.logit_sums()) parts[2] = logit_sum;
+    int i = 2;
+    if (terms.logit_sums()) parts[i++] = logit_sum;
+    if (terms.entropy) parts[i] = entropy_sum;
   }
   void load_sums(const double* parts, const SoftmaxTerms& terms) {
     sum_exp = parts[0];
     target = parts[1];
-    if (terms.logit_sums()) logit_sum = parts[2];
+    int i = 2;
+    if (terms.logit_sums()) logit_sum = parts[i++];
+    if (terms.entropy) entropy_sum = parts[i];
   }
 };
 
@@ -310,9 +320,12 @@ inline double row_entropy(const SoftmaxRowStats& stats) {
 
 // A row's loss, from its statistics over all its columns.
 struct RowLoss {
-  double ce = 0;      // cross-entropy of the row (label smoothing included)
-  double z_loss = 0;  // z_loss * lse^2
-  double lse = 0;     // log-sum-exp of the (soft-capped) logits
+  double ce = 0;             // cross-entropy of the row (label smoothing included)
+  double z_loss = 0;         // z_loss * lse^2
+  double entropy = 0;        // H, the entropy of softmax(s) (with terms.entropy; else 0)
+  double entropy_bonus = 0;  // -beta H (0 when beta is 0)
+  double lse = 0;            // log-sum-exp of the (soft-capped) logits
+  double total() const { return ce + z_loss + entropy_bonus; }
 };
 
 // ce = (m - s_y) + log S without smoothing: m - s_y is exact (two Scalar values, subtracted in
@@ -331,6 +344,8 @@ inline RowLoss row_loss(const SoftmaxRowStats& stats, const SoftmaxTerms& terms)
   else
     row.ce = (stats.max - stats.target) + log_sum;
   row.z_loss = terms.z_loss > 0 ? terms.z_loss * row.lse * row.lse : 0.0;
+  if (terms.entropy) row.entropy = row_entropy(stats);
+  row.entropy_bonus = terms.entropy_bonus != 0 ? -terms.entropy_bonus * row.entropy : 0.0;
   return row;
 }
 
@@ -338,14 +353,19 @@ inline RowLoss row_loss(const SoftmaxRowStats& stats, const SoftmaxTerms& terms)
 // the last factor with softcap only: b = w eps / C, c = w (1 - eps), and
 //   at the max  shift = m,    a = w (1 + 2 z_loss lse) / S    (softmax_gradient_at_max)
 //   at the lse  shift = lse,  a = w (1 + 2 z_loss lse)        (softmax_gradient_at_lse)
+// With an entropy bonus the first term becomes exp(s_j - shift) (a + e (s_j - L)), L = lse - H:
+//   at the max  e = w beta / S;   at the lse  e = w beta.
 template <typename Scalar>
 struct SoftmaxGradient {
   Scalar shift = 0, a = 0, b = 0, c = 0;
-  bool smoothing = false;  // b != 0 (in double)
+  Scalar e = 0, log_shift = 0;  // the entropy bonus's coefficient and L
+  bool smoothing = false;       // b != 0 (in double)
+  bool entropy = false;         // beta != 0
 };
 
 template <typename Scalar>
-SoftmaxGradient<Scalar> make_softmax_gradient(double shift, double a, double weight, const SoftmaxTerms& terms) {
+SoftmaxGradient<Scalar> make_softmax_gradient(double shift, double a, double weight, const SoftmaxTerms& terms,
+                                              double e = 0, double log_shift = 0) {
   const double b = weight * terms.label_smoothing / static_cast<double>(terms.classes);
   SoftmaxGradient<Scalar> k;
   k.shift = static_cast<Scalar>(shift);
@@ -353,6 +373,9 @@ SoftmaxGradient<Scalar> make_softmax_gradient(double shift, double a, double wei
   k.b = static_cast<Scalar>(b);
   k.c = static_cast<Scalar>(weight * (1.0 - terms.label_smoothing));
   k.smoothing = b != 0;
+  k.entropy = terms.entropy_bonus != 0;
+  k.e = static_cast<Scalar>(e);
+  k.log_shift = static_cast<Scalar>(log_shift);
   return k;
 }
 
@@ -362,25 +385,55 @@ inline double softmax_gradient_factor(double lse, double weight, const SoftmaxTe
 }
 
 template <typename Scalar>
-SoftmaxGradient<Scalar> softmax_gradient_at_max(const SoftmaxRowStats& stats, double lse, double weight,
+SoftmaxGradient<Scalar> softmax_gradient_at_max(const SoftmaxRowStats& stats, const RowLoss& row, double weight,
                                                 const SoftmaxTerms& terms) {
-  return make_softmax_gradient<Scalar>(stats.max, softmax_gradient_factor(lse, weight, terms) / stats.sum_exp, weight,
-                                       terms);
+  return make_softmax_gradient<Scalar>(stats.max, softmax_gradient_factor(row.lse, weight, terms) / stats.sum_exp,
+                                       weight, terms, weight * terms.entropy_bonus / stats.sum_exp,
+                                       row.lse - row.entropy);
 }
 
 template <typename Scalar>
+SoftmaxGradient<Scalar> softmax_gradient_at_lse(const RowLoss& row, double weight, const SoftmaxTerms& terms) {
+  return make_softmax_gradient<Scalar>(row.lse, softmax_gradient_factor(row.lse, weight, terms), weight, terms,
+                                       weight * terms.entropy_bonus, row.lse - row.entropy);
+}
+
+// Without an entropy bonus the row's lse is all the gradient needs.
+template <typename Scalar>
+SoftmaxGradient<Scalar> softmax_gradient_at_max(const SoftmaxRowStats& stats, double lse, double weight,
+                                                const SoftmaxTerms& terms) {
+  RowLoss row;
+  row.lse = lse;
+  return softmax_gradient_at_max<Scalar>(stats, row, weight, terms);
+}
+template <typename Scalar>
 SoftmaxGradient<Scalar> softmax_gradient_at_lse(double lse, double weight, const SoftmaxTerms& terms) {
-  return make_softmax_gradient<Scalar>(lse, softmax_gradient_factor(lse, weight, terms), weight, terms);
+  RowLoss row;
+  row.lse = lse;
+  return softmax_gradient_at_lse<Scalar>(row, weight, terms);
 }
 
 // w [width] <- dz of a block of the row's columns, target_column = y's column in the block
 // (ignored outside [0, width)). w holds the block's soft-capped logits s, or, when holds_exp is
 // set (at the max, no softcap: the exponentials written by add_at_max), exp(s_j - m).
+// holds_exp must be false with an entropy bonus (its term needs s).
 template <typename Scalar>
 void apply_softmax_gradient(Scalar* w, Index width, Index target_column, const SoftmaxGradient<Scalar>& k,
                             const SoftmaxTerms& terms, bool holds_exp) {
   using Lanes = SoftmaxLanes<Scalar>;
   const bool target_here = target_column >= 0 && target_column < width;
+  if (k.entropy) {
+    // dz = (exp(s - shift) (a + e (s - L)) - b) (1 - (s / cap)^2 with softcap).
+    const Scalar cap = static_cast<Scalar>(terms.softcap);
+    const bool capped = terms.softcap > 0;
+    const Scalar t_y = target_here && capped ? w[target_column] / cap : Scalar(0);
+    map_lanes(w, w, width, [&](const Lanes& s) -> Lanes {
+      const Lanes g = exp_lanes<Scalar>(s - k.shift) * (k.a + k.e * (s - k.log_shift)) - k.b;
+      return capped ? Lanes(g * (Scalar(1) - (s / cap).square())) : g;
+    });
+    if (target_here) w[target_column] -= capped ? k.c * (Scalar(1) - t_y * t_y) : k.c;
+    return;
+  }
   if (terms.softcap > 0) {
     // dz = g (1 - (s / cap)^2), the derivative of cap tanh(z / cap).
     const Scalar cap = static_cast<Scalar>(terms.softcap);
@@ -416,12 +469,14 @@ RowLoss softmax_loss_row(const Scalar* z, Scalar* work, Index y, const SoftmaxTe
   }
   SoftmaxRowStats stats;
   stats.max = static_cast<double>(row_max(s, C));
-  // Without soft-capping, exp(s - m) goes straight into work (the gradient's first step).
-  const bool exp_into_work = gradient && !(terms.softcap > 0);
+  // Without soft-capping, exp(s - m) goes straight into work (the gradient's first step); with an
+  // entropy bonus the gradient needs s itself, so work gets a copy of z instead.
+  const bool exp_into_work = gradient && !(terms.softcap > 0) && terms.entropy_bonus == 0;
   stats.add_at_max(s, C, y, terms, exp_into_work ? work : nullptr);
   const RowLoss row = row_loss(stats, terms);
   if (gradient) {
-    const SoftmaxGradient<Scalar> k = softmax_gradient_at_max<Scalar>(stats, row.lse, weight, terms);
+    if (!exp_into_work && s != work) std::copy_n(s, C, work);
+    const SoftmaxGradient<Scalar> k = softmax_gradient_at_max<Scalar>(stats, row, weight, terms);
     apply_softmax_gradient(work, C, y, k, terms, /*holds_exp=*/exp_into_work);
   }
   return row;

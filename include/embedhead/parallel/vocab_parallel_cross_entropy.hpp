@@ -72,6 +72,9 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
   const SoftmaxTerms terms = softmax_terms(options, classes);
   const bool softcap = options.softcap > 0;
   const bool gradient = dlocal != nullptr;
+  // Without soft-capping pass 2 leaves exp(s - m) in dlocal for the gradient, unless the entropy
+  // bonus's gradient needs s itself (then dlocal gets the logits in pass 3).
+  const bool exp_in_d = gradient && !softcap && terms.entropy_bonus == 0;
 
   CrossEntropyResult result;
   for (Index n = 0; n < N; ++n)
@@ -107,7 +110,7 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
     // Without soft-capping, exp(s - m) goes straight into dlocal (the gradient's first step);
     // s_y and sum_s are read first, so dlocal may be local_logits.
     stats[static_cast<std::size_t>(n)].add_at_max(s, local_classes, y - shard.begin, terms,
-                                                  gradient && !softcap ? dlocal->row(n).data() : nullptr);
+                                                  exp_in_d ? dlocal->row(n).data() : nullptr);
   }
   all_reduce_row_sums(comm, stats.data(), N, terms, buffer);
 
@@ -126,9 +129,11 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
     auto d_row = dlocal->row(n);
     if (local_classes < shard.rows()) d_row.tail(shard.rows() - local_classes).setZero();
     if (local_classes == 0) continue;
+    if (!softcap && !exp_in_d && d_row.data() != local_logits.row(n).data())
+      std::copy_n(local_logits.row(n).data(), local_classes, d_row.data());
     apply_softmax_gradient(d_row.data(), local_classes, y - shard.begin,
-                           softmax_gradient_at_max<Scalar>(row_stats, row.lse, scale, terms), terms,
-                           /*holds_exp=*/!softcap);
+                           softmax_gradient_at_max<Scalar>(row_stats, row, scale, terms), terms,
+                           /*holds_exp=*/exp_in_d);
   }
   finish_reduction(result, options.reduction);
   return result;
