@@ -20,12 +20,13 @@ namespace embedhead {
 // Adds an optimizer's state to `writer`: tensors "optimizer.<i>.<buffer>" for parameter i (in
 // registration order) and metadata "optimizer" (kind), "optimizer.step", "optimizer.parameters"
 // (a JSON list of [name, rows, cols]) and "optimizer.parameter_steps" (a JSON list of each
-// parameter's own step count; an entry without one is written with the state's step). Stored in Scalar's own dtype, so
-// a restore is exact. The buffers are moved into the writer: pass optimizer.state() directly (no copy), or a named
-// state, which is copied once. \throws value_error "add_optimizer_state: parameter <i>'s name '<name>' is not valid
-// UTF-8 (at byte <k>) ..." (a safetensors header is JSON), the same for the optimizer's kind (state.optimizer), or as
-// SafetensorsWriter::add: value_error for a tensor "optimizer.<i>.<buffer>" added to the writer before. The writer is
-// unchanged on throw.
+// parameter's own step count; an entry without one is written with the state's step). Stored in
+// Scalar's own dtype, so a restore is exact. The buffers are moved into the writer: pass
+// optimizer.state() directly (no copy), or a named state, which is copied once.
+// \throws value_error "add_optimizer_state: parameter <i>'s name '<name>' is not valid UTF-8 (at
+// byte <k>) ..." (a safetensors header is JSON), the same for the optimizer's kind
+// (state.optimizer), or as SafetensorsWriter::add: value_error for a tensor "optimizer.<i>.<buffer>"
+// added to the writer before. The writer is unchanged on throw.
 template <typename Scalar>
 void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state) {
   const DType dtype = std::is_same_v<Scalar, float> ? DType::F32 : DType::F64;
@@ -51,9 +52,10 @@ void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state
 // The optimizer state stored by add_optimizer_state, to pass to Optimizer::load_state (which
 // checks it against the optimizer). \throws format_error naming what is missing or malformed: the
 // metadata, or a buffer whose dtype is not a float dtype or whose shape is neither the [rows, cols]
-// the metadata gives its parameter nor [rows, 1] (a per-row buffer), or (Scalar float) an F64 buffer holding a finite
-// value beyond float's range, which would become an infinity (SafetensorsFile::read: the tensor, the value, its (row,
-// col) and float's range). Sizes are trusted only once a tensor of that shape exists.
+// the metadata gives its parameter nor [rows, 1] (a per-row buffer), or (Scalar float) an F64
+// buffer holding a finite value beyond float's range, which would become an infinity
+// (SafetensorsFile::read: the tensor, the value, its (row, col) and float's range). Sizes are
+// trusted only once a tensor of that shape exists.
 template <typename Scalar>
 OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
   const auto& metadata = file.metadata();

@@ -107,7 +107,7 @@ struct OptimizerState {
     std::string name;
     Index rows = 0, cols = 0;
     std::map<std::string, RowMatrix<Scalar>> buffers;
-    std::optional<std::int64_t> step = std::nullopt;  // this parameter's t, in [0, OptimizerState::step]
+    std::optional<std::int64_t> step = std::nullopt;  // this parameter's t, in [0, step]
   };
   std::vector<Entry> parameters;
 };
@@ -292,9 +292,9 @@ class Optimizer {
   // new rows start from the buffer's initial value (0 for exp_avg, exp_avg_sq, momentum_buffer and
   // RowWiseAdagrad's sum; initial_accumulator_value for Adagrad's sum), as if never updated. p's
   // step count t is unchanged, so a new row's first Adam update is bias-corrected with the current
-  // t, as PyTorch's SparseAdam treats a row seen for the first time. A buffer not created yet stays absent.
-  // -> false, changing nothing, when p is not registered here. Strong guarantee (new buffers are
-  // built, then swapped in). Cost O(rows * cols) per buffer.
+  // t, as PyTorch's SparseAdam treats a row seen for the first time. A buffer not created yet
+  // stays absent. -> false, changing nothing, when p is not registered here. Strong guarantee (new
+  // buffers are built, then swapped in). Cost O(rows * cols) per buffer.
   bool resize_state(const Parameter<Scalar>& p);
 
   // zero_grad() of every registered parameter.

@@ -10,7 +10,8 @@
 //   p_r    = c p_r - mult g_r
 // so in l2 mode p_r -= mult (g_r + wd p_r). An untouched row's value and accumulator stay as they
 // were, weight decay included: as in FBGEMM, decay reaches only the rows a step touches.
-// State G: V values ("sum", [V, 1]) instead of Adagrad's V d. Cost O(touched rows * d) per step.
+// No step count enters the update (FBGEMM's has no lr decay). State G: V values ("sum", [V, 1])
+// instead of Adagrad's V d. Cost O(touched rows * d) per step.
 #ifndef EMBEDHEAD_OPTIM_ROWWISE_ADAGRAD_HPP
 #define EMBEDHEAD_OPTIM_ROWWISE_ADAGRAD_HPP
 
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <sstream>
 #include <string>
 
 namespace embedhead {
