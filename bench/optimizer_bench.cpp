@@ -3,13 +3,15 @@
 //
 //   LazyAdamStep/V:…   LazyAdam: touched rows only -- should stay flat as V grows
 //   AdagradStep/V:…    Adagrad: touched rows only
+//   RowWiseAdagradStep/V:…  row-wise Adagrad (FBGEMM's): touched rows only, one accumulator per row
 //   SGDStep/V:…        plain SGD: touched rows only
 //   AdamWStep/V:…      exact AdamW: every row's moments and value -- grows with V
 //
 // Counters: rows_per_s (rows the step had to visit), GB/s over the bytes the step must stream
 // (AdamW: value, m and v read and written for all V rows; lazy ones: those of the touched rows
-// plus the gradient rows). Before timing, one step of each is checked against a direct
-// computation of its formula on a few rows.
+// plus the gradient rows); state_MiB, the size of the optimizer's buffers (LazyAdam and AdamW: m
+// and v, 2 V d floats; Adagrad: V d; RowWiseAdagrad: V; SGD: none), not a measured peak RSS. Before
+// timing, LazyAdam's and RowWiseAdagrad's first steps are checked against their formulas.
 #include "bench_support.hpp"  // first: its pragma must precede every other include
 
 #include "gbench_main.hpp"
@@ -18,6 +20,7 @@
 #include <embedhead/optim/adamw.hpp>
 #include <embedhead/optim/lazy_adam.hpp>
 #include <embedhead/optim/optimizer.hpp>
+#include <embedhead/optim/rowwise_adagrad.hpp>
 #include <embedhead/optim/sgd.hpp>
 
 #include <benchmark/benchmark.h>
@@ -69,10 +72,10 @@ void check_lazy_adam() {
   const Index r = t.rows[0];
   for (Index j = 0; j < kD; ++j) {
     const double g = t.grad_rows(0, j);
-    // t = 1: m_hat = g, v_hat = g^2 -> the step is lr g / (|g| + eps).
-    const double expected = before(r, j) - 1e-3 * g / (std::abs(g) + 1e-8);
+    // t = 1, SparseAdam: m = 0.1 g, v = 0.001 g^2, step size lr sqrt(0.001) / 0.1.
+    const double s = std::sqrt(1e-3), expected = before(r, j) - 1e-3 * s * g / (s * std::abs(g) + 1e-8);
     if (std::abs(t.p->value()(r, j) - expected) > 1e-6)
-      bench_support::fail(kProgram, "LazyAdam first step differs from lr g / (|g| + eps)");
+      bench_support::fail(kProgram, "LazyAdam first step differs from lr sqrt(1 - b2) g / (sqrt(1 - b2) |g| + eps)");
   }
   Index untouched = 0;
   while (std::binary_search(t.rows.begin(), t.rows.end(), untouched)) ++untouched;
@@ -80,8 +83,32 @@ void check_lazy_adam() {
     bench_support::fail(kProgram, "LazyAdam moved an untouched row");
 }
 
+// One RowWiseAdagrad step on a fresh table: p_r - lr g_r / (sqrt(mean g_r^2) + eps) on a touched
+// row; an untouched row stays.
+void check_rowwise_adagrad() {
+  Table t(4096);
+  const RowMatrix<float> before = t.p->value();
+  embedhead::RowWiseAdagrad<float> adagrad({}, {t.p});
+  t.set_gradient();
+  adagrad.step();
+  const Index r = t.rows[0];
+  double square = 0;
+  for (Index j = 0; j < kD; ++j) square += static_cast<double>(t.grad_rows(0, j)) * t.grad_rows(0, j);
+  const double denominator = std::sqrt(square / kD) + 1e-8;
+  for (Index j = 0; j < kD; ++j) {
+    const double expected = before(r, j) - 1e-2 * t.grad_rows(0, j) / denominator;
+    if (std::abs(t.p->value()(r, j) - expected) > 1e-6)
+      bench_support::fail(kProgram, "RowWiseAdagrad first step differs from lr g / (sqrt(mean g^2) + eps)");
+  }
+  Index untouched = 0;
+  while (std::binary_search(t.rows.begin(), t.rows.end(), untouched)) ++untouched;
+  if (t.p->value().row(untouched) != before.row(untouched))
+    bench_support::fail(kProgram, "RowWiseAdagrad moved an untouched row");
+}
+
 template <typename Optimizer>
-void run_step(benchmark::State& state, Optimizer& optimizer, Table& table, double rows_visited, double bytes_per_step) {
+void run_step(benchmark::State& state, Optimizer& optimizer, Table& table, double rows_visited, double bytes_per_step,
+              double state_floats) {
   table.set_gradient();
   optimizer.step();  // first step allocates the state
   for (auto _ : state) {
@@ -92,6 +119,7 @@ void run_step(benchmark::State& state, Optimizer& optimizer, Table& table, doubl
                                                     benchmark::Counter::kIsRate);
   state.counters["GB/s"] = benchmark::Counter(bytes_per_step * static_cast<double>(state.iterations()) * 1e-9,
                                               benchmark::Counter::kIsRate);
+  state.counters["state_MiB"] = state_floats * sizeof(float) / (1024.0 * 1024.0);
 }
 
 constexpr double kRowBytes = kD * sizeof(float);
@@ -99,33 +127,48 @@ constexpr double kRowBytes = kD * sizeof(float);
 void BM_LazyAdamStep(benchmark::State& state) {
   Table table(state.range(0));
   embedhead::LazyAdam<float> adam(embedhead::LazyAdam<float>::lazy_defaults(), {table.p});
-  run_step(state, adam, table, kTouched, kTouched * kRowBytes * 7);  // g; p, m, v read + written
+  const double V = static_cast<double>(state.range(0));
+  run_step(state, adam, table, kTouched, kTouched * kRowBytes * 7, 2 * V * kD);  // g; p, m, v read + written
 }
 
 void BM_AdagradStep(benchmark::State& state) {
   Table table(state.range(0));
   embedhead::Adagrad<float> adagrad(embedhead::AdagradOptions{}, {table.p});
-  run_step(state, adagrad, table, kTouched, kTouched * kRowBytes * 5);  // g; p, G read + written
+  const double V = static_cast<double>(state.range(0));
+  run_step(state, adagrad, table, kTouched, kTouched * kRowBytes * 5, V * kD);  // g; p, G read + written
+}
+
+void BM_RowWiseAdagradStep(benchmark::State& state) {
+  Table table(state.range(0));
+  embedhead::RowWiseAdagrad<float> adagrad({}, {table.p});
+  const double V = static_cast<double>(state.range(0));
+  run_step(state, adagrad, table, kTouched, kTouched * kRowBytes * 3, V);  // g; p read + written (G: 1 float a row)
 }
 
 void BM_SGDStep(benchmark::State& state) {
   Table table(state.range(0));
   embedhead::SGD<float> sgd(embedhead::SGDOptions{}, {table.p});
-  run_step(state, sgd, table, kTouched, kTouched * kRowBytes * 3);  // g; p read + written
+  run_step(state, sgd, table, kTouched, kTouched * kRowBytes * 3, 0);  // g; p read + written
 }
 
 void BM_AdamWStep(benchmark::State& state) {
   const Index V = state.range(0);
   Table table(V);
   embedhead::AdamW<float> adam(embedhead::AdamOptions{}, {table.p});
-  run_step(state, adam, table, static_cast<double>(V), static_cast<double>(V) * kRowBytes * 6 + kTouched * kRowBytes);
+  run_step(state, adam, table, static_cast<double>(V), static_cast<double>(V) * kRowBytes * 6 + kTouched * kRowBytes,
+           2.0 * static_cast<double>(V) * kD);
 }
 
 void register_benchmarks() {
   check_lazy_adam();
+  check_rowwise_adagrad();
   for (const std::int64_t V : {32768, 50257, 131072, 262144}) {
     benchmark::RegisterBenchmark("LazyAdamStep", BM_LazyAdamStep)->Arg(V)->ArgName("V")->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark("AdagradStep", BM_AdagradStep)->Arg(V)->ArgName("V")->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark("RowWiseAdagradStep", BM_RowWiseAdagradStep)
+        ->Arg(V)
+        ->ArgName("V")
+        ->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark("SGDStep", BM_SGDStep)->Arg(V)->ArgName("V")->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark("AdamWStep", BM_AdamWStep)->Arg(V)->ArgName("V")->Unit(benchmark::kMillisecond);
   }

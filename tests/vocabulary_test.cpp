@@ -115,7 +115,9 @@ TEMPLATE_TEST_CASE("resize_vocabulary grows an untied model: kept rows exact, ne
   const Index V = 5, d = 3;
   Model<Scalar> m(V, d);
   embedhead::AdamW<Scalar> adam(embedhead::AdamOptions{}, {m.embedding.weight_ptr(), m.head.weight_ptr()});
-  adam.add_group({std::make_shared<Parameter<Scalar>>(1, 1, "other")});
+  auto other = std::make_shared<Parameter<Scalar>>(1, 1, "other");
+  other->grad().dense_accumulator().setConstant(Scalar(1));  // a gradient, so that step() updates it
+  adam.add_group({other});
   adam.step();  // creates the buffers; the bias is not registered
   const Snapshot<Scalar> before(m, adam);
   const Parameter<Scalar>* E_address = &m.embedding.weight();

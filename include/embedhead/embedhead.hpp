@@ -46,6 +46,7 @@
 #include "optim/clip.hpp"
 #include "optim/lazy_adam.hpp"
 #include "optim/optimizer.hpp"
+#include "optim/rowwise_adagrad.hpp"
 #include "optim/schedule.hpp"
 #include "optim/sgd.hpp"
 

@@ -5,15 +5,19 @@
 #include <embedhead/io/checkpoint.hpp>
 #include <embedhead/io/optimizer_state.hpp>
 #include <embedhead/optim/adamw.hpp>
+#include <embedhead/optim/rowwise_adagrad.hpp>
 #include <embedhead/optim/sgd.hpp>
 
 #include <catch2/catch.hpp>
 
 #include <unistd.h>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -490,6 +494,60 @@ TEST_CASE("checkpoint: optimizer state saved beside the model resumes training b
   CHECK_THROWS_AS(sgd.load_state(embedhead::read_optimizer_state<float>(file)), value_error);
   std::remove(path.c_str());
   std::remove(plain.c_str());
+}
+
+TEST_CASE("checkpoint: each parameter's step count and a per-row buffer survive the file", "[checkpoint]") {
+  const std::string path = temp_path("optimizer_steps.safetensors");
+  auto a = std::make_shared<embedhead::Parameter<float>>(RowMatrix<float>::Random(5, 3), "a");
+  auto b = std::make_shared<embedhead::Parameter<float>>(RowMatrix<float>::Random(5, 3), "b");
+  embedhead::RowWiseAdagrad<float> optimizer({}, {a, b});
+  std::vector<Index> slots(2);
+  const Index rows[] = {1, 3};
+  for (int s = 0; s < 3; ++s) {
+    optimizer.zero_grad();
+    a->grad().touch_rows(rows, 2, slots.data());
+    for (Index slot : slots) a->grad().slot_row(slot).setConstant(0.5f + static_cast<float>(s));
+    if (s == 1) b->grad().dense_accumulator().setConstant(-0.25f);  // b has a gradient once
+    optimizer.step();
+  }
+  SafetensorsWriter writer;
+  embedhead::add_optimizer_state(writer, optimizer.state());
+  writer.write(path);
+  const auto file = SafetensorsFile::open(path);
+  CHECK(file.metadata().at("optimizer.parameter_steps") == "[3,1]");
+  const auto state = embedhead::read_optimizer_state<float>(file);
+  REQUIRE(state.parameters.size() == 2);
+  CHECK(state.parameters[0].step == std::optional<std::int64_t>(3));
+  CHECK(state.parameters[1].step == std::optional<std::int64_t>(1));
+  const RowMatrix<float>& sum = state.parameters[0].buffers.at("sum");
+  CHECK(sum.rows() == 5);
+  CHECK(sum.cols() == 1);
+  CHECK(sum == optimizer.state().parameters[0].buffers.at("sum"));
+  embedhead::RowWiseAdagrad<float> resumed({}, {a, b});
+  resumed.load_state(state);
+  CHECK(resumed.step_count(*b) == 1);
+
+  // Without the key (a file from before per-parameter counts): every parameter at the state's step.
+  // A malformed list is a format_error naming it.
+  const auto with_steps = [&](const char* steps) {
+    SafetensorsWriter w;
+    w.add<float>("optimizer.0.sum", RowMatrix<float>::Ones(5, 1), DType::F32)
+        .set_metadata("optimizer", "RowWiseAdagrad")
+        .set_metadata("optimizer.step", "3")
+        .set_metadata("optimizer.parameters", R"([["a",5,3]])");
+    if (steps) w.set_metadata("optimizer.parameter_steps", steps);
+    w.write(path);
+    return SafetensorsFile::open(path);
+  };
+  CHECK_FALSE(embedhead::read_optimizer_state<float>(with_steps(nullptr)).parameters[0].step.has_value());
+  for (const char* bad : {"[4]", "[1,2]", "[-1]", "x"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(embedhead::read_optimizer_state<float>(with_steps(bad)), format_error);
+    CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(with_steps(bad)),
+                      Catch::Contains("metadata 'optimizer.parameter_steps'") &&
+                          Catch::Contains("is not a list of 1 integers in [0, 3]"));
+  }
+  std::remove(path.c_str());
 }
 
 // fuzz/corpus/safetensors/crash-review-optimizer-*: read_optimizer_state allocated the buffer at

@@ -41,6 +41,8 @@ using test_support::same_values;
 
 template <typename Scalar>
 using ParameterPtr = std::shared_ptr<Parameter<Scalar>>;
+template <typename Scalar>
+using ParameterList = std::vector<ParameterPtr<Scalar>>;
 
 template <typename Scalar>
 double tolerance() {
@@ -90,6 +92,8 @@ Steps make_steps(Index V, Index d, std::uint64_t seed) {
 
 // ---- naive dense references, in double ----
 
+// torch.optim.Adam / AdamW (lazy = false: every row) and torch.optim.SparseAdam (lazy = true:
+// the rows listed, no decay), as PyTorch documents them; t counts this reference's own steps.
 struct NaiveAdam {
   double lr, b1, b2, eps, wd;
   bool decoupled, lazy;
@@ -104,6 +108,12 @@ struct NaiveAdam {
       if (lazy && !touched) continue;
       for (Index j = 0; j < p.cols(); ++j) {
         double grad = touched ? g(r, j) : 0.0;
+        if (lazy) {  // SparseAdam: step_size = lr sqrt(bc2) / bc1, eps outside the correction
+          m(r, j) = b1 * m(r, j) + (1 - b1) * grad;
+          v(r, j) = b2 * v(r, j) + (1 - b2) * grad * grad;
+          p(r, j) -= lr * std::sqrt(bc2) / bc1 * m(r, j) / (std::sqrt(v(r, j)) + eps);
+          continue;
+        }
         if (decoupled)
           p(r, j) *= 1 - lr * wd;
         else
@@ -170,18 +180,22 @@ TEMPLATE_TEST_CASE("AdamW and Adam follow the torch.optim formulas step by step"
     embedhead::AdamOptions options;
     options.lr = 0.05;
     options.weight_decay = 0.1;
-    options.decoupled = decoupled;
-    embedhead::AdamW<Scalar> adam(options, {p});
+    std::unique_ptr<embedhead::Optimizer<Scalar>> adam;
+    if (decoupled)
+      adam = std::make_unique<embedhead::AdamW<Scalar>>(options, ParameterList<Scalar>{p});
+    else
+      adam = std::make_unique<embedhead::Adam<Scalar>>(options, ParameterList<Scalar>{p});
     NaiveAdam naive{0.05, 0.9, 0.999, 1e-8, 0.1, decoupled, false, {}, {}};
     RowMatrix<double> expected = p->value().template cast<double>();
     for (std::size_t t = 0; t < steps.G.size(); ++t) {
       CAPTURE(t);
       set_gradient(*p, steps.G[t], steps.rows[t]);
-      adam.step();
+      adam->step();
       naive.step(expected, masked(steps.G[t], steps.rows[t]), {});
       CHECK(close(p->value(), expected, 20 * tolerance<Scalar>()));
     }
-    CHECK(adam.step_count() == 5);
+    CHECK(adam->step_count() == 5);
+    CHECK(adam->step_count(*p) == 5);
   }
 }
 
@@ -201,8 +215,8 @@ TEST_CASE("AdamW first step by hand: p (1 - lr wd) - lr g / (|g| + eps)", "[opti
   CHECK_THAT(p->value()(0, 1), WithinRel(-2.0 * (1 - 0.05) + 0.1 * 3.0 / (3.0 + 1e-8), 1e-14));
 }
 
-TEMPLATE_TEST_CASE("LazyAdam updates touched rows only; equals AdamW when every row is touched", "[optimizer][lazy]",
-                   float, double) {
+TEMPLATE_TEST_CASE("LazyAdam is SparseAdam on the touched rows; against Adam when every row is touched",
+                   "[optimizer][lazy]", float, double) {
   using Scalar = TestType;
   const Index V = 6, d = 4;
   const Steps steps = make_steps(V, d, 21);
@@ -226,29 +240,51 @@ TEMPLATE_TEST_CASE("LazyAdam updates touched rows only; equals AdamW when every 
             CHECK(same_values(p->value().row(r), before.row(r)));
     }
   }
-  SECTION("every row touched every step: lazy == exact (weight decay 0)") {
-    auto a = make_parameter<Scalar>(V, d, 22), b = make_parameter<Scalar>(V, d, 22);
-    embedhead::AdamOptions options = embedhead::LazyAdam<Scalar>::lazy_defaults();
-    embedhead::LazyAdam<Scalar> lazy(options, {a});
-    embedhead::AdamW<Scalar> exact(options, {b});
-    for (std::size_t t = 0; t < steps.G.size(); ++t) {
-      set_gradient(*a, steps.G[t], {});
-      set_gradient(*b, steps.G[t], {});
-      lazy.step();
-      exact.step();
+  SECTION("every row touched every step: Adam's moments bit for bit; Adam's step with eps / sqrt(1 - beta2^t)") {
+    for (const double scale : {1.0, 1e-9}) {  // O(1) gradients, and gradients far below eps
+      CAPTURE(scale);
+      auto a = make_parameter<Scalar>(V, d, 22), b = make_parameter<Scalar>(V, d, 22);
+      embedhead::LazyAdam<Scalar> lazy(embedhead::AdamOptions{}, {a});
+      embedhead::Adam<Scalar> exact(embedhead::AdamOptions{}, {b});  // weight_decay 0 by default
+      // Adam's formula in double with eps_t = eps / sqrt(1 - beta2^t) in place of eps.
+      RowMatrix<double> expected = a->value().template cast<double>();
+      RowMatrix<double> m = RowMatrix<double>::Zero(V, d), v = RowMatrix<double>::Zero(V, d);
+      for (std::size_t t = 0; t < steps.G.size(); ++t) {
+        const RowMatrix<double> G = scale * steps.G[t];
+        set_gradient(*a, G, {});
+        set_gradient(*b, G, {});
+        lazy.step();
+        exact.step();
+        const double n = static_cast<double>(t + 1), bc1 = 1 - std::pow(0.9, n), bc2 = 1 - std::pow(0.999, n);
+        const double eps_t = 1e-8 / std::sqrt(bc2);
+        for (Index i = 0; i < expected.size(); ++i) {
+          m.data()[i] = 0.9 * m.data()[i] + 0.1 * G.data()[i];
+          v.data()[i] = 0.999 * v.data()[i] + 0.001 * G.data()[i] * G.data()[i];
+          expected.data()[i] -= 1e-3 / bc1 * m.data()[i] / (std::sqrt(v.data()[i]) / std::sqrt(bc2) + eps_t);
+        }
+        CHECK(close(a->value(), expected, 20 * tolerance<Scalar>()));
+      }
+      const auto ls = lazy.state(), es = exact.state();
+      CHECK(same_values(ls.parameters[0].buffers.at("exp_avg"), es.parameters[0].buffers.at("exp_avg")));
+      CHECK(same_values(ls.parameters[0].buffers.at("exp_avg_sq"), es.parameters[0].buffers.at("exp_avg_sq")));
+      if (scale < 1) {  // far below eps Adam's steps are many times SparseAdam's
+        const RowMatrix<double> start = make_parameter<Scalar>(V, d, 22)->value().template cast<double>();
+        const double lazy_moved = (a->value().template cast<double>() - start).cwiseAbs().maxCoeff();
+        const double adam_moved = (b->value().template cast<double>() - start).cwiseAbs().maxCoeff();
+        CHECK(adam_moved > 5 * lazy_moved);
+      }
     }
-    CHECK(same_values(a->value(), b->value()));
   }
   SECTION("a row touched once, then not: AdamW keeps moving it, LazyAdam does not (the documented difference)") {
     auto a = make_parameter<Scalar>(V, d, 23), b = make_parameter<Scalar>(V, d, 23);
     embedhead::AdamOptions options = embedhead::LazyAdam<Scalar>::lazy_defaults();
     embedhead::LazyAdam<Scalar> lazy(options, {a});
-    embedhead::AdamW<Scalar> exact(options, {b});
+    embedhead::Adam<Scalar> exact(options, {b});
     set_gradient(*a, steps.G[0], {0});
     set_gradient(*b, steps.G[0], {0});
     lazy.step();
     exact.step();
-    CHECK(same_values(a->value(), b->value()));  // the first step agrees
+    for (Index r = 1; r < V; ++r) CHECK(same_values(a->value().row(r), b->value().row(r)));  // untouched so far
     const RowMatrix<Scalar> lazy_row = a->value().row(0), exact_row = b->value().row(0);
     set_gradient(*a, steps.G[1], {1});
     set_gradient(*b, steps.G[1], {1});
@@ -674,7 +710,7 @@ TEST_CASE("optimizers reject bad hyperparameters with the value and its range", 
 
 // ---- frozen parameters ----
 
-TEMPLATE_TEST_CASE("step skips a frozen parameter: value and state untouched, the step count still advances",
+TEMPLATE_TEST_CASE("step skips a frozen parameter: value, state and its own step count untouched",
                    "[optimizer][freeze]", float, double) {
   using Scalar = TestType;
   const Index V = 5, d = 3;
@@ -694,18 +730,21 @@ TEMPLATE_TEST_CASE("step skips a frozen parameter: value and state untouched, th
     naive.step(expected, G, {});
   }
   CHECK(adam.step_count() == 2);
+  CHECK(adam.step_count(*trained) == 2);
+  CHECK(adam.step_count(*frozen) == 0);
   CHECK(close(trained->value(), expected, 20 * tolerance<Scalar>()));
   CHECK(same_values(frozen->value(), frozen_before));
   const auto state = adam.state();
   CHECK(state.parameters[1].buffers.empty());  // never updated, so no buffer was even created
 
-  // Unfrozen, it trains from fresh moments at the global t = 3 (the bias correction of step 3).
+  // Unfrozen, it trains from fresh moments at its own t = 1 (as PyTorch, whose frozen parameter
+  // has no grad and so no step), while the optimizer is at its third step.
   frozen->set_frozen(false);
   set_gradient(*frozen, G, {0, 2});
   set_gradient(*trained, G, {});
   adam.step();
+  CHECK(adam.step_count(*frozen) == 1);
   NaiveAdam late{0.05, 0.9, 0.999, 1e-8, 0.01, true, false, {}, {}};
-  late.t = 2;
   RowMatrix<double> frozen_expected = frozen_before.template cast<double>();
   late.step(frozen_expected, masked(G, {0, 2}), {});
   CHECK(close(frozen->value(), frozen_expected, 20 * tolerance<Scalar>()));
@@ -761,7 +800,7 @@ TEMPLATE_TEST_CASE("resize_state: kept rows continue bit-identically, new rows s
   const RowMatrix<double> G = random_matrix<double>(grown, d, 151);
   const std::vector<Index> after_rows = {1, 3, 7};  // two old rows and a new one
 
-  auto run = [&](auto make_optimizer) {
+  auto run = [&](auto make_optimizer, bool sparse_adam) {
     // p is resized after three steps; q is the reference that never is.
     auto p = make_parameter<Scalar>(V, d, 152, "E"), q = make_parameter<Scalar>(V, d, 152, "E");
     auto op = make_optimizer(p);
@@ -794,7 +833,9 @@ TEMPLATE_TEST_CASE("resize_state: kept rows continue bit-identically, new rows s
     RowMatrix<double> row7(1, d);
     for (Index c = 0; c < d; ++c) {
       const double g = G(7, c), m = (1 - b1) * g, v = (1 - b2) * g * g;
-      row7(0, c) = -lr / (1 - std::pow(b1, t)) * m / (std::sqrt(v) / std::sqrt(1 - std::pow(b2, t)) + eps);
+      const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
+      row7(0, c) = sparse_adam ? -lr * std::sqrt(bc2) / bc1 * m / (std::sqrt(v) + eps)
+                               : -lr / bc1 * m / (std::sqrt(v) / std::sqrt(bc2) + eps);
     }
     CHECK(close(p->value().row(7), row7, 20 * tolerance<Scalar>()));
     // Untouched new rows: zero stays zero (AdamW's decay of 0 is 0; LazyAdam does not visit them).
@@ -812,12 +853,14 @@ TEMPLATE_TEST_CASE("resize_state: kept rows continue bit-identically, new rows s
     CHECK(test_support::first_difference(p->value(), q->value().topRows(4)).empty());
   };
   SECTION("AdamW") {
-    run([](const ParameterPtr<Scalar>& p) { return embedhead::AdamW<Scalar>(embedhead::AdamOptions{}, {p}); });
+    run([](const ParameterPtr<Scalar>& p) { return embedhead::AdamW<Scalar>(embedhead::AdamOptions{}, {p}); }, false);
   }
   SECTION("LazyAdam") {
-    run([](const ParameterPtr<Scalar>& p) {
-      return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p});
-    });
+    run(
+        [](const ParameterPtr<Scalar>& p) {
+          return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p});
+        },
+        true);
   }
 }
 
@@ -1077,10 +1120,14 @@ TEMPLATE_TEST_CASE("step checks its constants in Scalar before anything changes"
     o.lr = largest / 2;
     embedhead::AdamW<Scalar> adam(o, {p});
     check(adam, p, "the step size lr / (1 - beta1^t) = ");
+    // SparseAdam's lr sqrt(1 - beta2^t) / (1 - beta1^t): 31.6 lr at t = 1 with these betas.
     auto q = make_parameter<Scalar>(3, 2, 190);
-    embedhead::LazyAdam<Scalar> lazy(embedhead::LazyAdam<Scalar>::lazy_defaults(), {q});
+    embedhead::AdamOptions lazy_options;
+    lazy_options.beta1 = 0.99;
+    lazy_options.beta2 = 0.9;
+    embedhead::LazyAdam<Scalar> lazy(lazy_options, {q});
     lazy.set_lr(largest / 2);
-    check(lazy, q, "the step size lr / (1 - beta1^t) = ");
+    check(lazy, q, "the step size lr sqrt(1 - beta2^t) / (1 - beta1^t) = ");
   }
   SECTION("the decoupled decay 1 - lr weight_decay") {
     auto p = make_parameter<Scalar>(3, 2, 190);
@@ -1112,4 +1159,243 @@ TEMPLATE_TEST_CASE("step checks its constants in Scalar before anything changes"
     adagrad.add_group({q}, group);
     check(adagrad, q, "lr / (1 + (t - 1) lr_decay) = ");
   }
+}
+
+// ---- PyTorch's rules, re-implemented in double: defaults, SparseAdam, a parameter without a grad ----
+
+namespace {
+
+// max |a - b| <= tol max |b|: relative to the displacement itself when b is one (no floor at 1).
+template <typename A, typename B>
+bool close_relative(const A& a, const B& b, double tol) {
+  const RowMatrix<double> da = a.template cast<double>(), db = b.template cast<double>();
+  return (da - db).cwiseAbs().maxCoeff() <= tol * db.cwiseAbs().maxCoeff();
+}
+
+}  // namespace
+
+TEST_CASE("Adam and AdamW carry PyTorch's names and defaults; LazyAdam default-constructs",
+          "[optimizer][adam][defaults]") {
+  auto p = make_parameter<double>(3, 2, 300), q = make_parameter<double>(3, 2, 300);
+  embedhead::AdamOptions options;  // a literal port of torch.optim.Adam(params, lr=0.1)
+  options.lr = 0.1;
+  embedhead::Adam<double> adam(options, {p});
+  embedhead::AdamW<double> adamw(options, {q});
+  CHECK(adam.groups()[0].weight_decay == 0.0);
+  CHECK(adamw.groups()[0].weight_decay == 0.01);
+  CHECK(adam.state().optimizer == "Adam");
+  CHECK(adamw.state().optimizer == "AdamW");
+  CHECK(embedhead::Adam<float>().groups().empty());
+  const embedhead::LazyAdam<float> lazy;  // no throw: no decay by default
+  CHECK(lazy.options().weight_decay == 0.0);
+  CHECK(lazy.lr() == 1e-3);
+  // One step each against torch.optim's rules: Adam without decay, AdamW with 0.01 decoupled.
+  const RowMatrix<double> G = random_matrix<double>(3, 2, 301);
+  NaiveAdam torch_adam{0.1, 0.9, 0.999, 1e-8, 0.0, false, false, {}, {}};
+  NaiveAdam torch_adamw{0.1, 0.9, 0.999, 1e-8, 0.01, true, false, {}, {}};
+  RowMatrix<double> expected_adam = p->value(), expected_adamw = q->value();
+  for (int t = 0; t < 3; ++t) {
+    set_gradient(*p, G, {});
+    set_gradient(*q, G, {});
+    adam.step();
+    adamw.step();
+    torch_adam.step(expected_adam, G, {});
+    torch_adamw.step(expected_adamw, G, {});
+  }
+  CHECK(close(p->value(), expected_adam, 1e-14));
+  CHECK(close(q->value(), expected_adamw, 1e-14));
+  CHECK_FALSE(close(p->value(), expected_adamw, 1e-6));  // the decay is visible: the test can fail
+}
+
+TEMPLATE_TEST_CASE("LazyAdam follows PyTorch's SparseAdam: sparse touches, gradients of 1e-9",
+                   "[optimizer][lazy][naive]", float, double) {
+  using Scalar = TestType;
+  const Index V = 7, d = 3;
+  // Rows touched per step: repeats, gaps, a row first seen late (6 at step 4), a dense step.
+  const std::vector<std::vector<Index>> touches = {{0, 2}, {2}, {1, 5}, {}, {0, 6}, {2, 6}};
+  for (const double scale : {1.0, 1e-9}) {
+    CAPTURE(scale);
+    auto p = std::make_shared<Parameter<Scalar>>(V, d, "E");  // zero: the displacement is the value
+    embedhead::AdamOptions options;
+    options.lr = 0.01;
+    embedhead::LazyAdam<Scalar> lazy(options, {p});
+    NaiveAdam sparse_adam{0.01, 0.9, 0.999, 1e-8, 0.0, false, true, {}, {}};
+    RowMatrix<double> expected = RowMatrix<double>::Zero(V, d);
+    for (std::size_t t = 0; t < touches.size(); ++t) {
+      CAPTURE(t);
+      const RowMatrix<double> G = scale * random_matrix<double>(V, d, 310 + t);
+      set_gradient(*p, G, touches[t]);
+      lazy.step();
+      sparse_adam.step(expected, G, touches[t]);
+      CHECK(close_relative(p->value(), expected, std::is_same_v<Scalar, float> ? 2e-5 : 1e-12));
+    }
+    CHECK(lazy.step_count(*p) == 6);
+  }
+  SECTION("the first update for a gradient of 1e-9 by hand: lr sqrt(1 - b2) g / (sqrt(1 - b2) |g| + eps)") {
+    auto p = std::make_shared<Parameter<Scalar>>(1, 1, "E");
+    embedhead::LazyAdam<Scalar> lazy(embedhead::AdamOptions{}, {p});
+    set_gradient(*p, RowMatrix<double>::Constant(1, 1, 1e-9), {});
+    lazy.step();
+    const double s = std::sqrt(0.001), sparse = 1e-3 * s * 1e-9 / (s * 1e-9 + 1e-8);
+    const double adam_form = 1e-3 * 1e-9 / (1e-9 + 1e-8);  // what the Adam form gave: 28.8 times more
+    CHECK_THAT(static_cast<double>(-p->value()(0, 0)), WithinRel(sparse, std::is_same_v<Scalar, float> ? 1e-5 : 1e-12));
+    CHECK(adam_form > 28.5 * sparse);
+  }
+}
+
+TEMPLATE_TEST_CASE("a parameter without a gradient is skipped as PyTorch skips grad None, or stepped with zeros",
+                   "[optimizer][no-grad]", float, double) {
+  using Scalar = TestType;
+  const Index V = 5, d = 3;
+  // b has a gradient at steps 1 and 3 only (rows 1, 4 then 0, 1); a at every step.
+  const std::vector<std::vector<Index>> b_rows = {{}, {1, 4}, {}, {0, 1}, {}};
+  const std::vector<bool> b_has = {false, true, false, true, false};
+  enum Kind { adam, adamw, lazy, adagrad, sgd };
+  for (const Kind kind : {adam, adamw, lazy, adagrad, sgd}) {
+    for (const bool skip : {true, false}) {
+      CAPTURE(kind, skip);
+      auto a = make_parameter<Scalar>(V, d, 320, "a"), b = make_parameter<Scalar>(V, d, 321, "b");
+      std::unique_ptr<embedhead::Optimizer<Scalar>> optimizer;
+      const ParameterList<Scalar> both{a, b};
+      embedhead::AdamOptions adam_options;
+      adam_options.lr = 0.05;
+      adam_options.weight_decay = kind == lazy ? 0.0 : 0.1;
+      embedhead::AdagradOptions adagrad_options;
+      adagrad_options.lr_decay = 0.5;  // uses t: a skipped step shows
+      embedhead::SGDOptions sgd_options;
+      sgd_options.momentum = 0.9;
+      sgd_options.weight_decay = 0.1;
+      if (kind == adam) optimizer = std::make_unique<embedhead::Adam<Scalar>>(adam_options, both);
+      if (kind == adamw) optimizer = std::make_unique<embedhead::AdamW<Scalar>>(adam_options, both);
+      if (kind == lazy) optimizer = std::make_unique<embedhead::LazyAdam<Scalar>>(adam_options, both);
+      if (kind == adagrad) optimizer = std::make_unique<embedhead::Adagrad<Scalar>>(adagrad_options, both);
+      if (kind == sgd) optimizer = std::make_unique<embedhead::SGD<Scalar>>(sgd_options, both);
+      CHECK(optimizer->skip_parameters_without_grad());  // the default
+      optimizer->set_skip_parameters_without_grad(skip);
+      // b's reference in double: PyTorch steps it only when it has a grad (skip), or every step
+      // with a zero grad (not skip).
+      NaiveAdam ref_adam{0.05, 0.9, 0.999, 1e-8, kind == lazy ? 0.0 : 0.1, kind == adamw, kind == lazy, {}, {}};
+      NaiveAdagrad ref_adagrad{0.01, 0.5, 0.0, 1e-10, {}};
+      NaiveSGD ref_sgd{0.01, 0.9, 0.1, false, {}};
+      RowMatrix<double> expected = b->value().template cast<double>();
+      std::int64_t b_steps = 0;
+      for (std::size_t t = 0; t < b_rows.size(); ++t) {
+        CAPTURE(t);
+        const RowMatrix<double> G = random_matrix<double>(V, d, 330 + t);
+        set_gradient(*a, G, {});
+        b->zero_grad();
+        if (b_has[t]) set_gradient(*b, G, b_rows[t]);
+        const RowMatrix<Scalar> before = b->value();
+        const auto state_before = optimizer->state();
+        optimizer->step();
+        if (!b_has[t] && skip) {  // nothing about b changed: value, buffers, its t
+          CHECK(same_values(b->value(), before));
+          const auto state_after = optimizer->state();
+          CHECK(state_after.parameters[1].step == state_before.parameters[1].step);
+          for (const auto& [key, buffer] : state_before.parameters[1].buffers)
+            CHECK(same_values(state_after.parameters[1].buffers.at(key), buffer));
+          continue;
+        }
+        ++b_steps;
+        const RowMatrix<double> g = b_has[t] ? masked(G, b_rows[t]) : RowMatrix<double>::Zero(V, d);
+        if (kind == adam || kind == adamw) ref_adam.step(expected, g, {});
+        if (kind == lazy) ref_adam.step(expected, g, b_has[t] ? b_rows[t] : std::vector<Index>{V + 1});
+        if (kind == adagrad) ref_adagrad.step(expected, g);
+        if (kind == sgd) ref_sgd.step(expected, g);
+        CHECK(close(b->value(), expected, 20 * tolerance<Scalar>()));
+      }
+      CHECK(optimizer->step_count() == 5);
+      CHECK(optimizer->step_count(*a) == 5);
+      CHECK(optimizer->step_count(*b) == b_steps);
+      CHECK(b_steps == (skip ? 2 : 5));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("each parameter's step count is saved and restored", "[optimizer][state][no-grad]", float, double) {
+  using Scalar = TestType;
+  auto a = make_parameter<Scalar>(4, 2, 340, "a"), b = make_parameter<Scalar>(4, 2, 341, "b");
+  embedhead::AdamW<Scalar> adam(embedhead::AdamOptions{}, {a, b});
+  const RowMatrix<double> G = random_matrix<double>(4, 2, 342);
+  for (int t = 0; t < 3; ++t) {
+    set_gradient(*a, G, {});
+    b->zero_grad();
+    if (t == 1) set_gradient(*b, G, {2});
+    adam.step();
+  }
+  auto saved = adam.state();
+  CHECK(saved.step == 3);
+  REQUIRE(saved.parameters[1].step.has_value());
+  CHECK(*saved.parameters[1].step == 1);
+  auto a2 = make_parameter<Scalar>(4, 2, 340, "a"), b2 = make_parameter<Scalar>(4, 2, 341, "b");
+  a2->value() = a->value();
+  b2->value() = b->value();
+  embedhead::AdamW<Scalar> resumed(embedhead::AdamOptions{}, {a2, b2});
+  resumed.load_state(saved);
+  CHECK(resumed.step_count(*b2) == 1);
+  set_gradient(*b, G, {0, 2});
+  set_gradient(*b2, G, {0, 2});
+  set_gradient(*a, G, {});
+  set_gradient(*a2, G, {});
+  adam.step();
+  resumed.step();
+  CHECK(same_values(b2->value(), b->value()));
+  // An entry without a step (a state saved before per-parameter counts) takes the state's step.
+  saved.parameters[1].step.reset();
+  resumed.load_state(saved);
+  CHECK(resumed.step_count(*b2) == 3);
+  // An entry's step beyond the state's is refused, nothing changed.
+  saved.parameters[1].step = 4;
+  const auto before = resumed.state();
+  CHECK_THROWS_WITH(resumed.load_state(saved),
+                    Contains("AdamW::load_state: parameter 1 ('b') has step 4 outside [0, 3]"));
+  CHECK(resumed.step_count(*b2) == 3);
+  CHECK(same_values(resumed.state().parameters[1].buffers.at("exp_avg"), before.parameters[1].buffers.at("exp_avg")));
+  auto stranger = make_parameter<Scalar>(4, 2, 343, "c");
+  CHECK_THROWS_WITH(resumed.step_count(*stranger),
+                    Contains("AdamW::step_count: parameter 'c' [4, 2] is not registered"));
+}
+
+TEMPLATE_TEST_CASE("Adam, AdamW, LazyAdam: bad lr, betas, eps throw naming the value; nothing changes",
+                   "[optimizer][adam][errors]", float, double) {
+  using Scalar = TestType;
+  auto p = make_parameter<Scalar>(4, 2, 350, "E");
+  const RowMatrix<double> G = random_matrix<double>(4, 2, 351);
+  set_gradient(*p, G, {1, 3});
+  const RowMatrix<Scalar> value = p->value(), grad = p->grad().to_dense();
+  struct Bad {
+    double lr, beta1, beta2, eps;
+    const char* message;
+  };
+  const Bad bad[] = {{-0.1, 0.9, 0.999, 1e-8, "lr = -0.1 outside [0, inf)"},
+                     {1e-3, -0.1, 0.999, 1e-8, "beta1 = -0.1 outside [0, 1)"},
+                     {1e-3, 1.0, 0.999, 1e-8, "beta1 = 1 outside [0, 1)"},
+                     {1e-3, 0.9, 1.0, 1e-8, "beta2 = 1 outside [0, 1)"},
+                     {1e-3, 0.9, 1.5, 1e-8, "beta2 = 1.5 outside [0, 1)"},
+                     {1e-3, 0.9, 0.999, 0.0, "eps = 0 outside (0, inf)"},
+                     {1e-3, 0.9, 0.999, -1e-8, "eps = -1e-08 outside (0, inf)"}};
+  for (const Bad& b : bad) {
+    CAPTURE(b.message);
+    embedhead::AdamOptions o;
+    o.lr = b.lr;
+    o.beta1 = b.beta1;
+    o.beta2 = b.beta2;
+    o.eps = b.eps;
+    CHECK_THROWS_WITH(embedhead::Adam<Scalar>(o, {p}), Contains(std::string("Adam: ") + b.message));
+    CHECK_THROWS_WITH(embedhead::AdamW<Scalar>(o, {p}), Contains(std::string("AdamW: ") + b.message));
+    CHECK_THROWS_WITH(embedhead::LazyAdam<Scalar>(o, {p}), Contains(std::string("LazyAdam: ") + b.message));
+  }
+  CHECK(same_values(p->value(), value));
+  CHECK(same_values(p->grad().to_dense(), grad));
+  // An existing optimizer: a bad lr leaves lr, the state, the weights and the gradient as they were.
+  embedhead::LazyAdam<Scalar> lazy(embedhead::AdamOptions{}, {p});
+  lazy.step();
+  const RowMatrix<Scalar> stepped = p->value();
+  const auto state = lazy.state();
+  CHECK_THROWS_WITH(lazy.set_lr(-1.0), Contains("LazyAdam: lr = -1 outside [0, inf)"));
+  CHECK(lazy.lr() == 1e-3);
+  CHECK(same_values(p->value(), stepped));
+  CHECK(same_values(p->grad().to_dense(), grad));
+  CHECK(lazy.step_count(*p) == 1);
+  CHECK(same_values(lazy.state().parameters[0].buffers.at("exp_avg_sq"), state.parameters[0].buffers.at("exp_avg_sq")));
 }

@@ -19,9 +19,10 @@ namespace embedhead {
 
 // Adds an optimizer's state to `writer`: tensors "optimizer.<i>.<buffer>" for parameter i (in
 // registration order) and metadata "optimizer" (kind), "optimizer.step", "optimizer.parameters"
-// (a JSON list of [name, rows, cols]). Stored in Scalar's own dtype, so a restore is exact. The
-// buffers are moved into the writer: pass optimizer.state() directly (no copy), or a named state,
-// which is copied once.
+// (a JSON list of [name, rows, cols]) and "optimizer.parameter_steps" (a JSON list of each
+// parameter's own step count; an entry without one is written with the state's step). Stored in
+// Scalar's own dtype, so a restore is exact. The buffers are moved into the writer: pass
+// optimizer.state() directly (no copy), or a named state, which is copied once.
 // \throws value_error "add_optimizer_state: parameter <i>'s name '<name>' is not valid UTF-8 (at
 // byte <k>) ..." (a safetensors header is JSON), the same for the optimizer's kind
 // (state.optimizer), or as SafetensorsWriter::add: value_error for a tensor "optimizer.<i>.<buffer>"
@@ -33,25 +34,28 @@ void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state
   for (std::size_t i = 0; i < state.parameters.size(); ++i)
     detail::check_utf8(state.parameters[i].name, "add_optimizer_state: parameter " + std::to_string(i) + "'s name");
   SafetensorsWriter staged = writer;  // all or nothing: the entries are added to a copy, then swapped in
-  nlohmann::json parameters = nlohmann::json::array();
+  nlohmann::json parameters = nlohmann::json::array(), steps = nlohmann::json::array();
   for (std::size_t i = 0; i < state.parameters.size(); ++i) {
     auto& entry = state.parameters[i];
     parameters.push_back({entry.name, entry.rows, entry.cols});
+    steps.push_back(entry.step.value_or(state.step));
     for (auto& [key, buffer] : entry.buffers)
       staged.add<Scalar>("optimizer." + std::to_string(i) + "." + key, std::move(buffer), dtype);
   }
   staged.set_metadata("optimizer", state.optimizer);
   staged.set_metadata("optimizer.step", std::to_string(state.step));
   staged.set_metadata("optimizer.parameters", parameters.dump());
+  staged.set_metadata("optimizer.parameter_steps", steps.dump());
   writer = std::move(staged);
 }
 
 // The optimizer state stored by add_optimizer_state, to pass to Optimizer::load_state (which
 // checks it against the optimizer). \throws format_error naming what is missing or malformed: the
-// metadata, or a buffer whose dtype is not a float dtype or whose shape is not the [rows, cols]
-// the metadata gives its parameter, or (Scalar float) an F64 buffer holding a finite value beyond
-// float's range, which would become an infinity (SafetensorsFile::read: the tensor, the value,
-// its (row, col) and float's range). Sizes are trusted only once a tensor of that shape exists.
+// metadata, or a buffer whose dtype is not a float dtype or whose shape is neither the [rows, cols]
+// the metadata gives its parameter nor [rows, 1] (a per-row buffer), or (Scalar float) an F64
+// buffer holding a finite value beyond float's range, which would become an infinity
+// (SafetensorsFile::read: the tensor, the value, its (row, col) and float's range). Sizes are
+// trusted only once a tensor of that shape exists.
 template <typename Scalar>
 OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
   const auto& metadata = file.metadata();
@@ -72,6 +76,18 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
   }
   const nlohmann::json parameters = nlohmann::json::parse(metadata.at("optimizer.parameters"), nullptr, false);
   if (!parameters.is_array()) fail("metadata 'optimizer.parameters' is not a JSON list");
+  // Each parameter's own step count; files written before there were any lack the key (every
+  // parameter then has the state's step).
+  nlohmann::json steps;
+  if (const auto it = metadata.find("optimizer.parameter_steps"); it != metadata.end()) {
+    steps = nlohmann::json::parse(it->second, nullptr, false);
+    bool valid = steps.is_array() && steps.size() == parameters.size();
+    for (std::size_t i = 0; valid && i < steps.size(); ++i)
+      valid = steps[i].is_number_unsigned() && steps[i].get<std::uint64_t>() <= static_cast<std::uint64_t>(state.step);
+    if (!valid)
+      fail("metadata 'optimizer.parameter_steps' = '" + it->second + "' is not a list of " +
+           std::to_string(parameters.size()) + " integers in [0, " + std::to_string(state.step) + "]");
+  }
   for (std::size_t i = 0; i < parameters.size(); ++i) {
     const auto& p = parameters[i];
     if (!p.is_array() || p.size() != 3 || !p[0].is_string() || !p[1].is_number_unsigned() || !p[2].is_number_unsigned())
@@ -84,6 +100,7 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
            std::to_string(max_index) + "]");
     entry.rows = static_cast<Index>(p[1].get<std::uint64_t>());
     entry.cols = static_cast<Index>(p[2].get<std::uint64_t>());
+    if (!steps.is_null()) entry.step = static_cast<std::int64_t>(steps[i].get<std::uint64_t>());
     const std::string prefix = "optimizer." + std::to_string(i) + ".";
     for (const auto& t : file.tensors()) {
       if (t.name.compare(0, prefix.size(), prefix) != 0) continue;
@@ -97,11 +114,13 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
                           t.shape[1] == static_cast<std::uint64_t>(entry.cols);
       const bool vector = entry.cols == 1 && t.shape.size() == 1 &&
                           t.shape[0] == static_cast<std::uint64_t>(entry.rows);
-      if (!matrix && !vector)
+      const bool per_row = t.shape.size() == 2 && t.shape[0] == static_cast<std::uint64_t>(entry.rows) &&
+                           t.shape[1] == 1;
+      if (!matrix && !vector && !per_row)
         fail("tensor '" + t.name + "' is " + t.shape_string() + " but parameter " + std::to_string(i) + " ('" +
              entry.name + "') is [" + std::to_string(entry.rows) + ", " + std::to_string(entry.cols) +
              "] in metadata 'optimizer.parameters'");
-      RowMatrix<Scalar> buffer(entry.rows, entry.cols);
+      RowMatrix<Scalar> buffer(entry.rows, per_row && !matrix ? Index{1} : entry.cols);
       file.read<Scalar>(t, buffer);
       entry.buffers.emplace(key, std::move(buffer));
     }

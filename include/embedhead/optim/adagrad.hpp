@@ -19,7 +19,8 @@ struct AdagradOptions {
   double eps = 1e-10;                    // > 0
 };
 
-// For each touched row (torch.optim.Adagrad): G_r += g_r^2;  p_r -= lr_t g_r / (sqrt(G_r) + eps).
+// For each touched row (torch.optim.Adagrad), at the parameter's own step t (optimizer.hpp):
+//   G_r += g_r^2;  p_r -= lr_t g_r / (sqrt(G_r) + eps).
 // An untouched row has g_r = 0 and would not change, so the sparse walk is exact: O(touched rows
 // * d) per step; state G [V, d]. No weight decay (as PyTorch's Adagrad with sparse gradients).
 template <typename Scalar>
@@ -50,11 +51,12 @@ class Adagrad : public Optimizer<Scalar> {
   void check_step(std::size_t g, double lr, double, std::int64_t t) const override {
     this->check_step_constant("lr / (1 + (t - 1) lr_decay)", decayed_lr(lr, t), g, lr, t);
   }
-  void update(Parameter<Scalar>& p, double lr, double, std::map<std::string, RowMatrix<Scalar>>& state) override {
+  void update(Parameter<Scalar>& p, double lr, double, std::int64_t t,
+              std::map<std::string, RowMatrix<Scalar>>& state) override {
     const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
     auto value = p.value();
     RowMatrix<Scalar>& sum = this->buffer(state, "sum", p, static_cast<Scalar>(options_.initial_accumulator_value));
-    const Scalar clr = static_cast<Scalar>(decayed_lr(lr, this->step_count()));
+    const Scalar clr = static_cast<Scalar>(decayed_lr(lr, t));
     const Scalar eps = static_cast<Scalar>(options_.eps);
     detail::for_touched_rows(g, [&](Index r, const auto& grad) {
       auto s = sum.row(r).array();

@@ -1,5 +1,14 @@
-// embedhead: Adam and AdamW, exact (dense) semantics: every row moves every step
-// (torch.optim.Adam / AdamW's update order; optim/optimizer.hpp has the shared semantics).
+// embedhead: Adam and AdamW, exact (dense) semantics: every row of a stepped parameter moves
+// (torch.optim.Adam / torch.optim.AdamW, their defaults and names; optim/optimizer.hpp has the
+// shared semantics: groups, each parameter's own step count t, a parameter without a gradient).
+//
+// For a parameter stepped at its step t, every row r, with g_r = 0 where untouched:
+//   AdamW:  p_r *= 1 - lr wd                  decoupled decay; weight_decay defaults to 0.01
+//   Adam:   g_r += wd p_r                     coupled L2;      weight_decay defaults to 0
+//   m_r = beta1 m_r + (1 - beta1) g_r;   v_r = beta2 v_r + (1 - beta2) g_r^2
+//   p_r -= lr / (1 - beta1^t) * m_r / (sqrt(v_r) / sqrt(1 - beta2^t) + eps)
+// So an untouched row of a parameter with a gradient still moves: its moments decay, its update
+// continues, decay shrinks it. Cost O(V d) per step; state m, v [V, d] ("exp_avg", "exp_avg_sq").
 #ifndef EMBEDHEAD_OPTIM_ADAMW_HPP
 #define EMBEDHEAD_OPTIM_ADAMW_HPP
 
@@ -8,13 +17,34 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 
 namespace embedhead {
 
+// The options of Adam, AdamW and LazyAdam. weight_decay unset takes the class's default, PyTorch's:
+// Adam 0, AdamW 0.01, LazyAdam 0 (the only value it accepts). So AdamOptions{} ported from
+// torch.optim.Adam(lr=...) gets no decay, and LazyAdam<S>() constructs.
+struct AdamOptions {
+  double lr = 1e-3;                                   // >= 0
+  double beta1 = 0.9, beta2 = 0.999;                  // each in [0, 1)
+  double eps = 1e-8;                                  // > 0
+  std::optional<double> weight_decay = std::nullopt;  // >= 0; unset: the class's default
+};
+
 namespace detail {
 
-// One Adam step's constants at step t (torch.optim's), and the update of one row with them:
+// beta1, beta2 in [0, 1) and eps in (0, inf), each in Scalar too (the update runs in Scalar: an
+// eps that is 0 there makes sqrt(v) + eps = 0 for a row with no gradient yet, and 0 / 0).
+template <typename Scalar>
+void check_adam_options(const char* where, const AdamOptions& options) {
+  check_beta_in<Scalar>(where, "beta1", options.beta1);
+  check_beta_in<Scalar>(where, "beta2", options.beta2);
+  if (!(options.eps > 0) || !std::isfinite(options.eps)) throw_hyperparameter(where, "eps", options.eps, "(0, inf)");
+  check_in_scalar<Scalar>(where, "eps", options.eps, "(0, inf)");
+}
+
+// One Adam step's constants at step t (torch.optim.Adam's), and the update of one row with them:
 //   m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
 //   x -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 template <typename Scalar>
@@ -36,67 +66,42 @@ struct AdamRowStep {
   }
 };
 
-}  // namespace detail
-
-struct AdamOptions {
-  double lr = 1e-3;
-  double beta1 = 0.9, beta2 = 0.999;  // each in [0, 1)
-  double eps = 1e-8;                  // > 0
-  double weight_decay = 0.01;         // AdamW's default; decoupled unless decoupled = false
-  bool decoupled = true;              // true: AdamW (p *= 1 - lr wd); false: Adam (g += wd p)
-};
-
-// Every row, every step, with g_r = 0 where untouched (torch.optim.AdamW / Adam):
-//   p_r *= 1 - lr wd            (AdamW)        or   g_r += wd p_r   (Adam)
-//   m_r = beta1 m_r + (1 - beta1) g_r;   v_r = beta2 v_r + (1 - beta2) g_r^2
-//   p_r -= lr / (1 - beta1^t) * m_r / (sqrt(v_r) / sqrt(1 - beta2^t) + eps)
-// So an untouched row still moves: its moments decay, its update continues, decay shrinks it.
-// Cost O(V d) per step; state m, v [V, d].
-template <typename Scalar>
-class AdamW : public Optimizer<Scalar> {
+// Adam (Decoupled = false) and AdamW (true): everything but the name and the default decay.
+template <typename Scalar, bool Decoupled>
+class DenseAdam : public Optimizer<Scalar> {
  public:
-  explicit AdamW(const AdamOptions& options = {}, const typename Optimizer<Scalar>::ParameterList& parameters = {})
-      : Optimizer<Scalar>(options.decoupled ? "AdamW" : "Adam", options.lr, options.weight_decay,
+  const AdamOptions& options() const { return options_; }
+
+ protected:
+  DenseAdam(const char* name, double default_weight_decay, const AdamOptions& options,
+            const typename Optimizer<Scalar>::ParameterList& parameters)
+      : Optimizer<Scalar>(name, options.lr, options.weight_decay.value_or(default_weight_decay),
                           {"exp_avg", "exp_avg_sq"}),
         options_(options) {
-    check_adam_options(this->name_, options);
+    options_.weight_decay = options.weight_decay.value_or(default_weight_decay);
+    check_adam_options<Scalar>(name, options);
     if (!parameters.empty()) this->add_group(parameters);
   }
 
-  // beta1, beta2 in [0, 1) and eps in (0, inf), each in Scalar too (the update runs in Scalar:
-  // an eps that is 0 there makes sqrt(v) + eps = 0 for a row with no gradient yet, and 0 / 0).
-  static void check_adam_options(const char* where, const AdamOptions& options) {
-    detail::check_beta_in<Scalar>(where, "beta1", options.beta1);
-    detail::check_beta_in<Scalar>(where, "beta2", options.beta2);
-    if (!(options.eps > 0) || !std::isfinite(options.eps))
-      detail::throw_hyperparameter(where, "eps", options.eps, "(0, inf)");
-    detail::check_in_scalar<Scalar>(where, "eps", options.eps, "(0, inf)");
-  }
-  // The step size lr / (1 - beta1^t) at step t, as AdamRowStep computes it.
-  static double step_size(const AdamOptions& options, double lr, std::int64_t t) {
-    return lr / (1.0 - std::pow(options.beta1, static_cast<double>(t)));
-  }
-
- protected:
   void check_step(std::size_t g, double lr, double weight_decay, std::int64_t t) const override {
-    this->check_step_constant("the step size lr / (1 - beta1^t)", step_size(options_, lr, t), g, lr, t);
-    if (weight_decay != 0 && options_.decoupled)
+    this->check_step_constant("the step size lr / (1 - beta1^t)",
+                              lr / (1.0 - std::pow(options_.beta1, static_cast<double>(t))), g, lr, t);
+    if (weight_decay != 0 && Decoupled)
       this->check_step_constant("the decay 1 - lr weight_decay", 1.0 - lr * weight_decay, g, lr, t);
   }
-  void update(Parameter<Scalar>& p, double lr, double weight_decay,
+  void update(Parameter<Scalar>& p, double lr, double weight_decay, std::int64_t t,
               std::map<std::string, RowMatrix<Scalar>>& state) override {
     const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
     auto value = p.value();
     RowMatrix<Scalar>& m = this->buffer(state, "exp_avg", p);
     RowMatrix<Scalar>& v = this->buffer(state, "exp_avg_sq", p);
-    const detail::AdamRowStep<Scalar> adam(options_.beta1, options_.beta2, options_.eps, lr,
-                                           static_cast<double>(this->step_count()));
+    const AdamRowStep<Scalar> adam(options_.beta1, options_.beta2, options_.eps, lr, static_cast<double>(t));
     const Scalar decay = static_cast<Scalar>(1.0 - lr * weight_decay), wd = static_cast<Scalar>(weight_decay);
     typename Optimizer<Scalar>::Row coupled(this->scratch_row(p.cols()), p.cols());
-    detail::for_every_row(g, this->zero_row(p.cols()), [&](Index r, const auto& grad) {
+    for_every_row(g, this->zero_row(p.cols()), [&](Index r, const auto& grad) {
       auto x = value.row(r).array();
-      if (weight_decay != 0 && options_.decoupled) x *= decay;
-      if (weight_decay != 0 && !options_.decoupled) {
+      if (weight_decay != 0 && Decoupled) x *= decay;
+      if (weight_decay != 0 && !Decoupled) {
         coupled = grad + wd * x;
         adam.apply(x, m.row(r).array(), v.row(r).array(), coupled);
       } else {
@@ -106,7 +111,31 @@ class AdamW : public Optimizer<Scalar> {
   }
 
  private:
-  AdamOptions options_;
+  AdamOptions options_;  // weight_decay set: the default of groups that give none
+};
+
+}  // namespace detail
+
+// torch.optim.Adam: coupled L2 decay (g += wd p), weight_decay 0 unless given.
+template <typename Scalar>
+class Adam : public detail::DenseAdam<Scalar, false> {
+ public:
+  static constexpr double default_weight_decay = 0.0;
+  // \throws value_error for lr, betas, eps or weight_decay out of range (naming the value and the
+  // range), or as add_group for `parameters`.
+  explicit Adam(const AdamOptions& options = {}, const typename Optimizer<Scalar>::ParameterList& parameters = {})
+      : detail::DenseAdam<Scalar, false>("Adam", default_weight_decay, options, parameters) {}
+};
+
+// torch.optim.AdamW: decoupled decay (p *= 1 - lr wd before the step), weight_decay 0.01 unless
+// given.
+template <typename Scalar>
+class AdamW : public detail::DenseAdam<Scalar, true> {
+ public:
+  static constexpr double default_weight_decay = 0.01;
+  // \throws as Adam.
+  explicit AdamW(const AdamOptions& options = {}, const typename Optimizer<Scalar>::ParameterList& parameters = {})
+      : detail::DenseAdam<Scalar, true>("AdamW", default_weight_decay, options, parameters) {}
 };
 
 }  // namespace embedhead

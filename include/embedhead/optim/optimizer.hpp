@@ -6,22 +6,35 @@
 //
 //   exact (dense) semantics, every row every step, O(V d):
 //     SGD with momentum or weight decay   momentum keeps moving rows, decay shrinks them
-//     AdamW / Adam                        moments of untouched rows decay, their update continues
+//     Adam / AdamW                        moments of untouched rows decay, their update continues
 //   lazy (sparse) semantics, touched rows only, O(touched rows * d):
-//     LazyAdam        PyTorch's SparseAdam / TensorFlow's LazyAdam: an untouched row's moments and
-//                     value are left exactly as they were. Equals Adam when every row is touched.
+//     LazyAdam        PyTorch's SparseAdam (its formula exactly) / TensorFlow's LazyAdam: an
+//                     untouched row's moments and value are left exactly as they were.
+//     RowWiseAdagrad  FBGEMM's rowwise Adagrad: one accumulator per row, V values of state.
 //   both at once (nothing happens to an untouched row under either):
 //     SGD without momentum and decay, Adagrad
 //
-// Formulas and operation order follow PyTorch's torch.optim (1.13), so a trajectory matches
-// PyTorch's to float rounding. Every optimizer holds parameter groups (a per-group multiplier of
-// the learning rate -- the seeds cite eta_E / eta_W ~ sqrt(d) -- and a per-group weight decay);
-// a parameter may appear once only (pass tied layers' lists through unique_parameters()).
+// Formulas follow PyTorch's torch.optim (SparseAdam for LazyAdam; FBGEMM for RowWiseAdagrad), so
+// a trajectory matches the reference's to float rounding. Every optimizer holds parameter groups (a
+// per-group multiplier of the learning rate -- the seeds cite eta_E / eta_W ~ sqrt(d) -- and a
+// per-group weight decay); a parameter may appear once only (pass tied layers' lists through
+// unique_parameters()).
 //
-// A frozen parameter (Parameter::set_frozen) is skipped by step() -- its value and state stay as
-// they are, while the step count still advances for everyone -- and by clip_grad_norm. After a
-// parameter's row count changes (Parameter::resize_rows, resize_vocabulary), resize_state() makes
-// its buffers follow.
+// Step counts, and a parameter without a gradient. As in PyTorch, each parameter has its own step
+// count t (step_count(p)), which its bias corrections (Adam) and lr decay (Adagrad) use, beside
+// the optimizer's count of step() calls (step_count(), what a schedule reads). A parameter whose
+// gradient has no touched row (zero_grad and no backward reached it since: RowGradient's
+// num_touched() == 0, the form PyTorch's `grad is None` takes here) is skipped by step() -- as
+// PyTorch skips a parameter whose grad is None: its value, its buffers and its t stay exactly as
+// they are (no moment decay, no weight decay, no momentum) -- while skip_parameters_without_grad()
+// is true, the default. set_skip_parameters_without_grad(false) steps it with a zero gradient
+// instead, as PyTorch does for a grad that is a zero tensor (zero_grad(set_to_none=False)): Adam's
+// moments decay and its update continues, decay shrinks it, t advances. A gradient with touched
+// rows of value zero is a gradient (it is stepped either way); in dense mode every row is touched.
+//
+// A frozen parameter (Parameter::set_frozen) is skipped by step() whatever that option -- its
+// value, state and t stay as they are -- and by clip_grad_norm. After a parameter's row count
+// changes (Parameter::resize_rows, resize_vocabulary), resize_state() makes its buffers follow.
 //
 // Low-precision parameters (Parameter<Eigen::bfloat16, float>, Parameter<Eigen::half, float>: the
 // bf16/fp16 layers' tables) are not stepped: Optimizer<float>::add_group rejects them at compile
@@ -33,8 +46,8 @@
 //
 // This header holds what every optimizer shares (parameter groups, the step count, state save and
 // restore, resize_state); each optimizer has a header of its own beside it (sgd.hpp, adamw.hpp,
-// lazy_adam.hpp, adagrad.hpp), with clip.hpp (gradient clipping) and schedule.hpp (learning-rate
-// schedules).
+// lazy_adam.hpp, adagrad.hpp, rowwise_adagrad.hpp), with clip.hpp (gradient clipping) and
+// schedule.hpp (learning-rate schedules).
 #ifndef EMBEDHEAD_OPTIM_OPTIMIZER_HPP
 #define EMBEDHEAD_OPTIM_OPTIMIZER_HPP
 
@@ -81,9 +94,11 @@ struct ParameterGroup {
   double weight_decay = 0.0;
 };
 
-// Everything an optimizer needs to continue where it stopped: the step count and, per parameter
-// (in registration order), its name, shape and named buffers ("exp_avg", "exp_avg_sq",
-// "momentum_buffer", "sum"), each [rows, cols]. A buffer not created yet is absent.
+// Everything an optimizer needs to continue where it stopped: the count of step() calls and, per
+// parameter (in registration order), its name, shape, its own step count and named buffers
+// ("exp_avg", "exp_avg_sq", "momentum_buffer", "sum"), each [rows, cols] (RowWiseAdagrad's "sum":
+// [rows, 1]). A buffer not created yet is absent. An entry's step unset (a state saved before
+// parameters had their own counts) means the state's step.
 template <typename Scalar>
 struct OptimizerState {
   std::string optimizer;
@@ -92,6 +107,7 @@ struct OptimizerState {
     std::string name;
     Index rows = 0, cols = 0;
     std::map<std::string, RowMatrix<Scalar>> buffers;
+    std::optional<std::int64_t> step = std::nullopt;  // this parameter's t, in [0, step]
   };
   std::vector<Entry> parameters;
 };
@@ -198,6 +214,7 @@ class Optimizer {
     for (const auto& p : parameters) {
       slots_.push_back(p.get());
       state_.emplace_back();
+      steps_.push_back(0);
     }
   }
 
@@ -219,41 +236,65 @@ class Optimizer {
     detail::check_in_scalar<Scalar>(name_, "lr", lr, "[0, inf)");
     lr_ = lr;
   }
+  // -> the number of step() calls (what a schedule reads).
   std::int64_t step_count() const { return step_; }
+  // -> p's own step count t: the steps that updated it (see the header; at most step_count()).
+  // \throws value_error if p is not registered here.
+  std::int64_t step_count(const Parameter<Scalar>& p) const {
+    const std::ptrdiff_t slot = slot_of(&p);
+    if (slot < 0) {
+      std::ostringstream message;
+      message << name_ << "::step_count: parameter '" << p.name() << "' [" << p.rows() << ", " << p.cols()
+              << "] is not registered with this optimizer";
+      throw value_error(message.str());
+    }
+    return steps_[static_cast<std::size_t>(slot)];
+  }
 
-  // One update of every registered parameter from its current gradient; frozen parameters are
-  // skipped (value and state untouched), but the step count t advances once for all. Cost: see the
-  // class.
+  // Whether step() skips a parameter whose gradient has no touched row (true, the default:
+  // PyTorch's treatment of a grad that is None) or steps it with a zero gradient (false). See the
+  // header.
+  bool skip_parameters_without_grad() const { return skip_without_grad_; }
+  void set_skip_parameters_without_grad(bool skip) { skip_without_grad_ = skip; }
+
+  // One update of every registered parameter from its current gradient, each with its own step
+  // count t, which advances by one; skipped (value, state and t untouched): frozen parameters, and
+  // parameters whose gradient has no touched row unless skip_parameters_without_grad() is false.
+  // step_count() advances once. Cost: see each optimizer.
   // \throws shape_error if a registered parameter's buffers no longer have its shape (it was
   // resized, Parameter::resize_rows, without resize_state: frozen parameters included);
-  // value_error if a constant of this step's update -- the group's learning rate lr() x
-  // lr_multiplier, Adam's lr / (1 - beta1^t), the decoupled decay 1 - lr weight_decay -- is not
-  // finite in Scalar. Nothing changes on throw, the step count included.
+  // value_error if a constant of this step's update of a parameter it steps -- the group's
+  // learning rate lr() x lr_multiplier, Adam's lr / (1 - beta1^t), the decoupled decay 1 - lr
+  // weight_decay -- is not finite in Scalar. Nothing changes on throw, the step counts included.
   void step() {
     check_state("step");
+    std::size_t slot = 0;
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       const auto& group = groups_[g];
-      const bool any = std::any_of(group.parameters.begin(), group.parameters.end(),
-                                   [](const auto& p) { return !p->frozen(); });
-      if (any) check_step(g, lr_ * group.lr_multiplier, group.weight_decay, step_ + 1);
+      for (const auto& p : group.parameters) {
+        if (steps_this_time(*p)) check_step(g, lr_ * group.lr_multiplier, group.weight_decay, steps_[slot] + 1);
+        ++slot;
+      }
     }
     ++step_;
-    std::size_t slot = 0;
+    slot = 0;
     for (const auto& group : groups_)
       for (const auto& p : group.parameters) {
-        auto& state = state_[slot++];
-        if (!p->frozen()) update(*p, lr_ * group.lr_multiplier, group.weight_decay, state);
+        const std::size_t s = slot++;
+        if (!steps_this_time(*p)) continue;
+        ++steps_[s];
+        update(*p, lr_ * group.lr_multiplier, group.weight_decay, steps_[s], state_[s]);
       }
   }
 
   // After p's row count changed (Parameter::resize_rows): resizes each of p's buffers to
-  // [p.rows(), cols]. Rows below both the old and the new count keep their values bit for bit; new
-  // rows start from the buffer's initial value (0 for exp_avg, exp_avg_sq and momentum_buffer;
-  // initial_accumulator_value for Adagrad's sum), as if never updated. The step count is global and
-  // unchanged, so a new row's first Adam update is bias-corrected with the current t, as PyTorch's
-  // SparseAdam treats a row seen for the first time. A buffer not created yet stays absent.
-  // -> false, changing nothing, when p is not registered here. Strong guarantee (new buffers are
-  // built, then swapped in). Cost O(rows * cols) per buffer.
+  // [p.rows(), its cols]. Rows below both the old and the new count keep their values bit for bit;
+  // new rows start from the buffer's initial value (0 for exp_avg, exp_avg_sq, momentum_buffer and
+  // RowWiseAdagrad's sum; initial_accumulator_value for Adagrad's sum), as if never updated. p's
+  // step count t is unchanged, so a new row's first Adam update is bias-corrected with the current
+  // t, as PyTorch's SparseAdam treats a row seen for the first time. A buffer not created yet
+  // stays absent. -> false, changing nothing, when p is not registered here. Strong guarantee (new
+  // buffers are built, then swapped in). Cost O(rows * cols) per buffer.
   bool resize_state(const Parameter<Scalar>& p);
 
   // zero_grad() of every registered parameter.
@@ -271,14 +312,18 @@ class Optimizer {
     s.step = step_;
     std::size_t slot = 0;
     for (const auto& group : groups_)
-      for (const auto& p : group.parameters) s.parameters.push_back({p->name(), p->rows(), p->cols(), state_[slot++]});
+      for (const auto& p : group.parameters) {
+        s.parameters.push_back({p->name(), p->rows(), p->cols(), state_[slot], steps_[slot]});
+        ++slot;
+      }
     return s;
   }
 
   // Restores a state() of an optimizer of the same kind over parameters of the same names and
-  // shapes, in the same order. \throws value_error (wrong optimizer, count, name -- whatever the
-  // shapes --, unknown buffer) or shape_error (same name, a shape differs), naming the entry;
-  // nothing changes on throw.
+  // shapes, in the same order; an entry without its own step takes the state's. \throws
+  // value_error (wrong optimizer, count, name -- whatever the shapes --, unknown buffer, an entry's
+  // step outside [0, step]) or shape_error (same name, a shape differs, a buffer not of its
+  // shape), naming the entry; nothing changes on throw.
   void load_state(const OptimizerState<Scalar>& s) {
     const char* where = name_;
     if (s.optimizer != name_) {
@@ -304,6 +349,12 @@ class Optimizer {
         if (entry.name != p.name()) throw value_error(message.str());
         throw shape_error(message.str());
       }
+      if (entry.step && (*entry.step < 0 || *entry.step > s.step)) {
+        std::ostringstream message;
+        message << where << "::load_state: parameter " << i << " ('" << entry.name << "') has step " << *entry.step
+                << " outside [0, " << s.step << "] (the state's step)";
+        throw value_error(message.str());
+      }
       for (const auto& [key, buffer] : entry.buffers) {
         if (std::find(buffer_names_.begin(), buffer_names_.end(), key) == buffer_names_.end()) {
           std::ostringstream message;
@@ -311,13 +362,19 @@ class Optimizer {
                   << name_ << " does not use";
           throw value_error(message.str());
         }
-        detail::check_shape(where, (entry.name + "." + key).c_str(), buffer, p.rows(), p.cols());
+        detail::check_shape(where, (entry.name + "." + key).c_str(), buffer, p.rows(), buffer_cols(key, p.cols()));
       }
     }
     std::vector<std::map<std::string, RowMatrix<Scalar>>> restored;
     restored.reserve(slots_.size());
-    for (const auto& entry : s.parameters) restored.push_back(entry.buffers);
+    std::vector<std::int64_t> steps;
+    steps.reserve(slots_.size());
+    for (const auto& entry : s.parameters) {
+      restored.push_back(entry.buffers);
+      steps.push_back(entry.step.value_or(s.step));
+    }
     state_ = std::move(restored);
+    steps_ = std::move(steps);
     step_ = s.step;
   }
 
@@ -328,13 +385,17 @@ class Optimizer {
     check_weight_decay_value(default_weight_decay);
   }
 
-  // Updates p with learning rate lr and weight decay; `state` holds its buffers by name.
-  virtual void update(Parameter<Scalar>& p, double lr, double weight_decay,
+  // Updates p with learning rate lr and weight decay at p's step t (>= 1, already advanced);
+  // `state` holds its buffers by name.
+  virtual void update(Parameter<Scalar>& p, double lr, double weight_decay, std::int64_t t,
                       std::map<std::string, RowMatrix<Scalar>>& state) = 0;
   // Throws if this optimizer cannot apply weight_decay (the lazy ones).
   virtual void check_weight_decay(double) const {}
   // The value the buffer `key` starts from (and a resized buffer's new rows).
   virtual double initial_buffer_value(const std::string& /*key*/) const { return 0.0; }
+  // The column count of the buffer `key` of a parameter of `cols` columns: cols, or 1 for a
+  // per-row buffer (RowWiseAdagrad's "sum").
+  virtual Index buffer_cols(const std::string& /*key*/, Index cols) const { return cols; }
   // Throws value_error (check_step_constant) if a constant the update of group g at step t would
   // compute in double, with learning rate lr and weight_decay, is not finite in Scalar. Called by
   // step() before anything changes, for each group with a parameter that is not frozen.
@@ -356,11 +417,13 @@ class Optimizer {
     detail::check_in_scalar<Scalar>(name_, "weight_decay", weight_decay, "[0, inf)", /*reject_underflow=*/false);
   }
 
-  // The named buffer of p's state, created [rows, cols] filled with `initial` on first use.
-  static RowMatrix<Scalar>& buffer(std::map<std::string, RowMatrix<Scalar>>& state, const char* key,
-                                   const Parameter<Scalar>& p, Scalar initial = Scalar(0)) {
+  // The named buffer of p's state, created [rows, buffer_cols(key, cols)] filled with `initial`
+  // on first use.
+  RowMatrix<Scalar>& buffer(std::map<std::string, RowMatrix<Scalar>>& state, const char* key,
+                            const Parameter<Scalar>& p, Scalar initial = Scalar(0)) const {
     auto it = state.find(key);
-    if (it == state.end()) it = state.emplace(key, RowMatrix<Scalar>::Constant(p.rows(), p.cols(), initial)).first;
+    if (it == state.end())
+      it = state.emplace(key, RowMatrix<Scalar>::Constant(p.rows(), buffer_cols(key, p.cols()), initial)).first;
     return it->second;
   }
   // A zero row of p's width, for untouched rows in the exact optimizers.
@@ -379,14 +442,19 @@ class Optimizer {
   template <typename>
   friend class detail::StateResize;
 
+  // Whether step() updates p now: not frozen, and with a gradient unless those without are stepped.
+  bool steps_this_time(const Parameter<Scalar>& p) const {
+    return !p.frozen() && (!skip_without_grad_ || p.grad().num_touched() > 0);
+  }
+
   // Throws shape_error, naming <name>::<call>, the parameter and the buffer, if a registered
-  // parameter's buffer is not of its [rows, cols]: it was resized without resize_state, and the
-  // update would read and write past the buffer. O(parameters * buffers).
+  // parameter's buffer is not of its [rows, buffer_cols]: it was resized without resize_state, and
+  // the update would read and write past the buffer. O(parameters * buffers).
   void check_state(const char* call) const {
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       const Parameter<Scalar>& p = *slots_[i];
       for (const auto& [key, buffer] : state_[i]) {
-        if (buffer.rows() == p.rows() && buffer.cols() == p.cols()) continue;
+        if (buffer.rows() == p.rows() && buffer.cols() == buffer_cols(key, p.cols())) continue;
         std::ostringstream message;
         message << name_ << "::" << call << ": parameter '" << p.name() << "' is [" << p.rows() << ", " << p.cols()
                 << "] but its state '" << key << "' is [" << buffer.rows() << ", " << buffer.cols()
@@ -405,9 +473,11 @@ class Optimizer {
   double default_weight_decay_ = 0;
   std::vector<std::string> buffer_names_;
   std::int64_t step_ = 0;
+  bool skip_without_grad_ = true;
   std::vector<ParameterGroup<Scalar>> groups_;
   std::vector<const Parameter<Scalar>*> slots_;  // registration order
   std::vector<std::map<std::string, RowMatrix<Scalar>>> state_;
+  std::vector<std::int64_t> steps_;  // each parameter's own t, by slot
   std::vector<Scalar> zero_, scratch_;
 };
 

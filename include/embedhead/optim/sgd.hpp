@@ -39,7 +39,7 @@ class SGD : public Optimizer<Scalar> {
     if (weight_decay != 0)
       this->check_step_constant("the decay 1 - lr weight_decay", 1.0 - lr * weight_decay, g, lr, t);
   }
-  void update(Parameter<Scalar>& p, double lr, double weight_decay,
+  void update(Parameter<Scalar>& p, double lr, double weight_decay, std::int64_t,
               std::map<std::string, RowMatrix<Scalar>>& state) override {
     const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
     auto value = p.value();
