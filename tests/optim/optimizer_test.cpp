@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../reference/test_support.hpp"
+#include "optim_support.hpp"
 
 namespace {
 
@@ -49,25 +50,8 @@ double tolerance() {
   return std::is_same_v<Scalar, float> ? 2e-6 : 1e-13;
 }
 
-template <typename Scalar>
-ParameterPtr<Scalar> make_parameter(Index rows, Index cols, std::uint64_t seed, const char* name = "p") {
-  auto p = std::make_shared<Parameter<Scalar>>(rows, cols, name);
-  p->value() = random_matrix<Scalar>(rows, cols, seed);
-  return p;
-}
-
-// Sets p's gradient to the rows `rows` of G (sparse), or to all of G (dense) when rows is empty.
-template <typename Scalar>
-void set_gradient(Parameter<Scalar>& p, const RowMatrix<double>& G, const std::vector<Index>& rows) {
-  p.zero_grad();
-  if (rows.empty()) {
-    p.grad().dense_accumulator() = G.cast<Scalar>();
-    return;
-  }
-  std::vector<Index> slots(rows.size());
-  p.grad().touch_rows(rows.data(), static_cast<Index>(rows.size()), slots.data());
-  for (std::size_t i = 0; i < rows.size(); ++i) p.grad().slot_row(slots[i]) = G.row(rows[i]).cast<Scalar>();
-}
+using optim_support::make_parameter;
+using optim_support::set_gradient;
 
 // The gradient a step sees: G on `rows` (all rows when empty), zero elsewhere, in double.
 RowMatrix<double> masked(const RowMatrix<double>& G, const std::vector<Index>& rows) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../reference/test_support.hpp"
+#include "optim_support.hpp"
 
 namespace {
 
@@ -26,24 +27,12 @@ using embedhead::RowWiseWeightDecay;
 using test_support::random_matrix;
 using test_support::same_values;
 
+// The parameter's default name here is "E".
 template <typename Scalar>
 std::shared_ptr<Parameter<Scalar>> make_parameter(Index rows, Index cols, std::uint64_t seed, const char* name = "E") {
-  auto p = std::make_shared<Parameter<Scalar>>(rows, cols, name);
-  p->value() = random_matrix<Scalar>(rows, cols, seed);
-  return p;
+  return optim_support::make_parameter<Scalar>(rows, cols, seed, name);
 }
-
-template <typename Scalar>
-void set_gradient(Parameter<Scalar>& p, const RowMatrix<double>& G, const std::vector<Index>& rows) {
-  p.zero_grad();
-  if (rows.empty()) {
-    p.grad().dense_accumulator() = G.cast<Scalar>();
-    return;
-  }
-  std::vector<Index> slots(rows.size());
-  p.grad().touch_rows(rows.data(), static_cast<Index>(rows.size()), slots.data());
-  for (std::size_t i = 0; i < rows.size(); ++i) p.grad().slot_row(slots[i]) = G.row(rows[i]).cast<Scalar>();
-}
+using optim_support::set_gradient;
 
 // FBGEMM's rowwise Adagrad in double, on the rows listed (all when empty).
 struct NaiveRowWiseAdagrad {
