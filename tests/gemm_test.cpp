@@ -293,26 +293,32 @@ void check_packed_sequences() {
 
 // The decode kernel (Kernel::decode: M <= 8 rows of A row-major, op(B) = W^T) against the same
 // written-out sequence, for every token count, across the lanes x lanes transposes (rows of W and
-// depth not multiples of the lanes), the depth blocks and the chunks.
-template <typename Scalar>
+// depth not multiples of the lanes), the depth blocks and the chunks. With W stored as bf16 / fp16
+// the reference runs on float(W) (reference_packed widens each value): the AVX-512 path forms W's
+// packets from bf16 pairs, so the values are distinct per position (random in (-1, 1), rounded to
+// the storage) and a value in the wrong lane or the wrong half of a pair changes the bits.
+template <typename Scalar, typename WStorage = Scalar>
 void check_decode_sequences() {
   using gemm::Layout;
+  constexpr Index kDepth = gemm::kPackedDepth;
   std::mt19937_64 gen(31);
   std::uniform_real_distribution<double> dist(-1.0, 1.0);
-  for (const Index K : {Index{1}, Index{15}, Index{16}, Index{17}, Index{255}, Index{256}, Index{257}, Index{700}})
-    for (const Index N : {Index{1}, Index{15}, Index{16}, Index{17}, Index{33}, Index{1030}})
+  for (const Index K : {Index{1}, Index{15}, Index{16}, Index{17}, Index{31}, Index{32}, Index{33}, kDepth - 1, kDepth,
+                        kDepth + 1, kDepth + 17, 2 * kDepth + 5, Index{700}})
+    for (const Index N : {Index{1}, Index{15}, Index{16}, Index{17}, Index{33}, Index{50}, Index{1030}})
       for (Index M = 1; M <= 8; ++M)
         for (gemm::Init init : {gemm::Init::zero, gemm::Init::bias}) {
           CAPTURE(M, N, K, static_cast<int>(init));
           const Index lda = K + 3, ldb = K + 5, ldc = N + 2;
-          std::vector<Scalar> A(static_cast<std::size_t>(M * lda)), B(static_cast<std::size_t>(N * ldb)),
-              bias(static_cast<std::size_t>(2 * N)), expected(static_cast<std::size_t>(M * ldc), Scalar(7));
-          for (auto* v : {&A, &B, &bias})
+          std::vector<Scalar> A(static_cast<std::size_t>(M * lda)), bias(static_cast<std::size_t>(2 * N)),
+              expected(static_cast<std::size_t>(M * ldc), Scalar(7));
+          std::vector<WStorage> B(static_cast<std::size_t>(N * ldb));
+          for (auto* v : {&A, &bias})
             for (auto& x : *v) x = static_cast<Scalar>(dist(gen));
+          for (auto& x : B) x = static_cast<WStorage>(dist(gen));
           std::vector<Scalar> got = expected;
-          gemm::Op<Scalar, Layout::row_major, Layout::col_major> op{M,   N,        K,           A.data(),
-                                                                    lda, B.data(), ldb,         expected.data(),
-                                                                    ldc, init,     bias.data(), 2};
+          gemm::Op<Scalar, Layout::row_major, Layout::col_major, WStorage> op{
+              M, N, K, A.data(), lda, B.data(), ldb, expected.data(), ldc, init, bias.data(), 2};
           reference_packed(op);
           op.c = got.data();
           gemm::run<gemm::Kernel::decode, gemm::PackedBackend>(op, gemm::Plan{gemm::Split::cols, 512, true});
@@ -324,6 +330,11 @@ void check_decode_sequences() {
 
 TEMPLATE_TEST_CASE("decode kernel: every logit is the packed kernel's sequence, bit for bit", "[gemm]", float, double) {
   check_decode_sequences<TestType>();
+}
+
+TEST_CASE("decode kernel: with W stored as bf16 or fp16, the sequence on float(W), bit for bit", "[gemm]") {
+  check_decode_sequences<float, Eigen::bfloat16>();
+  check_decode_sequences<float, Eigen::half>();
 }
 
 TEST_CASE("packed kernel: the build's multiply-add is fused exactly when packed_gemm_fuses() says so", "[gemm]") {
