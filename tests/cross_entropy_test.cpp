@@ -885,10 +885,12 @@ TEST_CASE("cross_entropy entropy bonus: hand-computed values", "[cross_entropy][
   o.entropy = true;
   CHECK(embedhead::cross_entropy<double>(logits, targets, o).entropy == Approx(H).epsilon(1e-14));
   o.entropy_bonus = std::numeric_limits<double>::infinity();
+  dz.setConstant(7.0);
   REQUIRE_THROWS_MATCHES(embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, o),
                          embedhead::value_error,
                          Catch::Message(
                              "cross_entropy_forward_backward: entropy_bonus = inf outside the finite numbers"));
+  CHECK((dz.array() == 7.0).all());  // nothing written
 }
 
 TEMPLATE_TEST_CASE("cross_entropy rejects options out of range and writes nothing", "[cross_entropy][options][errors]",
@@ -944,6 +946,8 @@ TEMPLATE_TEST_CASE("loss options are checked in the Scalar the loss computes in;
       {&CrossEntropyOptions::gradient_scale, 1e-50,
        "gradient_scale = 1e-50 outside the finite numbers in float: it rounds to 0"},
       {&CrossEntropyOptions::z_loss, 1e300, "z_loss = 1e+300 outside [0, inf) in float: it rounds to inf"},
+      {&CrossEntropyOptions::entropy_bonus, 1e300,
+       "entropy_bonus = 1e+300 outside the finite numbers in float: it rounds to inf"},
   };
   for (const Case& c : cases) {
     INFO(c.message);
