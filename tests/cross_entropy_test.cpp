@@ -1195,3 +1195,217 @@ TEMPLATE_TEST_CASE("cross_entropy with error_if_nonfinite rejects a NaN or infin
     unchanged();
   }
 }
+
+// ---- class weights (PyTorch's weight=) ----
+
+namespace {
+
+CrossEntropyOptions class_weighted(Index C) {
+  CrossEntropyOptions o;
+  o.class_weights = test_support::class_weights(C);
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("cross_entropy class weights: hand-computed values (PyTorch's weight= and label smoothing)",
+          "[cross_entropy][options][class_weights]") {
+  // Three rows of logits (ln 3, 0): p = (3/4, 1/4); targets 0, 1, 1; u = (1, 3), so the weight sum
+  // is 1 + 3 + 3 = 7. Without smoothing loss_n = -u_y log p_y; with eps = 1/2 and C = 2 (U = 4)
+  //   loss_n = (1/2) u_y (-log p_y) + (1/4) (-log p_0 - 3 log p_1)
+  //   dz_n   = ((1/2) u_y (p - e_y) + (1/4) (U p - u)) / 7
+  RowMatrix<double> logits(3, 2);
+  logits << std::log(3.0), 0, std::log(3.0), 0, std::log(3.0), 0;
+  IdMatrix<std::int32_t> targets(1, 3);
+  targets << 0, 1, 1;
+  const double l0 = -std::log(0.75), l1 = -std::log(0.25);
+  CrossEntropyOptions o;
+  o.class_weights = {1, 3};
+  RowMatrix<double> dz(3, 2), losses(3, 1);
+  auto r = embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, o);
+  CHECK(r.count == 3);
+  CHECK(r.weight_sum == 7.0);
+  CHECK(r.loss == Approx((l0 + 6 * l1) / 7).epsilon(1e-15));
+  CHECK(dz(0, 0) == Approx(-0.25 / 7).epsilon(1e-15));
+  CHECK(dz(0, 1) == Approx(0.25 / 7).epsilon(1e-15));
+  CHECK(dz(1, 0) == Approx(3 * 0.75 / 7).epsilon(1e-15));
+  CHECK(dz(2, 1) == Approx(-3 * 0.75 / 7).epsilon(1e-15));
+  o.label_smoothing = 0.5;
+  o.reduction = Reduction::none;
+  r = embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, losses, o);
+  CHECK(losses(0, 0) == Approx(0.5 * l0 + 0.25 * (l0 + 3 * l1)).epsilon(1e-15));
+  CHECK(losses(1, 0) == Approx(1.5 * l1 + 0.25 * (l0 + 3 * l1)).epsilon(1e-15));
+  CHECK(r.loss == Approx(1.25 * l0 + 5.25 * l1).epsilon(1e-15));
+  CHECK(dz(0, 0) == Approx(0.375).epsilon(1e-15));  // none: each row's own gradient
+  CHECK(dz(0, 1) == Approx(-0.375).epsilon(1e-15));
+  CHECK(dz(1, 0) == Approx(1.625).epsilon(1e-15));
+  CHECK(dz(1, 1) == Approx(-1.625).epsilon(1e-15));
+  o.reduction = Reduction::mean;  // smoothing's term is divided by the weight sum too
+  r = embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, o);
+  CHECK(r.loss == Approx((1.25 * l0 + 5.25 * l1) / 7).epsilon(1e-15));
+  CHECK(dz(1, 0) == Approx(1.625 / 7).epsilon(1e-15));
+  // All weights 0: nothing has weight, the mean is 0 (PyTorch: NaN) and so is the gradient.
+  o.class_weights = {0, 0};
+  r = embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, o);
+  CHECK(r.count == 3);
+  CHECK(r.weight_sum == 0.0);
+  CHECK(r.loss == 0.0);
+  CHECK((dz.array() == 0.0).all());
+}
+
+TEMPLATE_TEST_CASE("cross_entropy class weights match the naive definition with every option",
+                   "[cross_entropy][options][class_weights][naive]", float, double) {
+  using Scalar = TestType;
+  const Index N = 12, V = 21, classes = 19;
+  const RowMatrix<Scalar> logits = random_matrix<Scalar>(N, V, 1501, kLogitSpread);
+  IdMatrix<std::int64_t> targets = random_ids<std::int64_t>(3, 4, classes, 1502);
+  targets(1, 2) = -100;
+  targets(2, 0) = 3;  // a target of weight 0
+  for (Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none})
+    for (double eps : {0.0, 0.15})
+      for (int extras = 0; extras < 2; ++extras) {
+        CAPTURE(name_of(reduction), eps, extras);
+        CrossEntropyOptions o = class_weighted(classes);
+        o.reduction = reduction;
+        o.label_smoothing = eps;
+        o.valid_vocab = classes;
+        if (extras) {
+          o.z_loss = 1e-3;
+          o.softcap = 2.5;
+          o.gradient_scale = 0.5;
+          o.entropy_bonus = -0.3;
+        }
+        RowMatrix<Scalar> dz(N, V), losses(N, 1);
+        const auto r = embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, losses, o);
+        naive::LossOptions ref;
+        ref.mean = reduction == Reduction::mean;
+        ref.label_smoothing = eps;
+        ref.classes = classes;
+        ref.class_weights = test_support::class_weights(classes);
+        ref.z_loss = o.z_loss;
+        ref.softcap = o.softcap;
+        ref.gradient_scale = o.gradient_scale;
+        ref.entropy_bonus = o.entropy_bonus;
+        const naive::LossResult expected = naive::full_loss(logits.template cast<double>(), targets, {}, ref);
+        CHECK(r.count == N - 1);
+        CHECK_THAT(r.weight_sum, WithinRel(expected.weight_sum, 1e-15));
+        CHECK_THAT(r.loss, WithinRel(expected.loss, loss_tolerance<Scalar>()));
+        if (extras) CHECK_THAT(r.entropy, WithinRel(expected.entropy, loss_tolerance<Scalar>()));
+        for (Index n = 0; n < N; ++n) {
+          CHECK_THAT(static_cast<double>(losses(n, 0)), WithinAbs(expected.losses[n], 4 * loss_tolerance<Scalar>()));
+          for (Index j = 0; j < V; ++j) {
+            CAPTURE(n, j);
+            CHECK_THAT(static_cast<double>(dz(n, j)), WithinAbs(expected.dlogits(n, j), 4 * loss_tolerance<Scalar>()));
+          }
+        }
+        CHECK(embedhead::cross_entropy<Scalar>(logits, targets, o).loss == r.loss);
+        // The loss is invariant to scaling every weight under the mean (numerator and denominator).
+        if (reduction == Reduction::mean) {
+          CrossEntropyOptions scaled = o;
+          for (double& u : scaled.class_weights) u *= 8;  // a power of 2: the sums scale exactly
+          CHECK_THAT(embedhead::cross_entropy<Scalar>(logits, targets, scaled).loss,
+                     WithinRel(r.loss, loss_tolerance<Scalar>()));
+        }
+      }
+}
+
+TEST_CASE("cross_entropy class weights of 1 give the unweighted loss", "[cross_entropy][options][class_weights]") {
+  const RowMatrix<double> logits = random_matrix<double>(6, 9, 1511, kLogitSpread);
+  const IdMatrix<std::int32_t> targets = random_ids<std::int32_t>(2, 3, 9, 1512);
+  for (double eps : {0.0, 0.2}) {
+    CrossEntropyOptions plain;
+    plain.label_smoothing = eps;
+    plain.z_loss = 1e-2;
+    CrossEntropyOptions ones = plain;
+    ones.class_weights.assign(9, 1.0);
+    RowMatrix<double> dz_plain(6, 9), dz_ones(6, 9);
+    const auto a = embedhead::cross_entropy_forward_backward<double>(logits, targets, dz_plain, plain);
+    const auto b = embedhead::cross_entropy_forward_backward<double>(logits, targets, dz_ones, ones);
+    CHECK(a.weight_sum == b.weight_sum);
+    CHECK_THAT(b.loss, WithinRel(a.loss, 1e-14));
+    CHECK(naive::max_relative_error(dz_ones, dz_plain, 1e-12) < 1e-13);
+  }
+}
+
+TEST_CASE("cross_entropy class weights gradient check in double", "[cross_entropy][options][class_weights][gradient]") {
+  RowMatrix<double> logits = random_matrix<double>(5, 8, 1521, kLogitSpread);
+  IdMatrix<std::int32_t> targets(1, 5);
+  targets << 3, 0, 5, -100, 2;
+  CrossEntropyOptions o;
+  o.valid_vocab = 7;
+  o.class_weights = test_support::class_weights(7);
+  for (const double eps : {0.0, 0.3})
+    for (const bool everything : {false, true}) {
+      CAPTURE(eps, everything);
+      o.label_smoothing = eps;
+      o.z_loss = everything ? 0.05 : 0.0;
+      o.softcap = everything ? 1.7 : 0.0;
+      o.entropy_bonus = everything ? 0.4 : 0.0;
+      RowMatrix<double> dz(5, 8);
+      embedhead::cross_entropy_forward_backward<double>(logits, targets, dz, o);
+      const RowMatrix<double> numeric = naive::numerical_gradient(logits, [&] {
+        return embedhead::cross_entropy<double>(logits, targets, o).loss;
+      });
+      // Central differences with a step of 1e-6 carry about 1e-16 |loss| / 1e-6 = 1e-9 of rounding
+      // (the weighted smoothing term makes the loss about 10): 1e-5 of entries of 1e-4, the floor.
+      // The naive reference below checks the gradient to 1e-12.
+      CHECK(naive::max_relative_error(dz, numeric, 1e-4) < 1e-5);
+      naive::LossOptions ref;
+      ref.label_smoothing = o.label_smoothing;
+      ref.z_loss = o.z_loss;
+      ref.softcap = o.softcap;
+      ref.entropy_bonus = o.entropy_bonus;
+      ref.classes = 7;
+      ref.class_weights = test_support::class_weights(7);
+      const naive::LossResult expected = naive::full_loss(logits, targets, {}, ref);
+      CHECK(naive::max_relative_error(dz, expected.dlogits, 1e-12) < 1e-12);
+      RowMatrix<double> inplace = logits;  // in place: the same gradient
+      embedhead::cross_entropy_forward_backward<double>(inplace, targets, inplace, o);
+      CHECK((inplace.array() == dz.array()).all());
+    }
+}
+
+TEMPLATE_TEST_CASE("cross_entropy rejects bad class weights and writes nothing",
+                   "[cross_entropy][options][class_weights][errors]", float, double) {
+  using Scalar = TestType;
+  const RowMatrix<Scalar> logits = random_matrix<Scalar>(2, 5, 1531);
+  IdMatrix<std::int32_t> targets(1, 2);
+  targets << 1, 3;
+  RowMatrix<Scalar> dz = RowMatrix<Scalar>::Constant(2, 5, 7), losses = RowMatrix<Scalar>::Constant(2, 1, 7);
+  auto fails = [&](const CrossEntropyOptions& o, const std::string& message) {
+    CAPTURE(message);
+    CHECK_THROWS_WITH(embedhead::cross_entropy_forward_backward<Scalar>(logits, targets, dz, losses, o),
+                      "cross_entropy_forward_backward: " + message);
+    CHECK((dz.array() == Scalar(7)).all());
+    CHECK((losses.array() == Scalar(7)).all());
+  };
+  CrossEntropyOptions o;
+  o.class_weights = {1, 1, 1, 1};
+  CHECK_THROWS_AS(embedhead::cross_entropy<Scalar>(logits, targets, o), embedhead::shape_error);
+  fails(o, "class_weights has 4 entries, expected C = 5 (one per class: V)");
+  o.valid_vocab = 4;
+  o.class_weights.assign(5, 1.0);
+  fails(o, "class_weights has 5 entries, expected C = 4 (one per class: valid_vocab)");
+  o = {};
+  o.class_weights = {1, 2, -1, 0, 1};
+  CHECK_THROWS_AS(embedhead::cross_entropy<Scalar>(logits, targets, o), embedhead::value_error);
+  fails(o, "class_weights[2] = -1 outside [0, inf)");
+  o.class_weights[2] = std::nan("");
+  fails(o, "class_weights[2] = nan outside [0, inf)");
+  o.class_weights[2] = std::numeric_limits<double>::infinity();
+  fails(o, "class_weights[2] = inf outside [0, inf)");
+  o.class_weights = {1, 1e308, 1e308, 1, 1};
+  if constexpr (std::is_same_v<Scalar, float>)  // each is beyond float first
+    fails(o,
+          "class_weights[1] = 1e+308 outside [0, inf) in float: it rounds to inf (the largest finite float is "
+          "3.40282e+38)");
+  else
+    fails(o, "the sum of class_weights = inf outside the finite numbers");
+  o.class_weights = {1, 1, 1e300, 1, 1};
+  if constexpr (std::is_same_v<Scalar, float>)
+    fails(o,
+          "class_weights[2] = 1e+300 outside [0, inf) in float: it rounds to inf (the largest finite float is "
+          "3.40282e+38)");
+  else
+    CHECK_NOTHROW(embedhead::cross_entropy<Scalar>(logits, targets, o));
+}

@@ -138,6 +138,11 @@ std::vector<Variant> variants(Index V) {
   add("soft-cap", [](FusedHeadLossOptions& o) { o.softcap = 2.0; });
   add("gradient scale", [](FusedHeadLossOptions& o) { o.gradient_scale = 0.25; });
   add("entropy bonus", [](FusedHeadLossOptions& o) { o.entropy_bonus = 0.3; });
+  add("class weights", [V](FusedHeadLossOptions& o) { o.class_weights = test_support::class_weights(V); });
+  add("class weights, label smoothing", [V](FusedHeadLossOptions& o) {
+    o.class_weights = test_support::class_weights(V);
+    o.label_smoothing = 0.1;
+  });
   add(
       "padded vocabulary", [](FusedHeadLossOptions&) {}, V - 3);
   add(
@@ -148,6 +153,16 @@ std::vector<Variant> variants(Index V) {
         o.softcap = 3.0;
         o.ignore_index = 1;
         o.entropy_bonus = -0.2;
+      },
+      V - 5);
+  add(
+      "everything, class weights",
+      [V](FusedHeadLossOptions& o) {
+        o.label_smoothing = 0.2;
+        o.z_loss = 1e-3;
+        o.softcap = 3.0;
+        o.entropy_bonus = -0.2;
+        o.class_weights = test_support::class_weights(V - 5);
       },
       V - 5);
   return list;
@@ -249,48 +264,52 @@ TEMPLATE_TEST_CASE("fused head loss with per-token weights matches the naive def
   RowMatrix<Scalar> weights = random_matrix<Scalar>(p.N, 1, 304, 1.0).cwiseAbs();
   weights(4, 0) = 0;  // a zero weight counts in `count` but adds nothing
   for (const PlanCase& plan : plan_cases())
-    for (bool mean : {true, false}) {
-      FusedHeadLossOptions options = with_plan<Scalar>({}, plan, classes);
-      options.reduction = mean ? Reduction::mean : Reduction::sum;
-      options.label_smoothing = 0.1;
-      options.z_loss = 2e-3;
-      options.softcap = 2.5;
-      options.valid_vocab = classes;
-      options.gradient_scale = 0.5;
-      options.vocab_block = 5;
-      CAPTURE(plan.name, mean);
-      RowMatrix<Scalar> lse;
-      const Outputs actual = fused<Scalar>(p, true, options, weights, &lse);
+    for (bool mean : {true, false})
+      for (bool class_weighted : {false, true}) {
+        FusedHeadLossOptions options = with_plan<Scalar>({}, plan, classes);
+        options.reduction = mean ? Reduction::mean : Reduction::sum;
+        options.label_smoothing = 0.1;
+        options.z_loss = 2e-3;
+        options.softcap = 2.5;
+        options.valid_vocab = classes;
+        options.gradient_scale = 0.5;
+        options.vocab_block = 5;
+        // Class weights: each row counts with its token weight times its target's class weight.
+        if (class_weighted) options.class_weights = test_support::class_weights(classes);
+        CAPTURE(plan.name, mean, class_weighted);
+        RowMatrix<Scalar> lse;
+        const Outputs actual = fused<Scalar>(p, true, options, weights, &lse);
 
-      RowMatrix<double> logits = p.h.template cast<double>() * p.W.template cast<double>().transpose();
-      logits.rowwise() += p.bias.template cast<double>().col(0).transpose();
-      naive::LossOptions reference;
-      reference.mean = mean;
-      reference.label_smoothing = 0.1;
-      reference.z_loss = 2e-3;
-      reference.softcap = 2.5;
-      reference.classes = classes;
-      reference.gradient_scale = 0.5;
-      std::vector<double> w(weights.data(), weights.data() + weights.size());
-      const naive::LossResult expected = naive::full_loss(logits, p.targets, w, reference);
+        RowMatrix<double> logits = p.h.template cast<double>() * p.W.template cast<double>().transpose();
+        logits.rowwise() += p.bias.template cast<double>().col(0).transpose();
+        naive::LossOptions reference;
+        reference.mean = mean;
+        reference.label_smoothing = 0.1;
+        reference.z_loss = 2e-3;
+        reference.softcap = 2.5;
+        reference.classes = classes;
+        reference.gradient_scale = 0.5;
+        if (class_weighted) reference.class_weights = test_support::class_weights(classes);
+        std::vector<double> w(weights.data(), weights.data() + weights.size());
+        const naive::LossResult expected = naive::full_loss(logits, p.targets, w, reference);
 
-      CHECK(actual.result.count == expected.count);
-      CHECK_THAT(actual.result.weight_sum, WithinRel(expected.weight_sum, 1e-12));
-      CHECK_THAT(actual.result.loss, WithinRel(expected.loss, 10 * tolerance<Scalar>()));
-      const RowMatrix<double> dh = expected.dlogits * p.W.template cast<double>();
-      const RowMatrix<double> dW = expected.dlogits.transpose() * p.h.template cast<double>();
-      const RowMatrix<double> db = expected.dlogits.colwise().sum().transpose();
-      CHECK(close(actual.dh, dh, 10 * tolerance<Scalar>()));
-      CHECK(close(actual.dW, dW, 10 * tolerance<Scalar>()));
-      CHECK(close(actual.db, db, 10 * tolerance<Scalar>()));
-      for (Index n = 0; n < p.N; ++n) {
-        CAPTURE(n);
-        CHECK_THAT(static_cast<double>(lse(n, 0)), WithinAbs(expected.lse[n], 10 * tolerance<Scalar>()));
-        CHECK_THAT(actual.losses(n, 0), WithinAbs(expected.losses[n], 10 * tolerance<Scalar>()));
+        CHECK(actual.result.count == expected.count);
+        CHECK_THAT(actual.result.weight_sum, WithinRel(expected.weight_sum, 1e-12));
+        CHECK_THAT(actual.result.loss, WithinRel(expected.loss, 10 * tolerance<Scalar>()));
+        const RowMatrix<double> dh = expected.dlogits * p.W.template cast<double>();
+        const RowMatrix<double> dW = expected.dlogits.transpose() * p.h.template cast<double>();
+        const RowMatrix<double> db = expected.dlogits.colwise().sum().transpose();
+        CHECK(close(actual.dh, dh, 10 * tolerance<Scalar>()));
+        CHECK(close(actual.dW, dW, 10 * tolerance<Scalar>()));
+        CHECK(close(actual.db, db, 10 * tolerance<Scalar>()));
+        for (Index n = 0; n < p.N; ++n) {
+          CAPTURE(n);
+          CHECK_THAT(static_cast<double>(lse(n, 0)), WithinAbs(expected.lse[n], 10 * tolerance<Scalar>()));
+          CHECK_THAT(actual.losses(n, 0), WithinAbs(expected.losses[n], 10 * tolerance<Scalar>()));
+        }
+        CHECK(lse(1 * 9 + 3, 0) == Scalar(0));  // the ignored token
+        CHECK(actual.dh.row(1 * 9 + 3).cwiseAbs().maxCoeff() == 0.0);
       }
-      CHECK(lse(1 * 9 + 3, 0) == Scalar(0));  // the ignored token
-      CHECK(actual.dh.row(1 * 9 + 3).cwiseAbs().maxCoeff() == 0.0);
-    }
 }
 
 TEST_CASE("fused head loss gradient check in double, every option on", "[fused_head_loss][gradient]") {
@@ -307,29 +326,32 @@ TEST_CASE("fused head loss gradient check in double, every option on", "[fused_h
   options.softcap = 1.5;
   options.valid_vocab = classes;
   options.vocab_block = 4;
-  // With the entropy bonus the loss is smooth enough for a step of 1e-4, whose differences are
+  // With the entropy bonus (or class weights, whose losses are larger) the loss is smooth enough
+  // for a step of 1e-4, whose differences are
   // exact to about 1e-8 relative; the step of 1e-6 leaves their rounding (1e-16 |loss| / 1e-6,
   // about 1e-10) at 2e-6 of dW's entries near 1e-4.
   for (const double bonus : {0.0, 0.35})
-    for (const PlanCase& plan : plan_cases()) {
-      CAPTURE(plan.name, bonus);
-      options.entropy_bonus = bonus;
-      const double step = bonus != 0 ? 1e-4 : 1e-6;
-      const FusedHeadLossOptions planned = with_plan<double>(options, plan, classes);
-      const Outputs analytic = fused<double>(p, true, planned, weights);
-      auto loss = [&] {
-        FusedHeadLossWorkspace<double> ws;
-        RowMatrix<double> lse(0, 1), losses(0, 1);
-        return embedhead::fused_head_loss<double>(p.h, p.W, p.bias, p.targets, ws, planned,
-                                                  extras_of(weights, lse, losses))
-            .loss;
-      };
-      CHECK(naive::max_relative_error(analytic.dh, naive::numerical_gradient(p.h, loss, step), 1e-6) < 1e-6);
-      CHECK(naive::max_relative_error(analytic.dW, naive::numerical_gradient(p.W, loss, step), 1e-6) < 1e-6);
-      CHECK(naive::max_relative_error(analytic.db, naive::numerical_gradient(p.bias, loss, step), 1e-6) < 1e-6);
-      // Padding rows of W are not classes: the loss does not depend on them.
-      CHECK(analytic.dW.bottomRows(V - classes).cwiseAbs().maxCoeff() == 0.0);
-    }
+    for (const bool class_weighted : {false, true})
+      for (const PlanCase& plan : plan_cases()) {
+        CAPTURE(plan.name, bonus, class_weighted);
+        options.entropy_bonus = bonus;
+        options.class_weights = class_weighted ? test_support::class_weights(classes) : std::vector<double>{};
+        const double step = bonus != 0 || class_weighted ? 1e-4 : 1e-6;  // class weights: larger losses
+        const FusedHeadLossOptions planned = with_plan<double>(options, plan, classes);
+        const Outputs analytic = fused<double>(p, true, planned, weights);
+        auto loss = [&] {
+          FusedHeadLossWorkspace<double> ws;
+          RowMatrix<double> lse(0, 1), losses(0, 1);
+          return embedhead::fused_head_loss<double>(p.h, p.W, p.bias, p.targets, ws, planned,
+                                                    extras_of(weights, lse, losses))
+              .loss;
+        };
+        CHECK(naive::max_relative_error(analytic.dh, naive::numerical_gradient(p.h, loss, step), 1e-6) < 1e-6);
+        CHECK(naive::max_relative_error(analytic.dW, naive::numerical_gradient(p.W, loss, step), 1e-6) < 1e-6);
+        CHECK(naive::max_relative_error(analytic.db, naive::numerical_gradient(p.bias, loss, step), 1e-6) < 1e-6);
+        // Padding rows of W are not classes: the loss does not depend on them.
+        CHECK(analytic.dW.bottomRows(V - classes).cwiseAbs().maxCoeff() == 0.0);
+      }
 }
 
 TEMPLATE_TEST_CASE("fused_head_loss (no gradient) gives the same loss and writes no gradient",

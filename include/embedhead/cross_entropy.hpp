@@ -15,6 +15,13 @@
 // the softmax, Gemma 2) and a padded vocabulary (only the first valid_vocab columns are classes;
 // the rest never count and get dz = 0).
 //
+// Class weights u [C] (PyTorch's `weight=`, semantics included): a row with target y counts with
+// weight u_y -- its loss is u_y times the unweighted one and the mean divides by the sum of the
+// counted targets' u_y -- and label smoothing's term is (eps / C) sum_j u_j (lse - s_j), divided
+// by that same sum, as PyTorch's cross_entropy does:
+//   loss_n = (1 - eps) u_y (lse - s_y) + (eps / C) sum_j u_j (lse - s_j)  [+ u_y (z_loss lse^2 - beta H_n)]
+// The z-loss and entropy terms, which PyTorch does not have, count as the target does (times u_y).
+//
 // Non-finite logits (docs/errors.md, "Non-finite values"): as PyTorch, a NaN or +inf logit makes
 // its row's loss and every dz of the row NaN (and so the reduced loss); -inf is a class of
 // probability 0 (dz = 0; the loss is +inf if it is the target); a row of -inf classes is NaN.
@@ -30,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <sstream>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -62,6 +70,11 @@ struct CrossEntropyOptions {
   // score_head (head_scores.hpp).
   double entropy_bonus = 0;
   bool entropy = false;
+  // Per-class weights u [C] (C = valid_vocab, else V; empty: all 1), PyTorch's `weight=`: see the
+  // header. Each finite and >= 0 (and finite in the loss's Scalar); a target of weight 0 is still
+  // counted in `count`, with weight 0. With Reduction::mean the loss is divided by the sum of the
+  // counted targets' u_y (0 when that sum is 0, where PyTorch gives NaN).
+  std::vector<double> class_weights;
   // NaN and infinite logits (in the fused loss: h, W, bias) that reach the loss throw value_error,
   // naming the first, instead of giving PyTorch's NaN / inf results (docs/errors.md, "Non-finite
   // values"). Off by default, as in PyTorch; -inf masks are rejected too. Costs a scan of the
@@ -74,7 +87,7 @@ struct CrossEntropyResult {
                           // the per-token losses (= sum; the losses themselves are the outputs)
   double sum = 0;         // sum of (weighted) loss_n over counted rows, z-loss included
   Index count = 0;        // rows whose target is not ignore_index
-  double weight_sum = 0;  // sum of the counted rows' weights (= count without per-token weights)
+  double weight_sum = 0;  // sum of the counted rows' weights: token weight x u_y (= count without weights)
   double z_loss = 0;      // the z-loss part of `loss`, reduced the same way
   double entropy = 0;     // the rows' entropy H_n, weighted and reduced as the loss (computed with
                           // options.entropy or a non-zero entropy_bonus; else 0). The bonus's part
@@ -114,6 +127,23 @@ void check_loss_options(const char* where, const CrossEntropyOptions& options, I
             << "] (or -1 for all V = " << V << " columns)";
     throw value_error(message.str());
   }
+  if (options.class_weights.empty()) return;
+  const Index C = options.valid_vocab == -1 ? V : options.valid_vocab;
+  if (static_cast<Index>(options.class_weights.size()) != C) {
+    std::ostringstream message;
+    message << where << ": class_weights has " << options.class_weights.size() << " entries, expected C = " << C
+            << " (one per class: " << (options.valid_vocab == -1 ? "V" : "valid_vocab") << ")";
+    throw shape_error(message.str());
+  }
+  double sum = 0;
+  for (std::size_t j = 0; j < options.class_weights.size(); ++j) {
+    const double u = options.class_weights[j];
+    const std::string what = "class_weights[" + std::to_string(j) + "]";
+    if (!(u >= 0) || !std::isfinite(u)) fail(what.c_str(), u, "[0, inf)");
+    check_in_scalar<Scalar>(where, what.c_str(), u, "[0, inf)", /*reject_underflow=*/false);
+    sum += u;
+  }
+  if (!std::isfinite(sum)) fail("the sum of class_weights", sum, "the finite numbers");
 }
 
 inline Index classes_of(const CrossEntropyOptions& options, Index V) {
@@ -169,7 +199,9 @@ void add_row_loss(const RowLoss& row, double weight, CrossEntropyResult& result,
   const double loss_n = weight == 1.0 ? row.total() : weight * row.total();
   result.sum += loss_n;
   result.z_loss += weight == 1.0 ? row.z_loss : weight * row.z_loss;
-  result.entropy += weight == 1.0 ? row.entropy : weight * row.entropy;
+  // The entropy is reported unweighted per row (row.entropy), so its class weight is applied here.
+  const double entropy_weight = weight * row.class_weight;
+  result.entropy += entropy_weight == 1.0 ? row.entropy : entropy_weight * row.entropy;
   if (losses) (*losses)(n, 0) = static_cast<Scalar>(loss_n);
 }
 
@@ -205,12 +237,16 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
   check_targets(where, targets, N, classes, options.ignore_index, V);
   check_finite_logits(where, logits, targets, classes, options);
 
-  CrossEntropyResult result;
-  for (Index n = 0; n < N; ++n)
-    if (static_cast<Index>(targets(n / T, n % T)) != options.ignore_index) ++result.count;
-  result.weight_sum = static_cast<double>(result.count);
-  const double scale = reduction_scale(options.reduction, result.weight_sum, options.gradient_scale);
   const SoftmaxTerms terms = softmax_terms(options, classes);
+  CrossEntropyResult result;
+  for (Index n = 0; n < N; ++n) {
+    const Index y = static_cast<Index>(targets(n / T, n % T));
+    if (y == options.ignore_index) continue;
+    ++result.count;
+    if (terms.class_weights) result.weight_sum += terms.target_weight(y);
+  }
+  if (!terms.class_weights) result.weight_sum = static_cast<double>(result.count);
+  const double scale = reduction_scale(options.reduction, result.weight_sum, options.gradient_scale);
   // Soft-capping needs a row to write the capped logits to; without dlogits that is this one.
   std::vector<Scalar> scratch(!dlogits && options.softcap > 0 ? static_cast<std::size_t>(classes) : 0);
   for (Index n = 0; n < N; ++n) {

@@ -36,9 +36,10 @@
 // bias throws instead (check_finite_inputs).
 //
 // Every option of the plain loss applies (CrossEntropyOptions: ignore_index, reductions, label
-// smoothing, z-loss, soft-capping, a padded vocabulary, gradient_scale), plus per-token weights
-// w_n >= 0 (mean divides by their sum over counted tokens), the log-sum-exp of every row as an
-// output (for z-loss monitoring), and per-token losses (Reduction::none).
+// smoothing, z-loss, soft-capping, a padded vocabulary, gradient_scale, entropy terms, class
+// weights), plus per-token weights w_n >= 0 (mean divides by their sum over counted tokens; with
+// class weights by the sum of w_n u_{y_n}), the log-sum-exp of every row as an output (for z-loss
+// monitoring), and per-token losses (Reduction::none).
 //
 // bf16 mixed precision (the overloads taking W as Eigen::bfloat16, "bf16 mixed precision" below):
 // the same pass with the products' inputs in bf16 -- bf16(h), W, bf16(dz) -- and everything else,
@@ -353,13 +354,14 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   auto target_of = [&](Index n) { return static_cast<Index>(targets(n / T, n % T)); };
   auto weight_of = [&](Index n) { return weighted ? static_cast<double>(weights(n, 0)) : 1.0; };
 
-  // ---- the counted tokens, their weight sum, the gradient's scale ----
+  const SoftmaxTerms terms = softmax_terms(options, classes);
+  // ---- the counted tokens, their weight sum (token weight x class weight), the gradient's scale ----
   CrossEntropyResult result;
   ws.tokens.clear();
   for (Index n = 0; n < N; ++n)
     if (target_of(n) != options.ignore_index) {
       ws.tokens.push_back(n);
-      result.weight_sum += weight_of(n);
+      result.weight_sum += terms.class_weights ? weight_of(n) * terms.target_weight(target_of(n)) : weight_of(n);
     }
   const Index count = static_cast<Index>(ws.tokens.size());
   result.count = count;
@@ -434,7 +436,6 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   // No column yet: max -inf, sums 0 (a shard without the target adds s_y = 0).
   ws.row_stats.assign(static_cast<std::size_t>(count), SoftmaxRowStats{});
   ws.lse.resize(static_cast<std::size_t>(count));
-  const SoftmaxTerms terms = softmax_terms(options, classes);
   if (terms.entropy) ws.entropy.resize(static_cast<std::size_t>(count));
   const double softcap = options.softcap;
   const Scalar cap = static_cast<Scalar>(softcap);
@@ -498,15 +499,15 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   // Row r's statistics over columns [v0, v0 + width) of its logits z (z[0] is column v0).
   auto accumulate_row = [&](Index r, const Scalar* z, Index v0, Index width) {
     const std::size_t i = static_cast<std::size_t>(r);
-    const Index y = target_of(ws.tokens[i]) - begin;      // in W's local numbering
-    ws.row_stats[i].accumulate(z, width, y - v0, terms);  // the online rescale
+    const Index y = target_of(ws.tokens[i]) - begin;                  // in W's local numbering
+    ws.row_stats[i].accumulate(z, width, y - v0, terms, begin + v0);  // the online rescale
   };
   // Rows [r0, r1)'s lse and loss, added in token order.
   auto finish_rows = [&](Index r0, Index r1) {
     for (Index r = r0; r < r1; ++r) {
       const std::size_t i = static_cast<std::size_t>(r);
       const Index n = ws.tokens[i];
-      const RowLoss row = row_loss(ws.row_stats[i], terms);
+      const RowLoss row = row_loss(ws.row_stats[i], terms, terms.target_weight(target_of(n)));
       ws.lse[i] = row.lse;
       if (terms.entropy) ws.entropy[i] = row.entropy;
       add_row_loss<Scalar>(row, weight_of(n), result, want_losses ? losses : nullptr, n);
@@ -520,9 +521,10 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
     RowLoss row;
     row.lse = ws.lse[i];
     if (terms.entropy) row.entropy = ws.entropy[i];
+    row.class_weight = terms.target_weight(target_of(ws.tokens[i]));
     const SoftmaxGradient<Scalar> k = softmax_gradient_at_lse<Scalar>(row, w, terms);
     const Index y = target_of(ws.tokens[i]) - begin;  // in W's local numbering
-    apply_softmax_gradient(z, width, y - v0, k, terms, /*holds_exp=*/false);
+    apply_softmax_gradient(z, width, y - v0, k, terms, /*holds_exp=*/false, begin + v0);
   };
   // Mixed precision: dz [rows, width] (leading dimension ld) rounded to bf16 and transposed into
   // dz_buffer as dz^T [width, rows], the products' operand: dW += (dz^T) hidden then reads it as

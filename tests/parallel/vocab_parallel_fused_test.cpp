@@ -221,6 +221,12 @@ std::vector<Variant> variants() {
   add("z-loss", [](FusedHeadLossOptions& o) { o.z_loss = 1e-2; });
   add("soft-cap", [](FusedHeadLossOptions& o) { o.softcap = 2.0; });
   add("entropy bonus", [](FusedHeadLossOptions& o) { o.entropy_bonus = 0.3; });
+  add("class weights", [](FusedHeadLossOptions& o) { o.class_weights = test_support::class_weights(53); });
+  add("class weights, label smoothing, padding", [](FusedHeadLossOptions& o) {
+    o.valid_vocab = 36;
+    o.label_smoothing = 0.1;
+    o.class_weights = test_support::class_weights(36);
+  });
   add("padding: a whole shard on 3 ranks", [](FusedHeadLossOptions& o) { o.valid_vocab = 36; });
   add("padding inside a shard", [](FusedHeadLossOptions& o) { o.valid_vocab = 50; });
   add("everything", [](FusedHeadLossOptions& o) {
@@ -730,5 +736,15 @@ TEST_CASE("vocabulary-parallel fused loss with error_if_nonfinite: agreed on eve
     message = agreed_error<embedhead::value_error>(
         [&] { mixed_loss.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, dh); });
     CHECK_THAT(message, Contains("loss options"));
+    // Class weights that differ in one entry.
+    FusedHeadLossOptions weighted;
+    weighted.class_weights.assign(53, 1.0);
+    if (last) weighted.class_weights[7] = 2.0;
+    VocabParallelFusedHeadLoss<Scalar> weighted_loss(weighted);
+    message = agreed_error<embedhead::value_error>(
+        [&] { weighted_loss.forward_backward_shard(comm, 53, *s.W_shard, s.b_shard.get(), s.h, s.targets, dh); });
+    CHECK_THAT(message, Contains("loss options"));
+    CHECK(s.W_shard->grad().num_touched() == 0);
+    CHECK(dh.isConstant(Scalar(7)));
   }
 }

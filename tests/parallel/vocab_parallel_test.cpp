@@ -325,6 +325,12 @@ std::vector<LossCase> loss_cases() {
   add("valid_vocab", [](CrossEntropyOptions& o) { o.valid_vocab = 36; });
   add("gradient_scale", [](CrossEntropyOptions& o) { o.gradient_scale = 0.25; });
   add("entropy bonus", [](CrossEntropyOptions& o) { o.entropy_bonus = 0.3; });
+  add("class weights", [](CrossEntropyOptions& o) { o.class_weights = test_support::class_weights(kV); });
+  add("class weights, label smoothing, valid_vocab", [](CrossEntropyOptions& o) {
+    o.valid_vocab = 36;
+    o.label_smoothing = 0.1;
+    o.class_weights = test_support::class_weights(36);
+  });
   add("everything", [](CrossEntropyOptions& o) {
     o.entropy_bonus = -0.2;
     o.reduction = Reduction::sum;
@@ -486,6 +492,18 @@ TEST_CASE("vocab_parallel_cross_entropy with error_if_nonfinite: agreed across r
     message = thrown_message<value_error>(
         [&] { vocab_parallel_cross_entropy<float>(comm, kV, clean, targets, mixed); });
     CHECK_THAT(message, Catch::Contains("disagree on the targets, N, V or the loss options"));
+    // Class weights that differ in one entry, or an entropy bonus on one rank only.
+    CrossEntropyOptions weighted;
+    weighted.class_weights.assign(static_cast<std::size_t>(kV), 1.0);
+    if (me == last) weighted.class_weights[7] = 2.0;
+    message = thrown_message<value_error>(
+        [&] { vocab_parallel_cross_entropy<float>(comm, kV, clean, targets, weighted); });
+    CHECK_THAT(message, Catch::Contains("disagree on the targets, N, V or the loss options"));
+    CrossEntropyOptions bonus;
+    bonus.entropy_bonus = me == last ? 0.1 : 0.0;
+    message = thrown_message<value_error>(
+        [&] { vocab_parallel_cross_entropy<float>(comm, kV, clean, targets, bonus); });
+    CHECK_THAT(message, Catch::Contains("disagree on the targets, N, V or the loss options"));
   }
   CHECK(dlocal.isConstant(2.0f));
 }
@@ -497,6 +515,8 @@ TEST_CASE("vocab_parallel_cross_entropy: central differences in double on every 
   for (const LossCase& c : loss_cases()) {
     CrossEntropyOptions options = c.options;
     if (options.valid_vocab != -1) options.valid_vocab = 5;  // 7 = 3 + 2 + 2: shard [5, 7) all padding on 3 ranks
+    if (!options.class_weights.empty())
+      options.class_weights = test_support::class_weights(options.valid_vocab == -1 ? V : options.valid_vocab);
     INFO(c.name);
     RowMatrix<double> logits = random_matrix<double>(N, V, 90, 2.0);
     IdMatrix<std::int32_t> targets(1, 3);

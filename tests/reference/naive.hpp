@@ -74,6 +74,10 @@ double cross_entropy_sum(const RowMatrix<Scalar>& logits, const TargetsT& target
 //   d loss_n / d s_k = w_n (p_k - (1 - eps) [k = y] - eps / classes + 2 z_coef lse p_k)
 //   d s_k / d z_k    = 1 - tanh(z_k / cap)^2
 // and 0 in padding columns and ignored rows. lse [N] and losses [N] (w_n * loss_n) are filled too.
+// With class weights u (PyTorch's cross_entropy(weight=u, label_smoothing=eps), LossNLL.cpp):
+//   loss_n = w_n ( -(1 - eps) u_y log p_y - (eps / classes) sum_j u_j log p_j + u_y (z_coef lse^2 - beta H) )
+// and the mean divides by sum_n w_n u_{y_n} (PyTorch divides both its nll and its smoothing term by
+// the sum of the targets' weights); each term's gradient is summed term by term below.
 struct LossOptions {
   Index ignore_index = -100;
   bool mean = true;  // false: sum (and none, whose outputs are the same sums)
@@ -82,7 +86,8 @@ struct LossOptions {
   double softcap = 0;
   Index classes = -1;  // -1: all columns
   double gradient_scale = 1;
-  double entropy_bonus = 0;  // beta: -beta H_n added to each row's loss
+  double entropy_bonus = 0;           // beta: -beta H_n added to each row's loss
+  std::vector<double> class_weights;  // u [classes]; empty: all 1
 };
 
 struct LossResult {
@@ -103,10 +108,11 @@ LossResult full_loss(const RowMatrix<double>& logits, const TargetsT& targets, c
   r.losses.assign(static_cast<std::size_t>(N), 0.0);
   auto target = [&](Index n) { return static_cast<Index>(targets(n / targets.cols(), n % targets.cols())); };
   auto weight = [&](Index n) { return weights.empty() ? 1.0 : weights[static_cast<std::size_t>(n)]; };
+  auto u = [&](Index j) { return o.class_weights.empty() ? 1.0 : o.class_weights[static_cast<std::size_t>(j)]; };
   for (Index n = 0; n < N; ++n)
     if (target(n) != o.ignore_index) {
       ++r.count;
-      r.weight_sum += weight(n);
+      r.weight_sum += weight(n) * u(target(n));
     }
   const double scale = (o.mean ? (r.weight_sum > 0 ? 1.0 / r.weight_sum : 0.0) : 1.0) * o.gradient_scale;
   for (Index n = 0; n < N; ++n) {
@@ -119,21 +125,26 @@ LossResult full_loss(const RowMatrix<double>& logits, const TargetsT& targets, c
     for (Index j = 0; j < C; ++j) total += std::exp(s[j] - m);
     const double lse = m + std::log(total);
     double smooth = 0;
-    for (Index j = 0; j < C; ++j) smooth -= s[j] - lse;  // -sum_j log p_j
+    for (Index j = 0; j < C; ++j) smooth -= u(j) * (s[j] - lse);  // -sum_j u_j log p_j
     // H = -sum_j p_j log p_j, straight from the definition.
     double H = 0;
     for (Index j = 0; j < C; ++j) H -= std::exp(s[j] - lse) * (s[j] - lse);
-    const double loss_n = weight(n) * (-(1 - o.label_smoothing) * (s[y] - lse) + o.label_smoothing / C * smooth +
-                                       o.z_loss * lse * lse - o.entropy_bonus * H);
-    r.entropy += weight(n) * H;
+    const double loss_n = weight(n) * (-(1 - o.label_smoothing) * u(y) * (s[y] - lse) + o.label_smoothing / C * smooth +
+                                       u(y) * (o.z_loss * lse * lse - o.entropy_bonus * H));
+    r.entropy += weight(n) * u(y) * H;
     r.sum += loss_n;
     r.lse[n] = lse;
     r.losses[n] = loss_n;
+    double U = 0;
+    for (Index j = 0; j < C; ++j) U += u(j);
     for (Index k = 0; k < C; ++k) {
       const double p = std::exp(s[k] - lse);
-      double g = p - o.label_smoothing / C + 2 * o.z_loss * lse * p - (k == y ? 1 - o.label_smoothing : 0.0);
+      // d(-log p_j)/ds_k = p_k - [k = j]: the target's term, then the smoothing's sum over j.
+      double g = (1 - o.label_smoothing) * u(y) * (p - (k == y ? 1.0 : 0.0));
+      g += o.label_smoothing / C * (U * p - u(k));
+      g += u(y) * 2 * o.z_loss * lse * p;
       // d(-beta H)/ds_k = beta p_k (log p_k + H), from dH/ds_k = -p_k (log p_k + H).
-      g += o.entropy_bonus * p * ((s[k] - lse) + H);
+      g += u(y) * o.entropy_bonus * p * ((s[k] - lse) + H);
       if (o.softcap > 0) {
         const double t = std::tanh(logits(n, k) / o.softcap);
         g *= 1 - t * t;

@@ -126,6 +126,14 @@ bool close(const A& a, const B& b, double tol) {
   return (da - db).cwiseAbs().maxCoeff() <= tol * std::max(1.0, db.cwiseAbs().maxCoeff());
 }
 
+// Class weights u [C] for the loss tests: unequal (0.25 to 2.25), class 3 weighted 0 (C > 3).
+inline std::vector<double> class_weights(Index C) {
+  std::vector<double> u(static_cast<std::size_t>(C));
+  for (Index j = 0; j < C; ++j) u[static_cast<std::size_t>(j)] = 0.25 + 0.5 * static_cast<double>((j * 7) % 5);
+  u[3] = 0;
+  return u;
+}
+
 }  // namespace test_support
 
 #endif  // EMBEDHEAD_TESTS_REFERENCE_TEST_SUPPORT_HPP

@@ -20,6 +20,15 @@
 //   eb    = -beta H                                                     row_loss (entropy bonus beta)
 //   dz_j += w beta p_j (s_j - lse + H)   (= -w beta dH/ds_j; times the softcap factor as above)
 // The row's loss is ce + zl + eb; the callers weight it and reduce over the rows.
+//
+// Class weights u_j (PyTorch's `weight=`; u_j = 1 without them), U = sum_j u_j over the classes:
+//   ce    = (1 - eps) u_y (lse - s_y) + (eps / C) sum_j u_j (lse - s_j)    row_loss
+//         = log S ((1 - eps) u_y + eps U / C) + (1 - eps) u_y (m - s_y) + (eps / C) (U m - sum_j u_j s_j)
+//   zl    = u_y z_loss lse^2,   eb = -u_y beta H   (the row's other terms count as its target does)
+//   dz_j  = w (a p_j - (eps / C) u_j - (1 - eps) u_y [j = y] + u_y beta p_j (s_j - lse + H)) (softcap factor)
+//           a = (1 - eps) u_y + eps U / C + 2 u_y z_loss lse
+// and the callers count the row with weight u_y (the mean divides by the sum of the targets' u_y,
+// as PyTorch does; label smoothing's term included). The statistic sum_j s_j becomes sum_j u_j s_j.
 // (the entropy from statistics shifted by m, so nothing cancels however large the logits; a class
 // of probability 0, s_j = -inf, adds 0, not 0 * -inf).
 //
@@ -83,7 +92,11 @@ struct SoftmaxTerms {
   double entropy_bonus = 0;                                // beta: -beta H added to the loss
   Index classes = 0;                                       // C: the columns that are classes
   bool entropy = false;                                    // E is summed (entropy outputs, the bonus)
-  bool logit_sums() const { return label_smoothing > 0; }  // sum_j s_j is needed
+  const double* class_weights = nullptr;                   // u [C] by global column; null: all 1
+  double class_weight_sum = 0;                             // U = sum_j u_j (with class_weights)
+  bool logit_sums() const { return label_smoothing > 0; }  // sum_j s_j (sum_j u_j s_j) is needed
+  // u_y, the weight a row with target y counts with (1 without class weights).
+  double target_weight(Index y) const { return class_weights ? class_weights[y] : 1.0; }
 };
 
 // From any options struct with the CrossEntropyOptions fields.
@@ -96,6 +109,10 @@ SoftmaxTerms softmax_terms(const Options& options, Index classes) {
   terms.entropy_bonus = options.entropy_bonus;
   terms.classes = classes;
   terms.entropy = options.entropy || options.entropy_bonus != 0;
+  if (!options.class_weights.empty()) {
+    terms.class_weights = options.class_weights.data();
+    for (const double u : options.class_weights) terms.class_weight_sum += u;
+  }
   return terms;
 }
 
@@ -131,6 +148,22 @@ void map_lanes(const Scalar* in, Scalar* out, Index width, const F& f) {
   }
   if (j == width) return;
   const Lanes y = f(load_partial_lanes(in + j, width - j, Scalar(0)));
+  std::copy_n(y.data(), width - j, out + j);
+}
+
+// map_lanes with the block's first column j and its count of values (kSoftmaxLanes but in the
+// last, partial block) passed too: out[j .. j + count) = f(x, j, count).
+template <typename Scalar, typename F>
+void map_lanes_at(const Scalar* in, Scalar* out, Index width, const F& f) {
+  using Lanes = SoftmaxLanes<Scalar>;
+  Index j = 0;
+  for (; j + kSoftmaxLanes <= width; j += kSoftmaxLanes) {
+    const Lanes y = f(Lanes(Eigen::Map<const Lanes>(in + j)), j, kSoftmaxLanes);
+    Eigen::Map<Lanes> block(out + j);
+    block = y;
+  }
+  if (j == width) return;
+  const Lanes y = f(load_partial_lanes(in + j, width - j, Scalar(0)), j, width - j);
   std::copy_n(y.data(), width - j, out + j);
 }
 
@@ -241,12 +274,27 @@ double sum_in_lanes(const Scalar* s, Index width) {
   return acc.sum();
 }
 
+// sum_j u_j s_j of s [width] and u [width] in double (each product in double), summed as
+// sum_in_lanes. A class of weight 0 and logit -inf adds NaN, as PyTorch's weight * log p does.
+template <typename Scalar>
+double weighted_sum_in_lanes(const Scalar* s, const double* u, Index width) {
+  using Wide = Eigen::Array<double, kSoftmaxLanes, 1>;
+  Wide acc = Wide::Zero();
+  Index j = 0;
+  for (; j + kSoftmaxLanes <= width; j += kSoftmaxLanes)
+    acc += Eigen::Map<const SoftmaxLanes<Scalar>>(s + j).template cast<double>() * Eigen::Map<const Wide>(u + j);
+  if (j < width)
+    acc += load_partial_lanes(s + j, width - j, Scalar(0)).template cast<double>() *
+           load_partial_lanes(u + j, width - j, 0.0);
+  return acc.sum();
+}
+
 // One row's statistics over the columns seen so far (a block of them, a shard, or all), in double.
 struct SoftmaxRowStats {
   double max = -std::numeric_limits<double>::infinity();  // m (-inf: no column yet)
   double sum_exp = 0;                                     // S = sum_j exp(s_j - max)
   double target = 0;                                      // s_y, 0 where y is not among the columns
-  double logit_sum = 0;                                   // sum_j s_j, with SoftmaxTerms::logit_sums()
+  double logit_sum = 0;                                   // sum_j s_j (u_j s_j), with SoftmaxTerms::logit_sums()
   double entropy_sum = 0;                                 // E = sum_j exp(s_j - max) (s_j - max), with terms.entropy
 
   // max <- new_max (>= max), S (and E) rescaled to it; S = 0 stays 0 (also for max = -inf).
@@ -265,14 +313,17 @@ struct SoftmaxRowStats {
   // Adds the block s [width] (soft-capped logits) at the current max, which must be at least the
   // block's: exp(s_j - Scalar(max)) is summed (and written to exp_out when not null; exp_out may
   // be s: s_y and sum_j s_j are read first). target_column: y's column in the block (ignored outside
-  // [0, width)).
+  // [0, width)); column: the global class of s[0] (where the block's class weights start).
   // A max of -inf means every column so far is -inf (or NaN): the block is shifted by 0 instead,
   // so that each -inf adds exp(-inf) = 0, its share at whatever max the row ends with, where
   // exp(-inf - max) would be NaN.
   template <typename Scalar>
-  void add_at_max(const Scalar* s, Index width, Index target_column, const SoftmaxTerms& terms, Scalar* exp_out) {
+  void add_at_max(const Scalar* s, Index width, Index target_column, const SoftmaxTerms& terms, Scalar* exp_out,
+                  Index column = 0) {
     if (target_column >= 0 && target_column < width) target = static_cast<double>(s[target_column]);
-    if (terms.logit_sums()) logit_sum += sum_in_lanes(s, width);
+    if (terms.logit_sums())
+      logit_sum += terms.class_weights ? weighted_sum_in_lanes(s, terms.class_weights + column, width)
+                                       : sum_in_lanes(s, width);
     const Scalar shift = max == -std::numeric_limits<double>::infinity() ? Scalar(0) : static_cast<Scalar>(max);
     double block_entropy = 0;
     sum_exp += sum_exp_shifted(s, width, shift, exp_out, terms.entropy ? &block_entropy : nullptr);
@@ -282,10 +333,10 @@ struct SoftmaxRowStats {
   // The online step: the block's max, S rescaled when it exceeds the running max, then the block
   // added at the (new) running max.
   template <typename Scalar>
-  void accumulate(const Scalar* s, Index width, Index target_column, const SoftmaxTerms& terms) {
+  void accumulate(const Scalar* s, Index width, Index target_column, const SoftmaxTerms& terms, Index column = 0) {
     const Scalar block_max = row_max(s, width);
     if (block_max > max) rescale_to(static_cast<double>(block_max));
-    add_at_max(s, width, target_column, terms, static_cast<Scalar*>(nullptr));
+    add_at_max(s, width, target_column, terms, static_cast<Scalar*>(nullptr), column);
   }
 
   // The statistics that ranks (or blocks) add once they share one max: S, s_y (one holder plus
@@ -349,6 +400,7 @@ struct RowLoss {
   double entropy = 0;        // H, the entropy of softmax(s) (with terms.entropy; else 0)
   double entropy_bonus = 0;  // -beta H (0 when beta is 0)
   double lse = 0;            // log-sum-exp of the (soft-capped) logits
+  double class_weight = 1;   // u_y, the target's class weight (ce, z_loss and entropy_bonus include it)
   double total() const { return ce + z_loss + entropy_bonus; }
 };
 
@@ -357,11 +409,25 @@ struct RowLoss {
 // (lse - s_y would lose lse's last bits). With smoothing the same terms, rearranged:
 //   ce = log S + (1 - eps) (m - s_y) + eps (m - (1 / C) sum_j s_j).
 // The z-loss term is exactly 0 when z_loss is 0 (not 0 * lse^2, NaN for an infinite lse).
-inline RowLoss row_loss(const SoftmaxRowStats& stats, const SoftmaxTerms& terms) {
+// With class weights (u_y = target_weight), the header's weighted form, each term times u_y.
+inline RowLoss row_loss(const SoftmaxRowStats& stats, const SoftmaxTerms& terms, double target_weight = 1.0) {
   RowLoss row;
   const double log_sum = std::log(stats.sum_exp);
   row.lse = stats.max + log_sum;
   const double eps = terms.label_smoothing;
+  if (terms.class_weights) {
+    const double u = target_weight, C = static_cast<double>(terms.classes), U = terms.class_weight_sum;
+    row.class_weight = u;
+    if (terms.logit_sums())
+      row.ce = log_sum * ((1.0 - eps) * u + eps * U / C) + (1.0 - eps) * u * (stats.max - stats.target) +
+               eps / C * (U * stats.max - stats.logit_sum);
+    else
+      row.ce = u * ((stats.max - stats.target) + log_sum);
+    row.z_loss = terms.z_loss > 0 ? u * terms.z_loss * row.lse * row.lse : 0.0;
+    if (terms.entropy) row.entropy = row_entropy(stats);
+    row.entropy_bonus = terms.entropy_bonus != 0 ? -u * terms.entropy_bonus * row.entropy : 0.0;
+    return row;
+  }
   if (terms.logit_sums())
     row.ce = log_sum + (1.0 - eps) * (stats.max - stats.target) +
              eps * (stats.max - stats.logit_sum / static_cast<double>(terms.classes));
@@ -379,6 +445,9 @@ inline RowLoss row_loss(const SoftmaxRowStats& stats, const SoftmaxTerms& terms)
 //   at the lse  shift = lse,  a = w (1 + 2 z_loss lse)        (softmax_gradient_at_lse)
 // With an entropy bonus the first term becomes exp(s_j - shift) (a + e (s_j - L)), L = lse - H:
 //   at the max  e = w beta / S;   at the lse  e = w beta.
+// With class weights (u_y = row.class_weight): a = w ((1 - eps) u_y + eps U / C + 2 u_y z_loss lse)
+// (/ S at the max), b_j = w (eps / C) u_j (b times each column's u_j), c = w (1 - eps) u_y,
+// e = w beta u_y (/ S at the max).
 template <typename Scalar>
 struct SoftmaxGradient {
   Scalar shift = 0, a = 0, b = 0, c = 0;
@@ -389,13 +458,14 @@ struct SoftmaxGradient {
 
 template <typename Scalar>
 SoftmaxGradient<Scalar> make_softmax_gradient(double shift, double a, double weight, const SoftmaxTerms& terms,
-                                              double e = 0, double log_shift = 0) {
+                                              double e = 0, double log_shift = 0, double target_weight = 1.0) {
   const double b = weight * terms.label_smoothing / static_cast<double>(terms.classes);
   SoftmaxGradient<Scalar> k;
   k.shift = static_cast<Scalar>(shift);
   k.a = static_cast<Scalar>(a);
   k.b = static_cast<Scalar>(b);
-  k.c = static_cast<Scalar>(weight * (1.0 - terms.label_smoothing));
+  k.c = static_cast<Scalar>(terms.class_weights ? weight * (1.0 - terms.label_smoothing) * target_weight
+                                                : weight * (1.0 - terms.label_smoothing));
   k.smoothing = b != 0;
   k.entropy = terms.entropy_bonus != 0;
   k.e = static_cast<Scalar>(e);
@@ -403,23 +473,37 @@ SoftmaxGradient<Scalar> make_softmax_gradient(double shift, double a, double wei
   return k;
 }
 
-// w (1 + 2 z_loss lse): a at the lse, a S at the max.
-inline double softmax_gradient_factor(double lse, double weight, const SoftmaxTerms& terms) {
+// w (1 + 2 z_loss lse): a at the lse, a S at the max. With class weights
+// w ((1 - eps) u_y + eps U / C + 2 u_y z_loss lse).
+inline double softmax_gradient_factor(double lse, double weight, const SoftmaxTerms& terms,
+                                      double target_weight = 1.0) {
+  if (terms.class_weights) {
+    const double eps = terms.label_smoothing, u = target_weight;
+    const double a = (1.0 - eps) * u + eps * terms.class_weight_sum / static_cast<double>(terms.classes);
+    return weight * (terms.z_loss > 0 ? a + 2.0 * u * terms.z_loss * lse : a);
+  }
   return weight * (terms.z_loss > 0 ? 1.0 + 2.0 * terms.z_loss * lse : 1.0);
+}
+
+// The entropy bonus's coefficient e before the division by S: w beta (u_y).
+inline double softmax_entropy_factor(double weight, const SoftmaxTerms& terms, double target_weight) {
+  return terms.class_weights ? weight * terms.entropy_bonus * target_weight : weight * terms.entropy_bonus;
 }
 
 template <typename Scalar>
 SoftmaxGradient<Scalar> softmax_gradient_at_max(const SoftmaxRowStats& stats, const RowLoss& row, double weight,
                                                 const SoftmaxTerms& terms) {
-  return make_softmax_gradient<Scalar>(stats.max, softmax_gradient_factor(row.lse, weight, terms) / stats.sum_exp,
-                                       weight, terms, weight * terms.entropy_bonus / stats.sum_exp,
-                                       row.lse - row.entropy);
+  const double u = row.class_weight;
+  return make_softmax_gradient<Scalar>(stats.max, softmax_gradient_factor(row.lse, weight, terms, u) / stats.sum_exp,
+                                       weight, terms, softmax_entropy_factor(weight, terms, u) / stats.sum_exp,
+                                       row.lse - row.entropy, u);
 }
 
 template <typename Scalar>
 SoftmaxGradient<Scalar> softmax_gradient_at_lse(const RowLoss& row, double weight, const SoftmaxTerms& terms) {
-  return make_softmax_gradient<Scalar>(row.lse, softmax_gradient_factor(row.lse, weight, terms), weight, terms,
-                                       weight * terms.entropy_bonus, row.lse - row.entropy);
+  const double u = row.class_weight;
+  return make_softmax_gradient<Scalar>(row.lse, softmax_gradient_factor(row.lse, weight, terms, u), weight, terms,
+                                       softmax_entropy_factor(weight, terms, u), row.lse - row.entropy, u);
 }
 
 // Without an entropy bonus the row's lse is all the gradient needs.
@@ -440,12 +524,28 @@ SoftmaxGradient<Scalar> softmax_gradient_at_lse(double lse, double weight, const
 // w [width] <- dz of a block of the row's columns, target_column = y's column in the block
 // (ignored outside [0, width)). w holds the block's soft-capped logits s, or, when holds_exp is
 // set (at the max, no softcap: the exponentials written by add_at_max), exp(s_j - m).
-// holds_exp must be false with an entropy bonus (its term needs s).
+// holds_exp must be false with an entropy bonus (its term needs s) and with class weights under
+// label smoothing (b_j needs the column). column: the global class of w[0].
 template <typename Scalar>
 void apply_softmax_gradient(Scalar* w, Index width, Index target_column, const SoftmaxGradient<Scalar>& k,
-                            const SoftmaxTerms& terms, bool holds_exp) {
+                            const SoftmaxTerms& terms, bool holds_exp, Index column = 0) {
   using Lanes = SoftmaxLanes<Scalar>;
   const bool target_here = target_column >= 0 && target_column < width;
+  if (k.smoothing && terms.class_weights) {
+    // dz = (exp(s - shift) (a [+ e (s - L)]) - b u_j) (1 - (s / cap)^2 with softcap).
+    const Scalar cap = static_cast<Scalar>(terms.softcap);
+    const bool capped = terms.softcap > 0;
+    const Scalar t_y = target_here && capped ? w[target_column] / cap : Scalar(0);
+    const double* u = terms.class_weights + column;
+    map_lanes_at(w, w, width, [&](const Lanes& s, Index j, Index count) -> Lanes {
+      const Lanes b = k.b * load_partial_lanes(u + j, count, 0.0).template cast<Scalar>();
+      const Lanes e = exp_lanes<Scalar>(s - k.shift);
+      const Lanes g = (k.entropy ? Lanes(e * (k.a + k.e * (s - k.log_shift))) : Lanes(e * k.a)) - b;
+      return capped ? Lanes(g * (Scalar(1) - (s / cap).square())) : g;
+    });
+    if (target_here) w[target_column] -= capped ? k.c * (Scalar(1) - t_y * t_y) : k.c;
+    return;
+  }
   if (k.entropy) {
     // dz = (exp(s - shift) (a + e (s - L)) - b) (1 - (s / cap)^2 with softcap).
     const Scalar cap = static_cast<Scalar>(terms.softcap);
@@ -495,9 +595,10 @@ RowLoss softmax_loss_row(const Scalar* z, Scalar* work, Index y, const SoftmaxTe
   stats.max = static_cast<double>(row_max(s, C));
   // Without soft-capping, exp(s - m) goes straight into work (the gradient's first step); with an
   // entropy bonus the gradient needs s itself, so work gets a copy of z instead.
-  const bool exp_into_work = gradient && !(terms.softcap > 0) && terms.entropy_bonus == 0;
+  const bool exp_into_work = gradient && !(terms.softcap > 0) && terms.entropy_bonus == 0 &&
+                             !(terms.class_weights && terms.logit_sums());
   stats.add_at_max(s, C, y, terms, exp_into_work ? work : nullptr);
-  const RowLoss row = row_loss(stats, terms);
+  const RowLoss row = row_loss(stats, terms, terms.target_weight(y));
   if (gradient) {
     if (!exp_into_work && s != work) std::copy_n(s, C, work);
     const SoftmaxGradient<Scalar> k = softmax_gradient_at_max<Scalar>(stats, row, weight, terms);

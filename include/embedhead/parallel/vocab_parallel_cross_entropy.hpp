@@ -46,9 +46,11 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
   VocabShard shard;
   std::uint64_t fingerprint = fingerprint_values({V, N, options.ignore_index,
                                                   static_cast<std::int64_t>(options.reduction), options.valid_vocab,
-                                                  options.error_if_nonfinite ? 1 : 0});
-  for (const double x : {options.label_smoothing, options.z_loss, options.softcap, options.gradient_scale})
+                                                  options.error_if_nonfinite ? 1 : 0, options.entropy ? 1 : 0});
+  for (const double x : {options.label_smoothing, options.z_loss, options.softcap, options.gradient_scale,
+                         options.entropy_bonus, static_cast<double>(options.class_weights.size())})
     fingerprint = fingerprint_double(x, fingerprint);
+  for (const double u : options.class_weights) fingerprint = fingerprint_double(u, fingerprint);
   check_on_every_rank(
       comm, where,
       [&] {
@@ -74,12 +76,18 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
   const bool gradient = dlocal != nullptr;
   // Without soft-capping pass 2 leaves exp(s - m) in dlocal for the gradient, unless the entropy
   // bonus's gradient needs s itself (then dlocal gets the logits in pass 3).
-  const bool exp_in_d = gradient && !softcap && terms.entropy_bonus == 0;
+  // Nor with class weights under label smoothing (b_j needs the column's weight, not exp(s - m)).
+  const bool exp_in_d = gradient && !softcap && terms.entropy_bonus == 0 &&
+                        !(terms.class_weights && terms.logit_sums());
 
   CrossEntropyResult result;
-  for (Index n = 0; n < N; ++n)
-    if (static_cast<Index>(targets(n / T, n % T)) != options.ignore_index) ++result.count;
-  result.weight_sum = static_cast<double>(result.count);
+  for (Index n = 0; n < N; ++n) {
+    const Index y = static_cast<Index>(targets(n / T, n % T));
+    if (y == options.ignore_index) continue;
+    ++result.count;
+    if (terms.class_weights) result.weight_sum += terms.target_weight(y);
+  }
+  if (!terms.class_weights) result.weight_sum = static_cast<double>(result.count);
   const double scale = reduction_scale(options.reduction, result.weight_sum, options.gradient_scale);
   auto counted = [&](Index n) { return static_cast<Index>(targets(n / T, n % T)) != options.ignore_index; };
 
@@ -110,7 +118,7 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
     // Without soft-capping, exp(s - m) goes straight into dlocal (the gradient's first step);
     // s_y and sum_s are read first, so dlocal may be local_logits.
     stats[static_cast<std::size_t>(n)].add_at_max(s, local_classes, y - shard.begin, terms,
-                                                  exp_in_d ? dlocal->row(n).data() : nullptr);
+                                                  exp_in_d ? dlocal->row(n).data() : nullptr, shard.begin);
   }
   all_reduce_row_sums(comm, stats.data(), N, terms, buffer);
 
@@ -122,7 +130,7 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
     }
     const Index y = static_cast<Index>(targets(n / T, n % T));
     const SoftmaxRowStats& row_stats = stats[static_cast<std::size_t>(n)];
-    const RowLoss row = row_loss(row_stats, terms);
+    const RowLoss row = row_loss(row_stats, terms, terms.target_weight(y));
     add_row_loss<Scalar>(row, 1.0, result, nullptr, n);
     if (!gradient) continue;
 
@@ -133,7 +141,7 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
       std::copy_n(local_logits.row(n).data(), local_classes, d_row.data());
     apply_softmax_gradient(d_row.data(), local_classes, y - shard.begin,
                            softmax_gradient_at_max<Scalar>(row_stats, row, scale, terms), terms,
-                           /*holds_exp=*/exp_in_d);
+                           /*holds_exp=*/exp_in_d, shard.begin);
   }
   finish_reduction(result, options.reduction);
   return result;

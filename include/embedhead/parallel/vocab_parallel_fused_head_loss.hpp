@@ -189,7 +189,7 @@ class VocabParallelFusedHeadLoss {
   template <typename Id>
   std::uint64_t fingerprint(Index V, const ConstMatrixRef<Scalar>& h, bool has_bias, bool gradient,
                             const TypedTokenIds<Id>& targets, const FusedHeadLossExtras<Scalar>& extras) const {
-    const std::int64_t sizes[10] = {static_cast<std::int64_t>(h.rows()),
+    const std::int64_t sizes[12] = {static_cast<std::int64_t>(h.rows()),
                                     static_cast<std::int64_t>(h.cols()),
                                     static_cast<std::int64_t>(V),
                                     has_bias ? 1 : 0,
@@ -198,11 +198,19 @@ class VocabParallelFusedHeadLoss {
                                     static_cast<std::int64_t>(options_.valid_vocab),
                                     static_cast<std::int64_t>(options_.plan),
                                     static_cast<std::int64_t>(options_.memory_budget),
-                                    options_.error_if_nonfinite ? 1 : 0};
-    const double values[5] = {static_cast<double>(static_cast<int>(options_.reduction)), options_.label_smoothing,
-                              options_.z_loss, options_.softcap, options_.gradient_scale};
+                                    options_.error_if_nonfinite ? 1 : 0,
+                                    options_.entropy ? 1 : 0,
+                                    static_cast<std::int64_t>(options_.class_weights.size())};
+    const double values[6] = {static_cast<double>(static_cast<int>(options_.reduction)),
+                              options_.label_smoothing,
+                              options_.z_loss,
+                              options_.softcap,
+                              options_.gradient_scale,
+                              options_.entropy_bonus};
     std::uint64_t hash = detail::fingerprint_bytes(sizes, sizeof(sizes));
     hash = detail::fingerprint_bytes(values, sizeof(values), hash);
+    hash = detail::fingerprint_bytes(options_.class_weights.data(), options_.class_weights.size() * sizeof(double),
+                                     hash);
     hash = detail::fingerprint_ids(targets, hash);
     const std::int64_t weight_count = static_cast<std::int64_t>(extras.weights.size());
     hash = detail::fingerprint_bytes(&weight_count, sizeof(weight_count), hash);
