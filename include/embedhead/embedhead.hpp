@@ -45,6 +45,7 @@
 #include "optim/adamw.hpp"
 #include "optim/clip.hpp"
 #include "optim/lazy_adam.hpp"
+#include "optim/lazy_adamw.hpp"
 #include "optim/optimizer.hpp"
 #include "optim/rowwise_adagrad.hpp"
 #include "optim/schedule.hpp"

@@ -5,12 +5,14 @@
 #include <embedhead/io/checkpoint.hpp>
 #include <embedhead/io/optimizer_state.hpp>
 #include <embedhead/optim/adamw.hpp>
+#include <embedhead/optim/lazy_adamw.hpp>
 #include <embedhead/optim/rowwise_adagrad.hpp>
 #include <embedhead/optim/sgd.hpp>
 
 #include <catch2/catch.hpp>
 
 #include <unistd.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -547,6 +549,88 @@ TEST_CASE("checkpoint: each parameter's step count and a per-row buffer survive 
                       Catch::Contains("metadata 'optimizer.parameter_steps'") &&
                           Catch::Contains("is not a list of 1 integers in [0, 3]"));
   }
+  std::remove(path.c_str());
+}
+
+TEST_CASE(
+    "checkpoint: LazyAdamW's per-row buffers and running decay survive the file; training resumes bit-identically",
+    "[checkpoint]") {
+  const std::string path = temp_path("lazy_adamw.safetensors");
+  for (const bool as_double : {false, true}) {
+    CAPTURE(as_double);
+    auto run = [&](auto zero) {
+      using Scalar = decltype(zero);
+      const Index V = 7, d = 3;
+      auto p = std::make_shared<embedhead::Parameter<Scalar>>(RowMatrix<Scalar>::Random(V, d), "E");
+      embedhead::AdamOptions options;
+      options.weight_decay = 0.3;
+      embedhead::LazyAdamW<Scalar> optimizer(options, {p});
+      std::vector<Index> slots(2);
+      auto train = [&](embedhead::Parameter<Scalar>& q, embedhead::LazyAdamW<Scalar>& o, int s) {
+        o.zero_grad();
+        const Index rows[] = {static_cast<Index>(s % V), static_cast<Index>((3 * s + 1) % V)};
+        if (rows[0] == rows[1]) return o.step();
+        const Index sorted[] = {std::min(rows[0], rows[1]), std::max(rows[0], rows[1])};
+        q.grad().touch_rows(sorted, 2, slots.data());
+        for (Index slot : slots) q.grad().slot_row(slot).setConstant(Scalar(0.5) + static_cast<Scalar>(s % 3));
+        o.set_lr(1e-2 / (1 + s));  // a schedule: the running decay is not (1 - lr wd)^k
+        o.step();
+      };
+      for (int s = 0; s < 9; ++s) train(*p, optimizer, s);
+      SafetensorsWriter writer;
+      embedhead::add_optimizer_state(writer, optimizer.state());
+      writer.write(path);
+      const auto file = SafetensorsFile::open(path);
+      CHECK(file.metadata().count("optimizer.parameter_scalars") == 1);
+      const auto state = embedhead::read_optimizer_state<Scalar>(file);
+      CHECK(state.parameters.at(0).scalars == optimizer.state().parameters.at(0).scalars);  // exact
+      CHECK(state.parameters.at(0).buffers.at("last_step") ==
+            optimizer.state().parameters.at(0).buffers.at("last_step"));
+      CHECK(state.parameters.at(0).buffers.at("last_step").cols() == 1);
+      auto q = std::make_shared<embedhead::Parameter<Scalar>>(p->value(), "E");
+      embedhead::LazyAdamW<Scalar> resumed(options, {q});
+      resumed.load_state(state);
+      for (int s = 9; s < 14; ++s) {
+        train(*p, optimizer, s);
+        train(*q, resumed, s);
+      }
+      optimizer.catch_up();
+      resumed.catch_up();
+      CHECK(q->value() == p->value());
+    };
+    if (as_double)
+      run(0.0);
+    else
+      run(0.0f);
+  }
+  // Another optimizer writes no scalars; malformed scalars are a format_error naming the key.
+  const auto with_scalars = [&](const char* scalars) {
+    SafetensorsWriter w;
+    w.add<float>("optimizer.0.exp_avg", RowMatrix<float>::Ones(5, 3), DType::F32)
+        .set_metadata("optimizer", "LazyAdamW")
+        .set_metadata("optimizer.step", "3")
+        .set_metadata("optimizer.parameters", R"([["a",5,3]])");
+    if (scalars) w.set_metadata("optimizer.parameter_scalars", scalars);
+    w.write(path);
+    return SafetensorsFile::open(path);
+  };
+  CHECK(embedhead::read_optimizer_state<float>(with_scalars(nullptr)).parameters[0].scalars.empty());
+  CHECK(embedhead::read_optimizer_state<float>(with_scalars(R"([{"x":0.75}])")).parameters[0].scalars.at("x") == 0.75);
+  for (const char* bad : {"[]", "[1]", R"([{"x":"y"}])", "x", R"([{},{}])"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(embedhead::read_optimizer_state<float>(with_scalars(bad)), format_error);
+    CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(with_scalars(bad)),
+                      Catch::Contains("metadata 'optimizer.parameter_scalars'") &&
+                          Catch::Contains("is not a list of 1 objects of numbers"));
+  }
+  auto a = std::make_shared<embedhead::Parameter<float>>(RowMatrix<float>::Random(5, 3), "a");
+  embedhead::AdamW<float> adamw({}, {a});
+  a->grad().dense_accumulator().setConstant(1.0f);
+  adamw.step();
+  SafetensorsWriter writer;
+  embedhead::add_optimizer_state(writer, adamw.state());
+  writer.write(path);
+  CHECK(SafetensorsFile::open(path).metadata().count("optimizer.parameter_scalars") == 0);
   std::remove(path.c_str());
 }
 

@@ -12,6 +12,7 @@
 #include <embedhead/optim/adamw.hpp>
 #include <embedhead/optim/clip.hpp>
 #include <embedhead/optim/lazy_adam.hpp>
+#include <embedhead/optim/lazy_adamw.hpp>
 #include <embedhead/optim/optimizer.hpp>
 #include <embedhead/optim/schedule.hpp>
 #include <embedhead/optim/sgd.hpp>
@@ -603,6 +604,7 @@ TEMPLATE_TEST_CASE("state save and restore continues the same trajectory", "[opt
     return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p});
   });
   run([&](const ParameterPtr<Scalar>& p) { return embedhead::Adagrad<Scalar>(embedhead::AdagradOptions{}, {p}); });
+  run([&](const ParameterPtr<Scalar>& p) { return embedhead::LazyAdamW<Scalar>(embedhead::AdamOptions{}, {p}); });
 }
 
 TEMPLATE_TEST_CASE("load_state rejects a state that does not fit and changes nothing", "[optimizer][state][errors]",
@@ -759,6 +761,7 @@ TEMPLATE_TEST_CASE("every optimizer leaves a frozen parameter bit-identical", "[
     return embedhead::LazyAdam<Scalar>(embedhead::LazyAdam<Scalar>::lazy_defaults(), {p});
   });
   check([&](const ParameterPtr<Scalar>& p) { return embedhead::Adagrad<Scalar>(embedhead::AdagradOptions{}, {p}); });
+  check([&](const ParameterPtr<Scalar>& p) { return embedhead::LazyAdamW<Scalar>(embedhead::AdamOptions{}, {p}); });
 }
 
 TEMPLATE_TEST_CASE("clip_grad_norm ignores frozen parameters", "[optimizer][freeze][clip]", float, double) {

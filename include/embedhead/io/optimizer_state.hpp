@@ -9,6 +9,7 @@
 #include "../types.hpp"
 #include "safetensors.hpp"
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -20,13 +21,17 @@ namespace embedhead {
 // Adds an optimizer's state to `writer`: tensors "optimizer.<i>.<buffer>" for parameter i (in
 // registration order) and metadata "optimizer" (kind), "optimizer.step", "optimizer.parameters"
 // (a JSON list of [name, rows, cols]) and "optimizer.parameter_steps" (a JSON list of each
-// parameter's own step count; an entry without one is written with the state's step). Stored in
-// Scalar's own dtype, so a restore is exact. The buffers are moved into the writer: pass
-// optimizer.state() directly (no copy), or a named state, which is copied once.
+// parameter's own step count; an entry without one is written with the state's step), and, when
+// some parameter has per-parameter scalars (LazyAdamW's running decay),
+// "optimizer.parameter_scalars" (a JSON list of one object {name: value} per parameter; doubles,
+// written to round-trip exactly). Buffers are stored in Scalar's own dtype, so a restore is exact.
+// The buffers are moved into the writer: pass optimizer.state() directly (no copy), or a named
+// state, which is copied once.
 // \throws value_error "add_optimizer_state: parameter <i>'s name '<name>' is not valid UTF-8 (at
 // byte <k>) ..." (a safetensors header is JSON), the same for the optimizer's kind
-// (state.optimizer), or as SafetensorsWriter::add: value_error for a tensor "optimizer.<i>.<buffer>"
-// added to the writer before. The writer is unchanged on throw.
+// (state.optimizer) and a scalar's name, value_error for a scalar that is not finite (JSON holds
+// none), or as SafetensorsWriter::add: value_error for a tensor "optimizer.<i>.<buffer>" added to
+// the writer before. The writer is unchanged on throw.
 template <typename Scalar>
 void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state) {
   const DType dtype = std::is_same_v<Scalar, float> ? DType::F32 : DType::F64;
@@ -35,10 +40,22 @@ void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state
     detail::check_utf8(state.parameters[i].name, "add_optimizer_state: parameter " + std::to_string(i) + "'s name");
   SafetensorsWriter staged = writer;  // all or nothing: the entries are added to a copy, then swapped in
   nlohmann::json parameters = nlohmann::json::array(), steps = nlohmann::json::array();
+  nlohmann::json scalars = nlohmann::json::array();
+  bool any_scalars = false;
   for (std::size_t i = 0; i < state.parameters.size(); ++i) {
     auto& entry = state.parameters[i];
     parameters.push_back({entry.name, entry.rows, entry.cols});
     steps.push_back(entry.step.value_or(state.step));
+    nlohmann::json object = nlohmann::json::object();
+    for (const auto& [key, value] : entry.scalars) {
+      if (!std::isfinite(value))
+        throw value_error("add_optimizer_state: parameter " + std::to_string(i) + "'s scalar '" + key +
+                          "' is not finite (JSON has no infinity or NaN)");
+      detail::check_utf8(key, "add_optimizer_state: parameter " + std::to_string(i) + "'s scalar name");
+      object[key] = value;
+    }
+    any_scalars = any_scalars || !entry.scalars.empty();
+    scalars.push_back(std::move(object));
     for (auto& [key, buffer] : entry.buffers)
       staged.add<Scalar>("optimizer." + std::to_string(i) + "." + key, std::move(buffer), dtype);
   }
@@ -46,6 +63,7 @@ void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state
   staged.set_metadata("optimizer.step", std::to_string(state.step));
   staged.set_metadata("optimizer.parameters", parameters.dump());
   staged.set_metadata("optimizer.parameter_steps", steps.dump());
+  if (any_scalars) staged.set_metadata("optimizer.parameter_scalars", scalars.dump());
   writer = std::move(staged);
 }
 
@@ -88,6 +106,20 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
       fail("metadata 'optimizer.parameter_steps' = '" + it->second + "' is not a list of " +
            std::to_string(parameters.size()) + " integers in [0, " + std::to_string(state.step) + "]");
   }
+  // Each parameter's scalars (LazyAdamW's); absent when no parameter has any.
+  nlohmann::json scalars;
+  if (const auto it = metadata.find("optimizer.parameter_scalars"); it != metadata.end()) {
+    scalars = nlohmann::json::parse(it->second, nullptr, false);
+    bool valid = scalars.is_array() && scalars.size() == parameters.size();
+    for (std::size_t i = 0; valid && i < scalars.size(); ++i) {
+      valid = scalars[i].is_object();
+      for (auto item = valid ? scalars[i].begin() : scalars[i].end(); valid && item != scalars[i].end(); ++item)
+        valid = item.value().is_number();
+    }
+    if (!valid)
+      fail("metadata 'optimizer.parameter_scalars' = '" + it->second + "' is not a list of " +
+           std::to_string(parameters.size()) + " objects of numbers");
+  }
   for (std::size_t i = 0; i < parameters.size(); ++i) {
     const auto& p = parameters[i];
     if (!p.is_array() || p.size() != 3 || !p[0].is_string() || !p[1].is_number_unsigned() || !p[2].is_number_unsigned())
@@ -101,6 +133,9 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
     entry.rows = static_cast<Index>(p[1].get<std::uint64_t>());
     entry.cols = static_cast<Index>(p[2].get<std::uint64_t>());
     if (!steps.is_null()) entry.step = static_cast<std::int64_t>(steps[i].get<std::uint64_t>());
+    if (!scalars.is_null())
+      for (auto item = scalars[i].begin(); item != scalars[i].end(); ++item)
+        entry.scalars.emplace(item.key(), item.value().get<double>());
     const std::string prefix = "optimizer." + std::to_string(i) + ".";
     for (const auto& t : file.tensors()) {
       if (t.name.compare(0, prefix.size(), prefix) != 0) continue;

@@ -17,7 +17,10 @@
 // one (28.8 times for g = 1e-9, eps = 1e-8). When rows are skipped the two differ in kind: Adam
 // keeps moving an untouched row with its decaying momentum.
 // Weight decay is rejected: applied to touched rows only it would shrink frequent tokens and spare
-// rare ones (PyTorch's SparseAdam has none either).
+// rare ones (PyTorch's SparseAdam has none either). LazyAdamW (lazy_adamw.hpp) is the lazy
+// optimizer with decay: AdamW's formula (eps inside the bias correction), and a row's next touch
+// applies the decays of the steps it skipped, so rare rows shrink as in dense AdamW; where this
+// class leaves an untouched row's moments as they were, it decays them by beta^k on the next touch.
 #ifndef EMBEDHEAD_OPTIM_LAZY_ADAM_HPP
 #define EMBEDHEAD_OPTIM_LAZY_ADAM_HPP
 

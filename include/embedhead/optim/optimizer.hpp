@@ -11,6 +11,9 @@
 //     LazyAdam        PyTorch's SparseAdam (its formula exactly) / TensorFlow's LazyAdam: an
 //                     untouched row's moments and value are left exactly as they were.
 //     RowWiseAdagrad  FBGEMM's rowwise Adagrad: one accumulator per row, V values of state.
+//     LazyAdamW       AdamW with exact catch-up: an untouched row lags, and its next touch (or
+//                     catch_up()) applies the skipped steps' decoupled decay and moment decay in
+//                     closed form; with beta1 = 0 that is dense AdamW's trajectory (to rounding).
 //   both at once (nothing happens to an untouched row under either):
 //     SGD without momentum and decay, Adagrad
 //
@@ -46,8 +49,8 @@
 //
 // This header holds what every optimizer shares (parameter groups, the step count, state save and
 // restore, resize_state); each optimizer has a header of its own beside it (sgd.hpp, adamw.hpp,
-// lazy_adam.hpp, adagrad.hpp, rowwise_adagrad.hpp), with clip.hpp (gradient clipping) and
-// schedule.hpp (learning-rate schedules).
+// lazy_adam.hpp, lazy_adamw.hpp, adagrad.hpp, rowwise_adagrad.hpp), with clip.hpp (gradient
+// clipping) and schedule.hpp (learning-rate schedules).
 #ifndef EMBEDHEAD_OPTIM_OPTIMIZER_HPP
 #define EMBEDHEAD_OPTIM_OPTIMIZER_HPP
 
@@ -96,9 +99,12 @@ struct ParameterGroup {
 
 // Everything an optimizer needs to continue where it stopped: the count of step() calls and, per
 // parameter (in registration order), its name, shape, its own step count and named buffers
-// ("exp_avg", "exp_avg_sq", "momentum_buffer", "sum"), each [rows, cols] (RowWiseAdagrad's "sum":
-// [rows, 1]). A buffer not created yet is absent. An entry's step unset (a state saved before
-// parameters had their own counts) means the state's step.
+// ("exp_avg", "exp_avg_sq", "momentum_buffer", "sum"), each [rows, cols] (RowWiseAdagrad's "sum",
+// LazyAdamW's per-row "last_step", "decay_mantissa", "decay_exponent": [rows, 1]), and named
+// per-parameter scalars in double (LazyAdamW's running decay, "decay_mantissa" and
+// "decay_exponent"; the other optimizers have none). A buffer or scalar not created yet is absent.
+// An entry's step unset (a state saved before parameters had their own counts) means the state's
+// step.
 template <typename Scalar>
 struct OptimizerState {
   std::string optimizer;
@@ -108,6 +114,7 @@ struct OptimizerState {
     Index rows = 0, cols = 0;
     std::map<std::string, RowMatrix<Scalar>> buffers;
     std::optional<std::int64_t> step = std::nullopt;  // this parameter's t, in [0, step]
+    std::map<std::string, double> scalars = {};       // per-parameter scalars (LazyAdamW)
   };
   std::vector<Entry> parameters;
 };
@@ -215,6 +222,7 @@ class Optimizer {
       slots_.push_back(p.get());
       state_.emplace_back();
       steps_.push_back(0);
+      scalars_.emplace_back();
     }
   }
 
@@ -313,7 +321,7 @@ class Optimizer {
     std::size_t slot = 0;
     for (const auto& group : groups_)
       for (const auto& p : group.parameters) {
-        s.parameters.push_back({p->name(), p->rows(), p->cols(), state_[slot], steps_[slot]});
+        s.parameters.push_back({p->name(), p->rows(), p->cols(), state_[slot], steps_[slot], scalars_[slot]});
         ++slot;
       }
     return s;
@@ -364,17 +372,30 @@ class Optimizer {
         }
         detail::check_shape(where, (entry.name + "." + key).c_str(), buffer, p.rows(), buffer_cols(key, p.cols()));
       }
+      for (const auto& [key, value] : entry.scalars) {
+        const auto names = scalar_names();
+        if (std::find(names.begin(), names.end(), key) != names.end()) continue;
+        std::ostringstream message;
+        message << where << "::load_state: parameter '" << entry.name << "' has a scalar '" << key << "' = " << value
+                << " that " << name_ << " does not use";
+        throw value_error(message.str());
+      }
+      check_entry(entry, entry.step.value_or(s.step));
     }
     std::vector<std::map<std::string, RowMatrix<Scalar>>> restored;
     restored.reserve(slots_.size());
     std::vector<std::int64_t> steps;
     steps.reserve(slots_.size());
+    std::vector<std::map<std::string, double>> scalars;
+    scalars.reserve(slots_.size());
     for (const auto& entry : s.parameters) {
       restored.push_back(entry.buffers);
       steps.push_back(entry.step.value_or(s.step));
+      scalars.push_back(entry.scalars);
     }
     state_ = std::move(restored);
     steps_ = std::move(steps);
+    scalars_ = std::move(scalars);
     step_ = s.step;
   }
 
@@ -393,6 +414,18 @@ class Optimizer {
   virtual void check_weight_decay(double) const {}
   // The value the buffer `key` starts from (and a resized buffer's new rows).
   virtual double initial_buffer_value(const std::string& /*key*/) const { return 0.0; }
+  // Fills rows [from, rows) of the buffer `key` that resize_state adds, for a parameter with its
+  // own step count t and per-parameter scalars `scalars`: initial_buffer_value(key) unless an
+  // optimizer's new rows depend on its state (LazyAdamW stamps them up to date at t).
+  virtual void fill_new_rows(const std::string& key, RowMatrix<Scalar>& buffer, Index from,
+                             const std::map<std::string, double>& /*scalars*/, std::int64_t /*t*/) const {
+    buffer.bottomRows(buffer.rows() - from).setConstant(static_cast<Scalar>(initial_buffer_value(key)));
+  }
+  // The per-parameter scalars this optimizer keeps (Entry::scalars); load_state refuses others.
+  virtual std::vector<std::string> scalar_names() const { return {}; }
+  // Throws value_error if an entry load_state is given (of the right names and shapes; its own
+  // step count t) holds values this optimizer cannot continue from. Called before anything changes.
+  virtual void check_entry(const typename OptimizerState<Scalar>::Entry& /*entry*/, std::int64_t /*t*/) const {}
   // The column count of the buffer `key` of a parameter of `cols` columns: cols, or 1 for a
   // per-row buffer (RowWiseAdagrad's "sum").
   virtual Index buffer_cols(const std::string& /*key*/, Index cols) const { return cols; }
@@ -435,17 +468,27 @@ class Optimizer {
     if (static_cast<Index>(scratch_.size()) < cols) scratch_.resize(static_cast<std::size_t>(cols));
     return scratch_.data();
   }
+  // p's per-parameter scalars (Entry::scalars), for update(); p must be registered here.
+  std::map<std::string, double>& scalars_of(const Parameter<Scalar>& p) {
+    return scalars_[static_cast<std::size_t>(slot_of(&p))];
+  }
+  // Calls f(parameter, buffers, scalars, own step count) for each registered parameter, in
+  // registration order.
+  template <typename F>
+  void for_each_slot(F&& f) {
+    std::size_t slot = 0;
+    for (const auto& group : groups_)
+      for (const auto& p : group.parameters) {
+        f(*p, state_[slot], scalars_[slot], steps_[slot]);
+        ++slot;
+      }
+  }
+  template <typename F>
+  void for_each_slot(F&& f) const {
+    for (std::size_t i = 0; i < slots_.size(); ++i) f(*slots_[i], state_[i], scalars_[i], steps_[i]);
+  }
 
   const char* name_;
-
- private:
-  template <typename>
-  friend class detail::StateResize;
-
-  // Whether step() updates p now: not frozen, and with a gradient unless those without are stepped.
-  bool steps_this_time(const Parameter<Scalar>& p) const {
-    return !p.frozen() && (!skip_without_grad_ || p.grad().num_touched() > 0);
-  }
 
   // Throws shape_error, naming <name>::<call>, the parameter and the buffer, if a registered
   // parameter's buffer is not of its [rows, buffer_cols]: it was resized without resize_state, and
@@ -469,6 +512,15 @@ class Optimizer {
     return it == slots_.end() ? -1 : it - slots_.begin();
   }
 
+ private:
+  template <typename>
+  friend class detail::StateResize;
+
+  // Whether step() updates p now: not frozen, and with a gradient unless those without are stepped.
+  bool steps_this_time(const Parameter<Scalar>& p) const {
+    return !p.frozen() && (!skip_without_grad_ || p.grad().num_touched() > 0);
+  }
+
   double lr_ = 0;
   double default_weight_decay_ = 0;
   std::vector<std::string> buffer_names_;
@@ -477,7 +529,8 @@ class Optimizer {
   std::vector<ParameterGroup<Scalar>> groups_;
   std::vector<const Parameter<Scalar>*> slots_;  // registration order
   std::vector<std::map<std::string, RowMatrix<Scalar>>> state_;
-  std::vector<std::int64_t> steps_;  // each parameter's own t, by slot
+  std::vector<std::int64_t> steps_;                     // each parameter's own t, by slot
+  std::vector<std::map<std::string, double>> scalars_;  // each parameter's scalars, by slot
   std::vector<Scalar> zero_, scratch_;
 };
 
@@ -492,11 +545,12 @@ class StateResize {
   StateResize(Optimizer<Scalar>& optimizer, const Parameter<Scalar>& p, Index new_rows, Index keep)
       : optimizer_(&optimizer), slot_(optimizer.slot_of(&p)) {
     if (slot_ < 0) return;
-    for (const auto& [key, buffer] : optimizer.state_[static_cast<std::size_t>(slot_)]) {
+    const auto slot = static_cast<std::size_t>(slot_);
+    for (const auto& [key, buffer] : optimizer.state_[slot]) {
       const Index kept = std::min(keep, buffer.rows());
       RowMatrix<Scalar> resized(new_rows, buffer.cols());
       resized.topRows(kept) = buffer.topRows(kept);
-      resized.bottomRows(new_rows - kept).setConstant(static_cast<Scalar>(optimizer.initial_buffer_value(key)));
+      optimizer.fill_new_rows(key, resized, kept, optimizer.scalars_[slot], optimizer.steps_[slot]);
       buffers_.emplace(key, std::move(resized));
     }
   }
