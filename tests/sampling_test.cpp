@@ -611,6 +611,14 @@ TEMPLATE_TEST_CASE("sampling: the chain in HF's order and in another order again
       SamplingOptions t;
       t.typical_p = p;
       check_against_reference(wide, t, {});
+      // min_tokens_to_keep above the prefix (the selection widened by a full ranking), and near V.
+      for (const Index keep : {Index{9000}, wide.cols() - 1}) {
+        if (keep >= wide.cols()) continue;
+        CAPTURE(keep);
+        w.min_tokens_to_keep = t.min_tokens_to_keep = keep;
+        check_against_reference(wide, w, {});
+        check_against_reference(wide, t, {});
+      }
     }
   }
 }

@@ -79,14 +79,17 @@
 // undecided range, its mass summed, one half decided -- O(K) expected in all, with a std::sort of
 // at most 16 tokens at the end; above 8192 tokens the halving runs only in the one of 2048
 // equal-width buckets of the keys that holds the cut, found by one pass summing each bucket's mass
-// (top-p first drops the tokens below (1 - top_p) / K of the mass,
-// which are all in its removed tail). Nothing sorts V (or K) entries. The survivors are kept as a
-// list once found (no step revives a removed token), so steps after a cut cost O(K), not O(V).
-// The chain runs in double; processed logits are rounded once to Scalar. Sampling: O(K') for K'
-// survivors. Scratch: a workspace per thread (thread_local), grown to the largest V seen and kept
-// for the thread's life (about 9 V doubles: 18 MB at V = 256,000), so calls allocate only their
-// results and O(N) bookkeeping once it has grown. Rows are processed one after another on the calling thread (no
-// threading), so results cannot depend on a thread count.
+// (up to 8192 tokens top-p first drops the tokens below (1 - top_p) / K of the mass, which are all
+// in its removed tail), and the prefix is then known by its last token, so one comparison per
+// token removes the rest. Nothing sorts V (or K) entries. The survivors are kept as a list once
+// found (no step revives a removed token), so steps after a cut cost O(K), not O(V); while the
+// survivors are most of the row, the passes run over the whole row instead (contiguous and
+// vectorised, no index loads: the same results). Which tokens go is decided without a branch
+// (the pattern is data-dependent). The chain runs in double; processed logits are rounded once to Scalar. Sampling:
+// O(K') for K' survivors. Scratch: a workspace per thread (thread_local), grown to the largest V seen and kept for the
+// thread's life (about 9 V doubles: 18 MB at V = 256,000), so calls allocate only their results and O(N) bookkeeping
+// once it has grown. Rows are processed one after another on the calling thread (no threading), so results cannot
+// depend on a thread count.
 #ifndef EMBEDHEAD_SAMPLING_HPP
 #define EMBEDHEAD_SAMPLING_HPP
 
@@ -378,40 +381,6 @@ inline Index select_mass_prefix_halving(Ranked* a, Index n, double target) {
   return hi;
 }
 
-// The same prefix (same contract), for large n first narrowed by buckets: the keys' range is cut
-// into kBuckets equal buckets (bucket(key) = floor((key - min) / (max - min) * kBuckets), which is
-// monotone in the key, so every token of a lower bucket comes before every token of a higher one),
-// one pass sums each bucket's mass, the bucket where the running mass reaches target holds the
-// cut, one partition puts the lower buckets first and that bucket next, and halving runs on that
-// bucket alone. Three passes over n plus a selection in one bucket: O(n).
-inline Index select_mass_prefix(Ranked* a, Index n, double target, std::vector<double>& bucket_mass) {
-  constexpr Index kBuckets = 2048;
-  if (n <= 4 * kBuckets) return select_mass_prefix_halving(a, n, target);
-  double lo = a[0].key, hi = a[0].key;
-  for (Index i = 1; i < n; ++i) {
-    lo = std::min(lo, a[i].key);
-    hi = std::max(hi, a[i].key);
-  }
-  const double scale = static_cast<double>(kBuckets) / (hi - lo);
-  if (!(hi > lo) || !std::isfinite(scale)) return select_mass_prefix_halving(a, n, target);
-  const auto bucket = [lo, scale](double key) {
-    return std::min<Index>(kBuckets - 1, static_cast<Index>((key - lo) * scale));
-  };
-  bucket_mass.assign(static_cast<std::size_t>(kBuckets), 0.0);
-  for (Index i = 0; i < n; ++i) bucket_mass[static_cast<std::size_t>(bucket(a[i].key))] += a[i].weight;
-  double acc = 0.0;  // the mass of the buckets below b
-  Index b = 0;
-  for (; b < kBuckets; ++b) {
-    if (acc + bucket_mass[static_cast<std::size_t>(b)] >= target) break;
-    acc += bucket_mass[static_cast<std::size_t>(b)];
-  }
-  if (b == kBuckets) return n;  // the whole set falls short (rounding)
-  Ranked* const below = std::partition(a, a + n, [&](const Ranked& r) { return bucket(r.key) < b; });
-  Ranked* const within = std::partition(below, a + n, [&](const Ranked& r) { return bucket(r.key) == b; });
-  const Index first = static_cast<Index>(below - a);
-  return first + select_mass_prefix_halving(below, static_cast<Index>(within - below), target - acc);
-}
-
 // Moves the keep - c best of a[c .. n) (ranked_before) to a[c .. keep), when c < keep <= n; returns
 // max(c, keep).
 inline Index keep_at_least(Ranked* a, Index n, Index c, Index keep) {
@@ -429,16 +398,19 @@ struct SamplingRow {
   std::vector<Index> cand, ids;
   std::vector<Ranked> ranked;
   std::vector<char> mark;
-  std::vector<double> packed;  // z (then exp) of the candidates, packed
-  double raw_lse = 0.0;        // log-sum-exp of the row as loaded, before the chain
-  bool cand_valid = false;     // cand holds every survivor (and maybe some removed since)
+  std::vector<double> packed;           // z (then exp) of the candidates, packed
+  std::vector<std::int32_t> bucket_of;  // and its bucket
+  std::vector<double> bucket_mass;
+  double raw_lse = 0.0;     // log-sum-exp of the row as loaded, before the chain
+  bool cand_valid = false;  // cand holds every survivor (and maybe some removed since)
 
   // cand <- the ids with z > -inf, in increasing order. No step turns -inf into a value, so once
-  // cand is valid a later call filters it (O(K)) instead of scanning the row (O(V)).
+  // cand is valid and short a later call filters it (O(K)) instead of scanning the row (O(V));
+  // while it holds most of the row, scanning z (contiguous, no index loads) is the faster.
   void candidates() {
     // Branch-free compaction: survival is data-dependent and a branch on it mispredicts.
     std::size_t k = 0;
-    if (cand_valid) {
+    if (cand_valid && 2 * cand.size() <= z.size()) {  // few survivors: filter the list (O(K))
       for (const Index j : cand) {
         cand[k] = j;
         k += z[static_cast<std::size_t>(j)] > kNegInf ? 1 : 0;
@@ -455,9 +427,17 @@ struct SamplingRow {
   }
   // Over the candidates (call candidates() first): m = max z_j, w_j = exp(z_j - m), by the
   // softmax core's vectorised pass (detail/softmax.hpp) on the packed values; returns
-  // S = sum_j w_j, and m in *max. w is left stale at removed ids.
+  // S = sum_j w_j, and m in *max. w is left stale at removed ids. While the candidates are most
+  // of the row the pass runs on the whole of z instead (no packing; a removed id adds
+  // exp(-inf) = 0 and gets w = 0).
   double exp_weights(double* max = nullptr) {
     const Index K = static_cast<Index>(cand.size());
+    if (2 * cand.size() > z.size()) {
+      const Index V = static_cast<Index>(z.size());
+      const double m = row_max(z.data(), V);
+      if (max) *max = m;
+      return sum_exp_shifted(z.data(), V, m, w.data());
+    }
     packed.resize(static_cast<std::size_t>(K));
     for (Index i = 0; i < K; ++i) packed[static_cast<std::size_t>(i)] = z[static_cast<std::size_t>(cand[i])];
     const double m = row_max(packed.data(), K);
@@ -472,12 +452,109 @@ struct SamplingRow {
     ranked.resize(cand.size());
     for (std::size_t i = 0; i < cand.size(); ++i) ranked[i] = Ranked{key(cand[i]), cand[i], weight(cand[i])};
   }
+  // z_j = -inf for the candidates j with remove(j, z_j). When most of the row survives, every
+  // entry of z is visited instead (a removed entry stays -inf whatever remove says), one
+  // contiguous, vectorisable pass with no index loads; the result is the same.
+  template <typename Remove>
+  void remove_if(const Remove& remove) {
+    if (2 * cand.size() > z.size()) {
+      double* const zz = z.data();
+      const Index V = static_cast<Index>(z.size());
+      for (Index j = 0; j < V; ++j) zz[j] = remove(j, zz[j]) ? kNegInf : zz[j];
+    } else {
+      for (const Index j : cand) {
+        double& v = z[static_cast<std::size_t>(j)];
+        v = remove(j, v) ? kNegInf : v;
+      }
+    }
+  }
   // z = -inf for the ids of ranked[from ...].
   void remove_ranked_from(Index from) {
     for (std::size_t i = static_cast<std::size_t>(from); i < ranked.size(); ++i)
       z[static_cast<std::size_t>(ranked[i].id)] = kNegInf;
   }
 };
+
+// Up to this many candidates mass_prefix runs the halving on them all; above, on one bucket.
+inline constexpr Index kMassPrefixHalving = 8192;
+
+// The smallest prefix of the candidates in (key, id) order (ranked_before) whose weights sum to
+// >= target, as its last token `mass_last`, then widened to the first `keep` tokens: `last`. The
+// prefix is every token up to its last one, so the caller removes the tokens after it (top-p) or
+// those whose key exceeds mass_last's (typical). cut is false when nothing is removed (the prefix
+// is every candidate, or keep >= their count).
+// Above kMassPrefixHalving candidates, the keys' range [lo, hi] (the caller's: every key is >= lo,
+// and the prefix ends at a key <= hi) is cut into kBuckets - 1 equal buckets, the keys above hi
+// going to one more: bucket(key) = floor((key - lo) / (hi - lo) * (kBuckets - 1)), monotone in the
+// key, so every token of a lower bucket comes before every token of a higher one. One pass computes
+// each candidate's bucket and sums each bucket's mass, the bucket where the running mass reaches
+// target holds the cut, and the halving runs on that bucket's tokens alone, gathered by a second
+// pass. O(n); nothing sorts more than 16 tokens, nothing moves the other tokens.
+struct PrefixCut {
+  bool cut = false;
+  Ranked mass_last{}, last{};
+};
+
+template <typename Key, typename Weight>
+PrefixCut mass_prefix(SamplingRow& row, const Key& key, const Weight& weight, double target, Index keep, double lo,
+                      double hi) {
+  constexpr Index kBuckets = 2048;
+  const std::vector<Index>& cand = row.cand;
+  const Index n = static_cast<Index>(cand.size());
+  PrefixCut result;
+  Index c = 0;  // the mass prefix's size
+  bool found = false;
+  const double scale = static_cast<double>(kBuckets - 1) / (hi - lo);
+  if (n > kMassPrefixHalving && hi > lo && std::isfinite(scale)) {
+    row.bucket_of.resize(static_cast<std::size_t>(n));
+    row.bucket_mass.assign(static_cast<std::size_t>(kBuckets), 0.0);
+    for (Index i = 0; i < n; ++i) {
+      const Index j = cand[static_cast<std::size_t>(i)];
+      const double k = key(j);
+      const Index within = std::clamp<Index>(static_cast<Index>((k - lo) * scale), 0, kBuckets - 2);
+      const auto b = static_cast<std::int32_t>(k > hi ? kBuckets - 1 : within);
+      row.bucket_of[static_cast<std::size_t>(i)] = b;
+      row.bucket_mass[static_cast<std::size_t>(b)] += weight(j);
+    }
+    double acc = 0.0;  // the mass of the buckets below b
+    Index b = 0;
+    for (; b < kBuckets; ++b) {
+      if (acc + row.bucket_mass[static_cast<std::size_t>(b)] >= target) break;
+      acc += row.bucket_mass[static_cast<std::size_t>(b)];
+    }
+    if (b == kBuckets) return result;  // the whole set falls short (rounding): nothing removed
+    row.ranked.clear();
+    Index before = 0;
+    for (Index i = 0; i < n; ++i) {
+      const std::int32_t bi = row.bucket_of[static_cast<std::size_t>(i)];
+      before += bi < b ? 1 : 0;
+      if (bi == b) {
+        const Index j = cand[static_cast<std::size_t>(i)];
+        row.ranked.push_back(Ranked{key(j), j, weight(j)});
+      }
+    }
+    const Index within = select_mass_prefix_halving(row.ranked.data(), static_cast<Index>(row.ranked.size()),
+                                                    target - acc);
+    c = before + within;
+    result.mass_last = row.ranked[static_cast<std::size_t>(within - 1)];  // the prefix's largest
+    found = true;
+  }
+  if (!found) {
+    row.rank(key, weight);
+    c = select_mass_prefix_halving(row.ranked.data(), n, target);
+    result.mass_last = row.ranked[static_cast<std::size_t>(c - 1)];
+  }
+  if (c >= n) return result;
+  result.last = result.mass_last;
+  if (c < keep) {  // the best `keep` tokens, which hold the prefix (rare: a full ranking)
+    if (keep >= n) return result;
+    row.rank(key, weight);
+    std::nth_element(row.ranked.begin(), row.ranked.begin() + (keep - 1), row.ranked.end(), ranked_before);
+    result.last = row.ranked[static_cast<std::size_t>(keep - 1)];
+  }
+  result.cut = true;
+  return result;
+}
 
 // The sorted ids of one history row.
 inline void sorted_history(const TokenIds& h, std::vector<Index>& ids) {
@@ -573,27 +650,38 @@ inline void run_chain(SamplingRow& row, const SamplingOptions& o, const TokenIds
         if (p >= 1.0) break;
         row.candidates();
         if (row.cand.empty()) break;  // the masks removed everything: process_row reports it
-        const double S = row.exp_weights();
+        double m = 0.0;
+        const double S = row.exp_weights(&m);
         // Pre-cut: tokens with w_j < (1 - p) S / K weigh less than (1 - p) S together, and each is
         // lighter than every other token, so they are all in the removed tail. Dropped before
         // ranking, unless fewer than min_tokens_to_keep would remain.
+        // (Above kMassPrefixHalving tokens the bucketed selection costs a pass or two whatever the
+        // tail, and the removal drops it: no pre-cut there.)
         const double floor_w = (1.0 - p) * S / static_cast<double>(row.cand.size());
         Index heavy = 0;
-        for (const Index j : row.cand) heavy += row.w[static_cast<std::size_t>(j)] < floor_w ? 0 : 1;
+        if (static_cast<Index>(row.cand.size()) <= kMassPrefixHalving)
+          for (const Index j : row.cand) heavy += row.w[static_cast<std::size_t>(j)] < floor_w ? 0 : 1;
         if (heavy >= keep && heavy < static_cast<Index>(row.cand.size())) {
+          // Branch-free: which tokens go is data-dependent, and a branch on it mispredicts.
           std::size_t k = 0;
           for (const Index j : row.cand) {
-            if (row.w[static_cast<std::size_t>(j)] < floor_w)
-              at(j) = kNegInf;
-            else
-              row.cand[k++] = j;
+            const bool light = row.w[static_cast<std::size_t>(j)] < floor_w;
+            at(j) = light ? kNegInf : at(j);
+            row.cand[k] = j;
+            k += light ? 0 : 1;
           }
           row.cand.resize(k);
         }
-        row.rank(minus_z, weight_w);
-        const Index n = static_cast<Index>(row.ranked.size());
-        const Index c = select_mass_prefix(row.ranked.data(), n, p * S, row.vals);
-        row.remove_ranked_from(keep_at_least(row.ranked.data(), n, c, keep));
+        // Keys -z from -m up; the prefix ends at a weight >= floor_w, i.e. a key <= -m - log(floor_w).
+        const PrefixCut cut = mass_prefix(row, minus_z, weight_w, p * S, keep, -m, -m - std::log(floor_w));
+        if (cut.cut) {
+          // Every token after the prefix's last in (-z, id) order: z below its z, or equal with a
+          // larger id. Branch-free (the pattern is data-dependent).
+          const double z_last = -cut.last.key;
+          const Index id_last = cut.last.id;
+          row.remove_if(
+              [z_last, id_last](Index j, double v) { return (v < z_last) | ((v == z_last) & (j > id_last)); });
+        }
         break;
       }
       case SamplingStep::min_p: {
@@ -604,8 +692,8 @@ inline void run_chain(SamplingRow& row, const SamplingOptions& o, const TokenIds
         Index survivors = 0;
         for (const Index j : row.cand) survivors += row.w[static_cast<std::size_t>(j)] < min_p ? 0 : 1;
         if (survivors >= keep) {
-          for (const Index j : row.cand)
-            if (row.w[static_cast<std::size_t>(j)] < min_p) at(j) = kNegInf;
+          const double* const w = row.w.data();
+          row.remove_if([w, min_p](Index j, double) { return w[j] < min_p; });
         } else {  // the survivors are the best by z: keep the best `keep` instead
           row.rank(minus_z, no_weight);
           row.remove_ranked_from(keep_at_least(row.ranked.data(), static_cast<Index>(row.ranked.size()), 0, keep));
@@ -628,21 +716,25 @@ inline void run_chain(SamplingRow& row, const SamplingOptions& o, const TokenIds
         }
         // s_j = |-lp_j - H|, per id in row.s.
         row.s.resize(static_cast<std::size_t>(V));
-        for (const Index j : row.cand) row.s[static_cast<std::size_t>(j)] = std::fabs(-(at(j) - lse) - H);
-        row.rank([&row](Index j) { return row.s[static_cast<std::size_t>(j)]; }, weight_w);
-        const Index n = static_cast<Index>(row.ranked.size());
-        const Index c = select_mass_prefix(row.ranked.data(), n, mass, row.vals);
-        // s* = s of the boundary token (the c-th in order, or the last if the mass never reached
-        // typical_p): the largest key of the prefix.
-        double cut = std::numeric_limits<double>::infinity();
-        if (c < n) {
-          cut = 0.0;
-          for (Index i = 0; i < c; ++i) cut = std::max(cut, row.ranked[static_cast<std::size_t>(i)].key);
+        double s_min = std::numeric_limits<double>::infinity(), s_max = -s_min;
+        for (const Index j : row.cand) {
+          const double sj = std::fabs(-(at(j) - lse) - H);
+          row.s[static_cast<std::size_t>(j)] = sj;
+          s_min = std::min(s_min, sj);
+          s_max = std::max(s_max, sj);
         }
-        const Index kept = keep_at_least(row.ranked.data(), n, c, keep);
-        for (Index i = kept; i < n; ++i)
-          if (row.ranked[static_cast<std::size_t>(i)].key > cut)
-            at(row.ranked[static_cast<std::size_t>(i)].id) = kNegInf;
+        const auto s_of = [&row](Index j) { return row.s[static_cast<std::size_t>(j)]; };
+        // s* = s of the boundary token (the last of the mass prefix; none when the prefix is every
+        // token): tokens with s > s* go, but for the first min_tokens_to_keep.
+        const PrefixCut cut = mass_prefix(row, s_of, weight_w, mass, keep, s_min, s_max);
+        if (cut.cut) {
+          const double* const s = row.s.data();
+          const double s_mass = cut.mass_last.key, s_last = cut.last.key;
+          const Index id_last = cut.last.id;
+          row.remove_if([s, s_mass, s_last, id_last](Index j, double) {
+            return (s[j] > s_mass) & ((s[j] > s_last) | ((s[j] == s_last) & (j > id_last)));
+          });
+        }
         break;
       }
     }
@@ -650,7 +742,13 @@ inline void run_chain(SamplingRow& row, const SamplingOptions& o, const TokenIds
 }
 
 // log-sum-exp of row.z (some entry above -inf), writing exp(z_j - max) to row.w at the survivors.
+// A row as loaded (no candidate list yet) is summed whole, without building the list.
 inline double row_lse(SamplingRow& row) {
+  if (!row.cand_valid) {
+    const Index V = static_cast<Index>(row.z.size());
+    const double m = row_max(row.z.data(), V);
+    return m + std::log(sum_exp_shifted(row.z.data(), V, m, row.w.data()));
+  }
   row.candidates();
   double m = 0.0;
   const double S = row.exp_weights(&m);
@@ -664,30 +762,39 @@ inline SamplingRow& sampling_workspace() {
   return row;
 }
 
-// Loads row n of logits into row.z and runs the chain; then checks the result: some entry above
-// -inf (value_error naming the row otherwise) and no +inf or NaN (an option that overflowed).
+// Loads row n of logits into row.z (with raw_lse, its log-sum-exp into row.raw_lse) and runs the
+// chain; then checks the result: some entry above -inf (value_error naming the row otherwise) and
+// no +inf or NaN (an option that overflowed).
 template <typename Scalar>
 void process_row(const char* where, const ConstMatrixRef<Scalar>& logits, Index n, const SamplingOptions& o,
-                 const std::vector<TokenIds>& history, SamplingRow& row) {
+                 const std::vector<TokenIds>& history, SamplingRow& row, bool raw_lse = false) {
   const Index V = logits.cols();
   row.z.resize(static_cast<std::size_t>(V));
   row.w.resize(static_cast<std::size_t>(V));
   for (Index j = 0; j < V; ++j) row.z[static_cast<std::size_t>(j)] = static_cast<double>(logits(n, j));
   row.cand_valid = false;
-  row.raw_lse = row_lse(row);
+  if (raw_lse) row.raw_lse = row_lse(row);
   run_chain(row, o, history.empty() ? nullptr : &history[static_cast<std::size_t>(n)]);
-  bool any = false;
+  // v is bad when NaN, +inf, or finite beyond Scalar's range: !(v <= largest) && v != -inf. One
+  // branch-free pass (which entries are -inf is data-dependent, a branch on it mispredicts); the
+  // first bad entry is looked for only when there is one.
+  const double largest = static_cast<double>(std::numeric_limits<Scalar>::max());
+  const auto bad = [largest](double v) { return !(std::fabs(v) <= largest) & (v != kNegInf); };
+  bool any = false, any_bad = false;
   for (Index j = 0; j < V; ++j) {
     const double v = row.z[static_cast<std::size_t>(j)];
-    if (std::isnan(v) || v == std::numeric_limits<double>::infinity() ||
-        (v > kNegInf && std::fabs(v) > static_cast<double>(std::numeric_limits<Scalar>::max()))) {
+    any_bad |= bad(v);
+    any |= v > kNegInf;
+  }
+  if (any_bad)
+    for (Index j = 0; j < V; ++j) {
+      const double v = row.z[static_cast<std::size_t>(j)];
+      if (!bad(v)) continue;
       std::ostringstream m;
       m << where << ": the chain gives " << v << " at (row " << n << ", column " << j << "), outside the finite "
         << scalar_name<Scalar>() << " numbers (an option overflowed)";
       throw value_error(m.str());
     }
-    any = any || v > kNegInf;
-  }
   if (!any) {
     std::ostringstream m;
     m << where << ": the masks (banned_ids, allowed_ids) remove every token of row " << n << ": nothing to sample from";
@@ -820,7 +927,7 @@ void processed_log_probs(const ConstMatrixRef<Scalar>& logits, const SamplingOpt
 // is neither read nor advanced), with its raw and processed log-probs. logits are not changed.
 // \throws as process_logits (naming sample_tokens); shape_error if draws does not hold N indices;
 // value_error for a draw index >= 2^64 / V. Cost: one run of the chain and one Gumbel-max per row,
-// plus one O(V) pass for the raw log-prob.
+// plus one O(V) pass for the raw log-prob (process_logits and processed_log_probs skip it).
 template <typename Scalar>
 SampledTokens sample_tokens(const ConstMatrixRef<Scalar>& logits, const SamplingOptions& options,
                             const std::vector<TokenIds>& history, const Rng& rng,
@@ -840,7 +947,7 @@ SampledTokens sample_tokens(const ConstMatrixRef<Scalar>& logits, const Sampling
   SampledTokens out;
   detail::SamplingRow& row = detail::sampling_workspace();
   for (Index n = 0; n < N; ++n) {
-    detail::process_row<Scalar>(where, logits, n, options, history, row);
+    detail::process_row<Scalar>(where, logits, n, options, history, row, /*raw_lse=*/true);
     const Index token = detail::gumbel_max(row, rng, draws[static_cast<std::size_t>(n)]);
     out.tokens.push_back(token);
     out.raw_log_probs.push_back(static_cast<double>(logits(n, token)) - row.raw_lse);
