@@ -1,6 +1,7 @@
 // embedhead: the umbrella header -- every public header that needs nothing beyond Eigen (and
 // OpenMP when built with it). The headers with an extra dependency are included on their own:
-//   io/safetensors.hpp, io/checkpoint.hpp, io/optimizer_state.hpp   nlohmann/json, POSIX
+//   io/safetensors.hpp, io/checkpoint.hpp, io/optimizer_state.hpp,
+//   io/update_counts.hpp                                              nlohmann/json, POSIX
 //   io/rope_config.hpp (config.json's RoPE settings)                 nlohmann/json, POSIX
 //   parallel/mpi_communicator.hpp                                    MPI
 //   backends/onednn_head.hpp                                         oneDNN
@@ -50,6 +51,7 @@
 #include "optim/rowwise_adagrad.hpp"
 #include "optim/schedule.hpp"
 #include "optim/sgd.hpp"
+#include "optim/untrained_guard.hpp"
 
 // Files without JSON: .npy.
 #include "io/npy.hpp"

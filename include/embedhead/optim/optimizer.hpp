@@ -50,7 +50,9 @@
 // This header holds what every optimizer shares (parameter groups, the step count, state save and
 // restore, resize_state); each optimizer has a header of its own beside it (sgd.hpp, adamw.hpp,
 // lazy_adam.hpp, lazy_adamw.hpp, adagrad.hpp, rowwise_adagrad.hpp), with clip.hpp (gradient
-// clipping) and schedule.hpp (learning-rate schedules).
+// clipping), schedule.hpp (learning-rate schedules) and untrained_guard.hpp (per-row update
+// counts: which rows no step ever updated, a batch check for their ids, and a repair to the mean
+// of the trained rows -- the reserved-token rows behind inf / NaN gradient norms).
 #ifndef EMBEDHEAD_OPTIM_OPTIMIZER_HPP
 #define EMBEDHEAD_OPTIM_OPTIMIZER_HPP
 
