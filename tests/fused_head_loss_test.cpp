@@ -312,6 +312,55 @@ TEMPLATE_TEST_CASE("fused head loss with per-token weights matches the naive def
       }
 }
 
+TEMPLATE_TEST_CASE("fused head loss per-row entropy output matches the naive definition",
+                   "[fused_head_loss][naive][entropy]", float, double) {
+  using Scalar = TestType;
+  const Index V = 31, d = 7, classes = 27;
+  Problem<Scalar> p = make_problem<Scalar>(2, 6, V, d, 313, classes);
+  p.targets(1, 2) = -100;
+  for (const PlanCase& plan : plan_cases()) {
+    CAPTURE(plan.name);
+    FusedHeadLossOptions options = with_plan<Scalar>({}, plan, classes);
+    options.valid_vocab = classes;
+    options.softcap = 2.5;
+    options.vocab_block = 6;
+    // Without options.entropy: asking for the output is enough.
+    RowMatrix<Scalar> entropy = RowMatrix<Scalar>::Constant(p.N, 1, Scalar(9));
+    const FusedHeadLossExtras<Scalar> extras{{nullptr, 0, 1},
+                                             {nullptr, 0, 1},
+                                             {nullptr, 0, 1},
+                                             {entropy.data(), p.N, 1}};
+    FusedHeadLossWorkspace<Scalar> ws;
+    const auto with_output = embedhead::fused_head_loss<Scalar>(p.h, p.W, p.bias, p.targets, ws, options, extras);
+    const auto without = embedhead::fused_head_loss<Scalar>(p.h, p.W, p.bias, p.targets, ws, options);
+    CHECK(with_output.loss == without.loss);  // the statistic E does not change S's bits
+
+    RowMatrix<double> logits = p.h.template cast<double>() * p.W.template cast<double>().transpose();
+    logits.rowwise() += p.bias.template cast<double>().col(0).transpose();
+    naive::LossOptions reference;
+    reference.softcap = 2.5;
+    reference.classes = classes;
+    const naive::LossResult expected = naive::full_loss(logits, p.targets, {}, reference);
+    CHECK_THAT(with_output.entropy, WithinRel(expected.entropy, 10 * tolerance<Scalar>()));
+    for (Index n = 0; n < p.N; ++n) {
+      CAPTURE(n);
+      CHECK_THAT(static_cast<double>(entropy(n, 0)), WithinAbs(expected.entropies[n], 10 * tolerance<Scalar>()));
+    }
+    CHECK(entropy(1 * 6 + 2, 0) == Scalar(0));  // the ignored token
+    // The wrong shape: shape_error, nothing written.
+    RowMatrix<Scalar> wrong = RowMatrix<Scalar>::Constant(p.N + 1, 1, Scalar(9));
+    const FusedHeadLossExtras<Scalar> bad{{nullptr, 0, 1},
+                                          {nullptr, 0, 1},
+                                          {nullptr, 0, 1},
+                                          {wrong.data(), p.N + 1, 1}};
+    CHECK_THROWS_MATCHES(embedhead::fused_head_loss<Scalar>(p.h, p.W, p.bias, p.targets, ws, options, bad),
+                         embedhead::shape_error,
+                         Catch::Message("fused_head_loss: entropy has shape [" + std::to_string(p.N + 1) +
+                                        ", 1], expected [" + std::to_string(p.N) + ", 1]"));
+    CHECK((wrong.array() == Scalar(9)).all());
+  }
+}
+
 TEST_CASE("fused head loss gradient check in double, every option on", "[fused_head_loss][gradient]") {
   const Index V = 13, d = 5, classes = 11;
   Problem<double> p = make_problem<double>(2, 3, V, d, 404, classes);

@@ -137,6 +137,20 @@ struct FusedHeadLossWorkspace {
   std::vector<std::vector<float>> slot_tiles;  // and the widened tiles of each thread's product
 };
 
+// Optional per-token inputs and outputs of the fused loss (the free functions and the layer-level
+// forms alike). Each is absent when empty (size 0), as default-constructed; present, it must be
+// [N, 1]. Each member is a Map, bound when the struct is made (assigning to a Map copies values
+// into it, it does not rebind it):
+//   FusedHeadLossExtras<float> extras{{weights.data(), N, 1}, {lse.data(), N, 1}, {losses.data(), N, 1}};
+//   FusedHeadLossExtras<float> lse_only{{}, {lse.data(), N, 1}};
+template <typename Scalar>
+struct FusedHeadLossExtras {
+  Eigen::Map<const RowMatrix<Scalar>> weights{nullptr, 0, 1};  // in:  [N, 1] per-token weights (>= 0)
+  Eigen::Map<RowMatrix<Scalar>> lse{nullptr, 0, 1};            // out: [N, 1] log-sum-exp of each row
+  Eigen::Map<RowMatrix<Scalar>> losses{nullptr, 0, 1};         // out: [N, 1] w_n * loss_n (Reduction::none's result)
+  Eigen::Map<RowMatrix<Scalar>> entropy{nullptr, 0, 1};        // out: [N, 1] H_n, each row's softmax entropy
+};
+
 namespace detail {
 
 // body(r) for every row r in [0, rows), in groups of 32 rows per hand-out.
@@ -221,19 +235,21 @@ struct VocabSlice {
 template <typename Scalar, typename Id>
 void check_fused_head_loss(const char* where, const ConstMatrixRef<Scalar>& h, Index W_rows, Index d,
                            const ConstMatrixRef<Scalar>& bias, const TypedTokenIds<Id>& targets,
-                           const ConstMatrixRef<Scalar>& weights, const MatrixRef<Scalar>* dh,
-                           const MatrixRef<Scalar>* dW, const MatrixRef<Scalar>* db, const MatrixRef<Scalar>* lse,
-                           const MatrixRef<Scalar>* losses, const FusedHeadLossOptions& options, Index V,
+                           const FusedHeadLossExtras<Scalar>& extras, const MatrixRef<Scalar>* dh,
+                           const MatrixRef<Scalar>* dW, const MatrixRef<Scalar>* db,
+                           const FusedHeadLossOptions& options, Index V,
                            Index bytes_per_logit = static_cast<Index>(sizeof(Scalar))) {
   const Index N = h.rows();
+  const ConstMatrixRef<Scalar> weights = extras.weights;
   check_shape(where, "h", h, N, d);
   if (bias.size() != 0) check_shape(where, "bias", bias, W_rows, 1);
   if (weights.size() != 0) check_shape(where, "weights", weights, N, 1);
   if (dh) check_shape(where, "dh", *dh, N, d);
   if (dW && dW->size() != 0) check_shape(where, "dW", *dW, W_rows, d);
   if (db && db->size() != 0) check_shape(where, "db", *db, W_rows, 1);
-  if (lse && lse->size() != 0) check_shape(where, "lse", *lse, N, 1);
-  if (losses && losses->size() != 0) check_shape(where, "losses", *losses, N, 1);
+  if (extras.lse.size() != 0) check_shape(where, "lse", extras.lse, N, 1);
+  if (extras.losses.size() != 0) check_shape(where, "losses", extras.losses, N, 1);
+  if (extras.entropy.size() != 0) check_shape(where, "entropy", extras.entropy, N, 1);
   check_loss_options<Scalar>(where, options, V);
   if (options.vocab_block < 0) {
     std::ostringstream message;
@@ -322,11 +338,10 @@ template <typename Scalar, typename Id, typename Storage = Scalar, typename Back
 CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
                                         const ConstMatrixRef<typename non_deduced<Storage>::type>& W,
                                         const ConstMatrixRef<Scalar>& bias, const TypedTokenIds<Id>& targets,
-                                        const ConstMatrixRef<Scalar>& weights, MatrixRef<Scalar>* dh,
-                                        MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db, MatrixRef<Scalar>* lse,
-                                        MatrixRef<Scalar>* losses, const FusedHeadLossOptions& options,
-                                        FusedHeadLossWorkspace<Scalar>& ws, const char* where,
-                                        const VocabSlice<Scalar>* slice = nullptr) {
+                                        const FusedHeadLossExtras<Scalar>& extras, MatrixRef<Scalar>* dh,
+                                        MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                        const FusedHeadLossOptions& options, FusedHeadLossWorkspace<Scalar>& ws,
+                                        const char* where, const VocabSlice<Scalar>* slice = nullptr) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   // bf16 mixed precision: W stored in bf16, h and dz rounded to bf16 for the products, held as Low
   // (bf16 on a backend that takes bf16 operands, else Scalar holding the rounded values).
@@ -339,8 +354,12 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   const Index N = h.rows(), rows = W.rows(), d = W.cols(), T = targets.cols();
   const Index V = slice ? slice->V : rows, begin = slice ? slice->begin : 0;
   // ---- every check before anything is written ----
-  check_fused_head_loss<Scalar, Id>(where, h, rows, d, bias, targets, weights, dh, dW, db, lse, losses, options, V,
-                                    bytes_per_logit);
+  check_fused_head_loss<Scalar, Id>(where, h, rows, d, bias, targets, extras, dh, dW, db, options, V, bytes_per_logit);
+  const ConstMatrixRef<Scalar> weights = extras.weights;
+  Eigen::Map<RowMatrix<Scalar>> lse_map = extras.lse, losses_map = extras.losses, entropy_map = extras.entropy;
+  MatrixRef<Scalar> lse_ref(lse_map), losses_ref(losses_map);
+  MatrixRef<Scalar>* const lse = &lse_ref;
+  MatrixRef<Scalar>* const losses = &losses_ref;
   check_finite_inputs<Scalar, Storage, Id>(where, h, W, bias, targets, options, V, begin);
   const Index classes = classes_of(options, V);
   // The classes among W's rows, in W's local numbering.
@@ -351,10 +370,12 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   const bool want_db = gradient && db && db->size() != 0 && bias.size() != 0;
   const bool want_lse = lse && lse->size() != 0;
   const bool want_losses = losses && losses->size() != 0;
+  const bool want_entropy = entropy_map.size() != 0;
   auto target_of = [&](Index n) { return static_cast<Index>(targets(n / T, n % T)); };
   auto weight_of = [&](Index n) { return weighted ? static_cast<double>(weights(n, 0)) : 1.0; };
 
-  const SoftmaxTerms terms = softmax_terms(options, classes);
+  SoftmaxTerms terms = softmax_terms(options, classes);
+  terms.entropy = terms.entropy || want_entropy;  // the entropy output needs the statistic E
   // ---- the counted tokens, their weight sum (token weight x class weight), the gradient's scale ----
   CrossEntropyResult result;
   ws.tokens.clear();
@@ -372,6 +393,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
     if (target_of(n) != options.ignore_index) continue;
     if (want_lse) (*lse)(n, 0) = Scalar(0);
     if (want_losses) (*losses)(n, 0) = Scalar(0);
+    if (want_entropy) entropy_map(n, 0) = Scalar(0);
   }
   if (count == 0) {
     if (gradient) dh->setZero();
@@ -512,6 +534,7 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
       if (terms.entropy) ws.entropy[i] = row.entropy;
       add_row_loss<Scalar>(row, weight_of(n), result, want_losses ? losses : nullptr, n);
       if (want_lse) (*lse)(n, 0) = static_cast<Scalar>(row.lse);
+      if (want_entropy) entropy_map(n, 0) = static_cast<Scalar>(row.entropy);
     }
   };
   // Row r's logits over columns [v0, v0 + width) -> dz, in place, from exp(s - lse) (detail/softmax.hpp).
@@ -632,23 +655,13 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
 
 // ---- the arithmetic, as free functions on views ----
 
-// Optional per-token inputs and outputs of the fused loss (the free functions and the layer-level
-// forms alike). Each is absent when empty (size 0), as default-constructed; present, it must be
-// [N, 1]. Each member is a Map, bound when the struct is made (assigning to a Map copies values
-// into it, it does not rebind it):
-//   FusedHeadLossExtras<float> extras{{weights.data(), N, 1}, {lse.data(), N, 1}, {losses.data(), N, 1}};
-//   FusedHeadLossExtras<float> lse_only{{}, {lse.data(), N, 1}};
-template <typename Scalar>
-struct FusedHeadLossExtras {
-  Eigen::Map<const RowMatrix<Scalar>> weights{nullptr, 0, 1};  // in:  [N, 1] per-token weights (>= 0)
-  Eigen::Map<RowMatrix<Scalar>> lse{nullptr, 0, 1};            // out: [N, 1] log-sum-exp of each row
-  Eigen::Map<RowMatrix<Scalar>> losses{nullptr, 0, 1};         // out: [N, 1] w_n * loss_n (Reduction::none's result)
-};
-
 // Common arguments: h [N, d], W [V, d], bias [V, 1] or empty (no bias), targets (a TokenIds: N
 // ids of int32 or int64, any shape and layout, read row-major), extras (weights [N, 1], all 1 when
 // empty; lse [N, 1], each row's log-sum-exp, 0 for ignored rows; losses [N, 1], w_n * loss_n, 0
-// for ignored rows; each used when not empty). \throws shape_error for any shape mismatch;
+// for ignored rows; entropy [N, 1], each row's H_n = -sum_j p_j log p_j of its softmax (of the
+// soft-capped logits, over the classes), unweighted, 0 for ignored rows -- asking for it sums the
+// entropy statistic, as options.entropy does, and reports the reduced entropy too; each used when
+// not empty). \throws shape_error for any shape mismatch;
 // index_error for a target outside [0, classes) that is not ignore_index (a target in the padding
 // names it); value_error for an option out of range, a negative / non-finite weight, or with
 // error_if_nonfinite a NaN or infinity in a counted row of h, a class row of W or the bias (the
@@ -668,11 +681,9 @@ CrossEntropyResult fused_head_loss_forward_backward(const ConstMatrixRef<Scalar>
                                                     FusedHeadLossWorkspace<Scalar>& workspace,
                                                     const FusedHeadLossOptions& options = {},
                                                     const FusedHeadLossExtras<Scalar>& extras = {}) {
-  Eigen::Map<RowMatrix<Scalar>> lse = extras.lse, losses = extras.losses;
-  MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
   return targets.visit([&](const auto& typed) {
-    return detail::fused_head_loss_pass<Scalar>(h, W, bias, typed, extras.weights, &dh, &dW, &db, &lse_ref, &losses_ref,
-                                                options, workspace, "fused_head_loss_forward_backward");
+    return detail::fused_head_loss_pass<Scalar>(h, W, bias, typed, extras, &dh, &dW, &db, options, workspace,
+                                                "fused_head_loss_forward_backward");
   });
 }
 
@@ -682,11 +693,9 @@ CrossEntropyResult fused_head_loss(const ConstMatrixRef<Scalar>& h, const ConstM
                                    const ConstMatrixRef<Scalar>& bias, TokenIds targets,
                                    FusedHeadLossWorkspace<Scalar>& workspace, const FusedHeadLossOptions& options = {},
                                    const FusedHeadLossExtras<Scalar>& extras = {}) {
-  Eigen::Map<RowMatrix<Scalar>> lse = extras.lse, losses = extras.losses;
-  MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
   return targets.visit([&](const auto& typed) {
-    return detail::fused_head_loss_pass<Scalar>(h, W, bias, typed, extras.weights, nullptr, nullptr, nullptr, &lse_ref,
-                                                &losses_ref, options, workspace, "fused_head_loss");
+    return detail::fused_head_loss_pass<Scalar>(h, W, bias, typed, extras, nullptr, nullptr, nullptr, options,
+                                                workspace, "fused_head_loss");
   });
 }
 
@@ -725,13 +734,10 @@ CrossEntropyResult fused_head_loss_forward_backward(const ConstMatrixRef<float>&
   if (!Backend::usable())
     return fused_head_loss_forward_backward<detail::gemm::DefaultBackend>(h, W, bias, targets, dh, dW, db, workspace,
                                                                           options, extras);
-  Eigen::Map<RowMatrix<float>> lse = extras.lse, losses = extras.losses;
-  MatrixRef<float> lse_ref(lse), losses_ref(losses);
   return targets.visit([&](const auto& typed) {
     using Id = typename std::decay_t<decltype(typed)>::id_type;
-    return detail::fused_head_loss_pass<float, Id, Eigen::bfloat16, Backend>(h, W, bias, typed, extras.weights, &dh,
-                                                                             &dW, &db, &lse_ref, &losses_ref, options,
-                                                                             workspace,
+    return detail::fused_head_loss_pass<float, Id, Eigen::bfloat16, Backend>(h, W, bias, typed, extras, &dh, &dW, &db,
+                                                                             options, workspace,
                                                                              "fused_head_loss_forward_backward");
   });
 }
@@ -745,13 +751,11 @@ CrossEntropyResult fused_head_loss(const ConstMatrixRef<float>& h, const ConstMa
   static_assert(detail::gemm::is_backend<Backend>::value, "Backend: a detail::gemm backend (default MixedBackend)");
   if (!Backend::usable())
     return fused_head_loss<detail::gemm::DefaultBackend>(h, W, bias, targets, workspace, options, extras);
-  Eigen::Map<RowMatrix<float>> lse = extras.lse, losses = extras.losses;
-  MatrixRef<float> lse_ref(lse), losses_ref(losses);
   return targets.visit([&](const auto& typed) {
     using Id = typename std::decay_t<decltype(typed)>::id_type;
-    return detail::fused_head_loss_pass<float, Id, Eigen::bfloat16, Backend>(h, W, bias, typed, extras.weights, nullptr,
-                                                                             nullptr, nullptr, &lse_ref, &losses_ref,
-                                                                             options, workspace, "fused_head_loss");
+    return detail::fused_head_loss_pass<float, Id, Eigen::bfloat16, Backend>(h, W, bias, typed, extras, nullptr,
+                                                                             nullptr, nullptr, options, workspace,
+                                                                             "fused_head_loss");
   });
 }
 
@@ -802,31 +806,24 @@ class FusedHeadLoss {
     // mode, which must not happen for a call that then throws.
     Eigen::Map<RowMatrix<Scalar>> no_output(nullptr, 0, 1);
     {
-      Eigen::Map<RowMatrix<Scalar>> lse = extras.lse, losses = extras.losses;
-      MatrixRef<Scalar> dh_ref(dh), lse_ref(lse), losses_ref(losses);
-      detail::check_fused_head_loss<Scalar, Id>(where, h, head.vocab_size(), head.dim(), bias_of(head), targets,
-                                                extras.weights, &dh_ref, nullptr, nullptr, &lse_ref, &losses_ref,
-                                                options_, head.vocab_size());
+      MatrixRef<Scalar> dh_ref(dh);
+      detail::check_fused_head_loss<Scalar, Id>(where, h, head.vocab_size(), head.dim(), bias_of(head), targets, extras,
+                                                &dh_ref, nullptr, nullptr, options_, head.vocab_size());
       detail::check_finite_inputs<Scalar, Scalar, Id>(where, h, weight.value(), bias_of(head), targets, options_,
                                                       head.vocab_size());
     }
     auto dW = weight.frozen() ? no_output : head.weight().grad().dense_accumulator();
     auto db = head.bias() && !head.bias()->frozen() ? head.bias()->grad().dense_accumulator() : no_output;
-    Eigen::Map<RowMatrix<Scalar>> lse = extras.lse, losses = extras.losses;
-    MatrixRef<Scalar> dh_ref(dh), dW_ref(dW), db_ref(db), lse_ref(lse), losses_ref(losses);
-    return detail::fused_head_loss_pass<Scalar, Id>(h, weight.value(), bias_of(head), targets, extras.weights, &dh_ref,
-                                                    &dW_ref, &db_ref, &lse_ref, &losses_ref, options_, workspace_,
-                                                    where);
+    MatrixRef<Scalar> dh_ref(dh), dW_ref(dW), db_ref(db);
+    return detail::fused_head_loss_pass<Scalar, Id>(h, weight.value(), bias_of(head), targets, extras, &dh_ref, &dW_ref,
+                                                    &db_ref, options_, workspace_, where);
   }
 
   template <typename Id>
   CrossEntropyResult forward_impl(const OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
                                   const TypedTokenIds<Id>& targets, const FusedHeadLossExtras<Scalar>& extras) {
-    Eigen::Map<RowMatrix<Scalar>> lse = extras.lse, losses = extras.losses;
-    MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
-    return detail::fused_head_loss_pass<Scalar, Id>(h, head.weight().value(), bias_of(head), targets, extras.weights,
-                                                    nullptr, nullptr, nullptr, &lse_ref, &losses_ref, options_,
-                                                    workspace_, "FusedHeadLoss::forward");
+    return detail::fused_head_loss_pass<Scalar, Id>(h, head.weight().value(), bias_of(head), targets, extras, nullptr,
+                                                    nullptr, nullptr, options_, workspace_, "FusedHeadLoss::forward");
   }
 
   FusedHeadLossOptions options_;

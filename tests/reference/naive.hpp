@@ -96,6 +96,7 @@ struct LossResult {
   Index count = 0;
   RowMatrix<double> dlogits;
   std::vector<double> lse, losses;
+  std::vector<double> entropies;  // each counted row's H_n (0 for ignored rows)
 };
 
 template <typename TargetsT>
@@ -106,6 +107,7 @@ LossResult full_loss(const RowMatrix<double>& logits, const TargetsT& targets, c
   r.dlogits = RowMatrix<double>::Zero(N, V);
   r.lse.assign(static_cast<std::size_t>(N), 0.0);
   r.losses.assign(static_cast<std::size_t>(N), 0.0);
+  r.entropies.assign(static_cast<std::size_t>(N), 0.0);
   auto target = [&](Index n) { return static_cast<Index>(targets(n / targets.cols(), n % targets.cols())); };
   auto weight = [&](Index n) { return weights.empty() ? 1.0 : weights[static_cast<std::size_t>(n)]; };
   auto u = [&](Index j) { return o.class_weights.empty() ? 1.0 : o.class_weights[static_cast<std::size_t>(j)]; };
@@ -132,6 +134,7 @@ LossResult full_loss(const RowMatrix<double>& logits, const TargetsT& targets, c
     const double loss_n = weight(n) * (-(1 - o.label_smoothing) * u(y) * (s[y] - lse) + o.label_smoothing / C * smooth +
                                        u(y) * (o.z_loss * lse * lse - o.entropy_bonus * H));
     r.entropy += weight(n) * u(y) * H;
+    r.entropies[static_cast<std::size_t>(n)] = H;
     r.sum += loss_n;
     r.lse[n] = lse;
     r.losses[n] = loss_n;

@@ -167,11 +167,8 @@ class VocabParallelFusedHeadLoss {
       shard = vocab_shard(V, rank, R);
       detail::check_shard_shape(where, "weight_shard", weight_shard, shard, h.cols(), V, rank, R);
       if (bias_shard) detail::check_shard_shape(where, "bias_shard", *bias_shard, shard, 1, V, rank, R);
-      OutputMap lse = extras.lse, losses = extras.losses;
-      MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
       detail::check_fused_head_loss<Scalar, Id>(where, h, shard.rows(), weight_shard.cols(), bias_of(bias_shard),
-                                                targets, extras.weights, dh, nullptr, nullptr, &lse_ref, &losses_ref,
-                                                options_, V);
+                                                targets, extras, dh, nullptr, nullptr, options_, V);
       detail::check_finite_inputs<Scalar, Scalar, Id>(where, h, weight_shard.value(), bias_of(bias_shard), targets,
                                                       options_, V, shard.begin);
     };
@@ -199,7 +196,7 @@ class VocabParallelFusedHeadLoss {
                                     static_cast<std::int64_t>(options_.plan),
                                     static_cast<std::int64_t>(options_.memory_budget),
                                     options_.error_if_nonfinite ? 1 : 0,
-                                    options_.entropy ? 1 : 0,
+                                    options_.entropy || extras.entropy.size() != 0 ? 1 : 0,
                                     static_cast<std::int64_t>(options_.class_weights.size())};
     const double values[6] = {static_cast<double>(static_cast<int>(options_.reduction)),
                               options_.label_smoothing,
@@ -233,11 +230,9 @@ class VocabParallelFusedHeadLoss {
     OutputMap no_output(nullptr, 0, 1);
     OutputMap dW = weight_shard.frozen() ? no_output : weight_shard.grad().dense_accumulator();
     OutputMap db = bias_shard && !bias_shard->frozen() ? bias_shard->grad().dense_accumulator() : no_output;
-    OutputMap lse = extras.lse, losses = extras.losses;
-    MatrixRef<Scalar> dW_ref(dW), db_ref(db), lse_ref(lse), losses_ref(losses);
-    return detail::fused_head_loss_pass<Scalar, Id>(h, weight_shard.value(), bias_of(bias_shard), targets,
-                                                    extras.weights, &dh, &dW_ref, &db_ref, &lse_ref, &losses_ref,
-                                                    options_, workspace_, where, &slice);
+    MatrixRef<Scalar> dW_ref(dW), db_ref(db);
+    return detail::fused_head_loss_pass<Scalar, Id>(h, weight_shard.value(), bias_of(bias_shard), targets, extras, &dh,
+                                                    &dW_ref, &db_ref, options_, workspace_, where, &slice);
   }
 
   template <typename Id>
@@ -247,11 +242,8 @@ class VocabParallelFusedHeadLoss {
                                   const char* where) {
     const detail::CommunicatorSlice<Scalar> slice = agree<Id>(comm, V, weight_shard, bias_shard, h, targets, nullptr,
                                                               extras, where);
-    OutputMap lse = extras.lse, losses = extras.losses;
-    MatrixRef<Scalar> lse_ref(lse), losses_ref(losses);
-    return detail::fused_head_loss_pass<Scalar, Id>(h, weight_shard.value(), bias_of(bias_shard), targets,
-                                                    extras.weights, nullptr, nullptr, nullptr, &lse_ref, &losses_ref,
-                                                    options_, workspace_, where, &slice);
+    return detail::fused_head_loss_pass<Scalar, Id>(h, weight_shard.value(), bias_of(bias_shard), targets, extras,
+                                                    nullptr, nullptr, nullptr, options_, workspace_, where, &slice);
   }
 
   FusedHeadLossOptions options_;
