@@ -3,8 +3,10 @@
 // probability targets: label smoothing, class weights, the three reductions (the mean divides by
 // N), z-loss, soft-capping and the entropy bonus. Expected values come from naive::soft_loss (written
 // from PyTorch's definition, in double), values worked by hand, central differences in double, and
-// the class-index loss (a one-hot soft target is the same loss).
+// the class-index loss (a one-hot soft target is the same loss); the fused head loss against the
+// unfused head + loss + head backward, in both plans.
 #include <embedhead/cross_entropy.hpp>
+#include <embedhead/fused_head_loss.hpp>
 
 #include "reference/naive.hpp"
 #include "reference/test_support.hpp"
@@ -22,6 +24,8 @@
 using Catch::Matchers::WithinAbs;
 using Catch::Matchers::WithinRel;
 using embedhead::CrossEntropyOptions;
+using embedhead::FusedHeadLossOptions;
+using embedhead::FusedPlan;
 using embedhead::IdMatrix;
 using embedhead::Index;
 using embedhead::Reduction;
@@ -440,4 +444,213 @@ TEMPLATE_TEST_CASE("cross_entropy_soft rejects bad targets and writes nothing", 
                       where + "logit inf at n=1, column 3, outside the finite numbers (error_if_nonfinite)");
     unchanged();
   }
+}
+
+// ---- the fused head loss ----
+
+namespace {
+
+struct HeadOutputs {
+  double loss = 0, weight_sum = 0;
+  RowMatrix<double> dh, dW, db, losses;
+};
+
+// The unfused path: logits = h W^T + b, cross_entropy_soft_forward_backward, then dh = dz W,
+// dW = dz^T h, db = sums of dz (per-token weights: each row's dz and loss times w_n, the mean
+// divided by sum w_n instead of N).
+template <typename Scalar, typename Targets>
+HeadOutputs unfused_soft(const RowMatrix<Scalar>& h, const RowMatrix<Scalar>& W, const RowMatrix<Scalar>& b,
+                         const Targets& targets, CrossEntropyOptions o, const std::vector<double>& weights) {
+  const Index N = h.rows(), V = W.rows();
+  const RowMatrix<Scalar> logits = (h * W.transpose()).rowwise() + b.col(0).transpose();
+  RowMatrix<Scalar> dz(N, V), losses(N, 1);
+  HeadOutputs out;
+  double denominator = static_cast<double>(N);
+  const Reduction reduction = o.reduction;
+  if (!weights.empty()) o.reduction = Reduction::sum;  // weighted below
+  const auto r = embedhead::cross_entropy_soft_forward_backward<Scalar>(logits, targets, dz, losses, o);
+  out.loss = r.loss;
+  out.weight_sum = r.weight_sum;
+  RowMatrix<double> dzd = dz.template cast<double>();
+  out.losses = losses.template cast<double>();
+  if (!weights.empty()) {
+    denominator = 0;
+    double sum = 0;
+    for (Index n = 0; n < N; ++n) {
+      denominator += weights[static_cast<std::size_t>(n)];
+      sum += weights[static_cast<std::size_t>(n)] * out.losses(n, 0);
+      out.losses(n, 0) *= weights[static_cast<std::size_t>(n)];
+      dzd.row(n) *= weights[static_cast<std::size_t>(n)];
+    }
+    out.weight_sum = denominator;
+    out.loss = reduction == Reduction::mean ? sum / denominator : sum;
+    if (reduction == Reduction::mean) dzd /= denominator;
+  }
+  out.dh = dzd * W.template cast<double>();
+  out.dW = dzd.transpose() * h.template cast<double>();
+  out.db = dzd.colwise().sum().transpose();
+  return out;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("fused_head_loss_soft equals the unfused head + soft loss + head backward, in both plans",
+                   "[fused_head_loss][soft][unfused]", float, double) {
+  using Scalar = TestType;
+  const Index N = 12, V = 41, C = 38, d = 9, k = 4;
+  const RowMatrix<Scalar> h = random_matrix<Scalar>(N, d, 1701, 1.0);
+  const RowMatrix<Scalar> W = random_matrix<Scalar>(V, d, 1702, 0.5);
+  const RowMatrix<Scalar> b = random_matrix<Scalar>(V, 1, 1703, 0.5);
+  const RandomSparse<Scalar> sparse = random_sparse<Scalar>(N, C, k, 1704);
+  const RowMatrix<Scalar> dense = densify(sparse, C).template cast<Scalar>();
+  const SparseTargets<Scalar> sparse_targets{sparse.ids, sparse.probs};
+  const RowMatrix<Scalar> token_weights = random_matrix<Scalar>(N, 1, 1705, 1.0).cwiseAbs();
+  std::vector<double> weight_list;
+  for (Index n = 0; n < N; ++n) weight_list.push_back(static_cast<double>(token_weights(n, 0)));
+  const double tol = loss_tolerance<Scalar>();
+  embedhead::FusedHeadLossWorkspace<Scalar> ws;
+  for (Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none})
+    for (const double eps : {0.0, 0.1})
+      for (const bool weights : {false, true})
+        for (const bool extras : {false, true})
+          for (const bool token_weighted : {false, true})
+            for (const FusedPlan plan : {FusedPlan::vocab_blocks, FusedPlan::token_chunks})
+              for (const Index block : {Index(0), Index(5), Index(16)}) {
+                CAPTURE(name_of(reduction), eps, weights, extras, token_weighted, static_cast<int>(plan), block);
+                FusedHeadLossOptions o;
+                o.reduction = reduction;
+                o.label_smoothing = eps;
+                o.valid_vocab = C;
+                if (weights) o.class_weights = test_support::class_weights(C);
+                if (extras) {
+                  o.z_loss = 1e-3;
+                  o.softcap = 2.0;
+                  o.entropy_bonus = 0.2;
+                  o.gradient_scale = 0.5;
+                }
+                o.plan = plan;
+                o.vocab_block = block;
+                o.memory_budget = plan == FusedPlan::token_chunks ? 5 * C * static_cast<Index>(sizeof(Scalar)) : 0;
+                const std::vector<double> no_weights;
+                const HeadOutputs expected = unfused_soft<Scalar>(h, W, b, dense, o,
+                                                                  token_weighted ? weight_list : no_weights);
+                for (const bool use_sparse : {false, true}) {
+                  CAPTURE(use_sparse);
+                  RowMatrix<Scalar> dh(N, d), dW = RowMatrix<Scalar>::Zero(V, d), db = RowMatrix<Scalar>::Zero(V, 1);
+                  RowMatrix<Scalar> losses(N, 1), lse(N, 1);
+                  embedhead::FusedHeadLossExtras<Scalar> extra{{token_weighted ? token_weights.data() : nullptr,
+                                                                token_weighted ? N : 0, 1},
+                                                               {lse.data(), N, 1},
+                                                               {losses.data(), N, 1}};
+                  const auto r = use_sparse
+                                     ? embedhead::fused_head_loss_soft_forward_backward<Scalar>(h, W, b, sparse_targets,
+                                                                                                dh, dW, db, ws, o,
+                                                                                                extra)
+                                     : embedhead::fused_head_loss_soft_forward_backward<Scalar>(h, W, b, dense, dh, dW,
+                                                                                                db, ws, o, extra);
+                  CHECK(r.count == N);
+                  CHECK_THAT(r.weight_sum, WithinRel(expected.weight_sum, 1e-12));
+                  CHECK_THAT(r.loss, WithinRel(expected.loss, tol));
+                  CHECK(test_support::close(dh, expected.dh, 4 * tol));
+                  CHECK(test_support::close(dW, expected.dW, 4 * tol));
+                  CHECK(test_support::close(db, expected.db, 4 * tol));
+                  CHECK(test_support::close(losses, expected.losses, 4 * tol));
+                  CHECK(dW.bottomRows(V - C).cwiseAbs().maxCoeff() == Scalar(0));
+                  // The loss alone: the same bits.
+                  const double alone =
+                      use_sparse ? embedhead::fused_head_loss_soft<Scalar>(h, W, b, sparse_targets, ws, o, extra).loss
+                                 : embedhead::fused_head_loss_soft<Scalar>(h, W, b, dense, ws, o, extra).loss;
+                  CHECK(alone == r.loss);
+                }
+              }
+}
+
+TEST_CASE("fused_head_loss_soft gradient check in double", "[fused_head_loss][soft][gradient]") {
+  const Index N = 4, V = 7, d = 3;
+  RowMatrix<double> h = random_matrix<double>(N, d, 1711, 1.0), W = random_matrix<double>(V, d, 1712, 0.5);
+  const RowMatrix<double> b = random_matrix<double>(V, 1, 1713, 0.5);
+  const RandomSparse<double> sparse = random_sparse<double>(N, V, 3, 1714);
+  const SparseTargets<double> targets{sparse.ids, sparse.probs};
+  embedhead::FusedHeadLossWorkspace<double> ws;
+  FusedHeadLossOptions o;
+  o.label_smoothing = 0.2;
+  o.class_weights = test_support::class_weights(V);
+  o.z_loss = 0.02;
+  o.softcap = 1.5;
+  o.vocab_block = 3;
+  for (const FusedPlan plan : {FusedPlan::vocab_blocks, FusedPlan::token_chunks}) {
+    CAPTURE(static_cast<int>(plan));
+    o.plan = plan;
+    RowMatrix<double> dh(N, d), dW = RowMatrix<double>::Zero(V, d), db = RowMatrix<double>::Zero(V, 1);
+    embedhead::fused_head_loss_soft_forward_backward<double>(h, W, b, targets, dh, dW, db, ws, o);
+    auto loss = [&] { return embedhead::fused_head_loss_soft<double>(h, W, b, targets, ws, o).loss; };
+    CHECK(naive::max_relative_error(dh, naive::numerical_gradient(h, loss), 1e-4) < 1e-5);
+    CHECK(naive::max_relative_error(dW, naive::numerical_gradient(W, loss), 1e-4) < 1e-5);
+  }
+}
+
+TEMPLATE_TEST_CASE("fused_head_loss_soft rejects bad targets and writes nothing", "[fused_head_loss][soft][errors]",
+                   float, double) {
+  using Scalar = TestType;
+  const Index N = 2, V = 5, d = 3;
+  const RowMatrix<Scalar> h = random_matrix<Scalar>(N, d, 1721, 1.0), W = random_matrix<Scalar>(V, d, 1722, 0.5);
+  const RowMatrix<Scalar> b = random_matrix<Scalar>(V, 1, 1723, 0.5);
+  RowMatrix<Scalar> targets(2, 5);
+  targets << 0.5, 0.5, 0, 0, 0, 0, 0.25, 0.25, 0.25, 0.25;
+  IdMatrix<std::int32_t> ids(2, 2);
+  ids << 0, 1, 2, 3;
+  RowMatrix<Scalar> probs(2, 2);
+  probs << 0.5, 0.5, 0.25, 0.75;
+  RowMatrix<Scalar> dh = RowMatrix<Scalar>::Constant(N, d, 7), dW = RowMatrix<Scalar>::Constant(V, d, 7),
+                    db = RowMatrix<Scalar>::Constant(V, 1, 7), losses = RowMatrix<Scalar>::Constant(N, 1, 7);
+  embedhead::FusedHeadLossWorkspace<Scalar> ws;
+  FusedHeadLossOptions o;
+  const embedhead::FusedHeadLossExtras<Scalar> extra{{nullptr, 0, 1}, {nullptr, 0, 1}, {losses.data(), N, 1}};
+  const std::string where = "fused_head_loss_soft_forward_backward: ";
+  auto unchanged = [&] {
+    CHECK((dh.array() == Scalar(7)).all());
+    CHECK((dW.array() == Scalar(7)).all());
+    CHECK((db.array() == Scalar(7)).all());
+    CHECK((losses.array() == Scalar(7)).all());
+  };
+  auto dense_fails = [&](const RowMatrix<Scalar>& t, const std::string& message) {
+    CAPTURE(message);
+    CHECK_THROWS_WITH(embedhead::fused_head_loss_soft_forward_backward<Scalar>(h, W, b, t, dh, dW, db, ws, o, extra),
+                      where + message);
+    unchanged();
+  };
+  auto sparse_fails = [&](const IdMatrix<std::int32_t>& i, const RowMatrix<Scalar>& p, const std::string& message) {
+    CAPTURE(message);
+    CHECK_THROWS_WITH(embedhead::fused_head_loss_soft_forward_backward<Scalar>(h, W, b, SparseTargets<Scalar>{i, p}, dh,
+                                                                               dW, db, ws, o, extra),
+                      where + message);
+    unchanged();
+  };
+  dense_fails(targets.leftCols(4), "targets has shape [2, 4], expected [N, C] = [2, 5]");
+  RowMatrix<Scalar> t = targets;
+  t(1, 2) = Scalar(-0.25);
+  dense_fails(t, "targets(1, 2) = -0.25 outside [0, 1]");
+  t = targets;
+  t(1, 0) = Scalar(0.5);
+  dense_fails(t, "targets of row n=1 sum to 1.5, outside [1 - 0.001, 1 + 0.001] (a distribution over the classes)");
+  sparse_fails(ids, probs.leftCols(1),
+               "sparse targets have ids [2, 2] and probs [2, 1], expected both [N, k] with N = 2");
+  IdMatrix<std::int32_t> i = ids;
+  i(0, 1) = 5;
+  CHECK_THROWS_AS(embedhead::fused_head_loss_soft<Scalar>(h, W, b, SparseTargets<Scalar>{i, probs}, ws, o),
+                  embedhead::index_error);
+  sparse_fails(i, probs, "targets.ids(0, 1) = 5 outside [0, 5)");
+  RowMatrix<Scalar> p = probs;
+  p(0, 0) = std::numeric_limits<Scalar>::quiet_NaN();
+  sparse_fails(ids, p, "targets.probs(0, 0) = nan outside [0, 1]");
+  o.ignore_index = 3;
+  dense_fails(targets,
+              "ignore_index = 3 with soft targets, which have no ignored rows (leave it at its default, -100)");
+  o.ignore_index = -100;
+  RowMatrix<Scalar> bad_dh = RowMatrix<Scalar>::Constant(N, d + 1, 7);
+  CHECK_THROWS_WITH(embedhead::fused_head_loss_soft_forward_backward<Scalar>(h, W, b, targets, bad_dh, dW, db, ws, o,
+                                                                             extra),
+                    where + "dh has shape [2, 4], expected [2, 3]");
+  unchanged();
+  CHECK((bad_dh.array() == Scalar(7)).all());
 }

@@ -47,6 +47,7 @@
 #include "detail/softmax.hpp"
 #include "types.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <sstream>
@@ -386,6 +387,50 @@ struct SparseSoftTargets {
   void fill(Index n, Index C, double* t) const {
     std::fill_n(t, C, 0.0);
     for (Index i = 0; i < ids.cols(); ++i) t[static_cast<Index>(ids(n, i))] += static_cast<double>(probs(n, i));
+  }
+};
+
+// Checked soft targets as the fused loss reads them, a block of columns at a time: row n's
+// v_c = u_c t'_c over global columns [c0, c0 + width) (fill_block) and T_n = sum_c v_c (mass).
+// Either dense (targets [N, C or V]) or sparse (ids, as Index, and probs [N, k]).
+template <typename Scalar>
+struct SoftTargetRows {
+  const ConstMatrixRef<Scalar>* dense = nullptr;
+  const ConstMatrixRef<Scalar>* probs = nullptr;
+  std::vector<Index> ids;  // [N * k], row-major
+  Index k = 0;
+  double eps = 0;
+  Index classes = 0;
+  const double* u = nullptr;  // class weights [C]; null: all 1
+
+  double weight(Index c) const { return u ? u[c] : 1.0; }
+  // T_n: dense, sum_c v_c; sparse, (1 - eps) sum_i u_{id_i} p_i + (eps / C) sum_c u_c.
+  double mass(Index n) const {
+    const double smooth = eps / static_cast<double>(classes);
+    double T = 0;
+    if (dense) {
+      for (Index c = 0; c < classes; ++c) T += weight(c) * ((1.0 - eps) * static_cast<double>((*dense)(n, c)) + smooth);
+      return T;
+    }
+    for (Index i = 0; i < k; ++i)
+      T += weight(ids[static_cast<std::size_t>(n * k + i)]) * static_cast<double>((*probs)(n, i));
+    double U = 0;
+    if (eps > 0)
+      for (Index c = 0; c < classes; ++c) U += weight(c);
+    return (1.0 - eps) * T + smooth * U;
+  }
+  void fill_block(Index n, Index c0, Index width, double* out) const {
+    const double smooth = eps / static_cast<double>(classes);
+    if (dense) {
+      for (Index j = 0; j < width; ++j)
+        out[j] = weight(c0 + j) * ((1.0 - eps) * static_cast<double>((*dense)(n, c0 + j)) + smooth);
+      return;
+    }
+    for (Index j = 0; j < width; ++j) out[j] = weight(c0 + j) * smooth;
+    for (Index i = 0; i < k; ++i) {
+      const Index c = ids[static_cast<std::size_t>(n * k + i)];
+      if (c >= c0 && c < c0 + width) out[c - c0] += weight(c) * (1.0 - eps) * static_cast<double>((*probs)(n, i));
+    }
   }
 };
 
