@@ -450,7 +450,8 @@ CrossEntropyResult fused_head_loss_pass(
     ws.soft_mass.resize(static_cast<std::size_t>(count));
     for (Index r = 0; r < count; ++r)
       ws.soft_mass[static_cast<std::size_t>(r)] = soft->mass(ws.tokens[static_cast<std::size_t>(r)]);
-    ws.soft_block.resize(static_cast<std::size_t>(soft_rows * block));
+    // At least one value: the row's terms need a non-null v even on a shard with no class (block 0).
+    ws.soft_block.resize(static_cast<std::size_t>(std::max<Index>(1, soft_rows * block)));
   }
   // The row's terms with its soft targets over global columns [c0, c0 + width) (v in its block buffer).
   auto soft_terms = [&](Index r, Index c0, Index width) {
