@@ -1,7 +1,9 @@
 // embedhead: the vocabulary-parallel cross-entropy (vocab_shard.hpp has the design): the
 // full-vocabulary softmax from each rank's columns -- an all-reduce max of the N row maxima, then
 // one all-reduce sum of the N partial sum_exp, target logits (and logit sums for label smoothing);
-// dlocal = this rank's columns of the full dlogits. The [N, V] logits exist nowhere.
+// dlocal = this rank's columns of the full dlogits. The [N, V] logits exist nowhere. Soft targets
+// (vocab_parallel_cross_entropy_soft*): the same passes, each row's sum_c v_c s_c over this rank's
+// classes in place of s_y (cross_entropy.hpp).
 #ifndef EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_CROSS_ENTROPY_HPP
 #define EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_CROSS_ENTROPY_HPP
 

@@ -24,6 +24,11 @@
 // different targets -- makes every rank throw the same exception instead of hanging. h itself is
 // not fingerprinted (hashing it would cost a pass over N d values each call): it must be the same
 // on every rank.
+//
+// Soft (probability) targets (forward_backward_shard_soft, forward_shard_soft): the single-process
+// fused_head_loss_soft's semantics; the targets are replicated like h but fingerprinted (every
+// value: N C values dense, 2 N k sparse), and each row's statistic sum_c v_c s_c is all-reduced
+// with the others (detail/softmax.hpp).
 #ifndef EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP
 #define EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP
 
