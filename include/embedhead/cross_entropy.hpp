@@ -22,6 +22,19 @@
 //   loss_n = (1 - eps) u_y (lse - s_y) + (eps / C) sum_j u_j (lse - s_j)  [+ u_y (z_loss lse^2 - beta H_n)]
 // The z-loss and entropy terms, which PyTorch does not have, count as the target does (times u_y).
 //
+// Soft (probability) targets (cross_entropy_soft*): row n's target is a distribution t_n over the
+// C classes, dense [N, C] or sparse (SparseTargets: k (id, probability) pairs a row), in PyTorch's
+// semantics for probability targets (label smoothing and class weights included):
+//   t'_c   = (1 - eps) t_c + eps / C,   v_c = u_c t'_c,   T_n = sum_c v_c
+//   loss_n = -sum_c v_c log softmax(s)_c = T_n lse - sum_c v_c s_c   [+ z_loss lse^2 - beta H_n]
+//          = T_n log S + (T_n m - sum_c v_c s_c)                     (computed so)
+//   dz_j   = (T_n p_j - v_j [+ 2 z_loss lse p_j + beta p_j (s_j - lse + H_n)]) * scale
+// Every row counts once: mean divides the sum by N (not by a weight sum), as PyTorch does. There
+// is no ignore_index (PyTorch rejects one with probability targets; so do we: it must stay -100).
+// The targets are checked (PyTorch does not): each t_c finite and in [0, 1], each row summing to 1
+// within kSoftTargetTolerance (the sum taken in double). A class with v_c = 0 adds 0 to the loss
+// even when its logit is -inf (PyTorch: 0 * -inf = NaN).
+//
 // Non-finite logits (docs/errors.md, "Non-finite values"): as PyTorch, a NaN or +inf logit makes
 // its row's loss and every dz of the row NaN (and so the reduced loss); -inf is a class of
 // probability 0 (dz = 0; the loss is +inf if it is the target); a row of -inf classes is NaN.
@@ -34,6 +47,7 @@
 #include "detail/softmax.hpp"
 #include "types.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <sstream>
@@ -81,6 +95,18 @@ struct CrossEntropyOptions {
   // counted rows' classes (fused: of the counted rows of h and the class rows of W).
   bool error_if_nonfinite = false;
 };
+
+// Sparse soft targets: row n's targets are the k pairs (ids(n, i), probs(n, i)), i < k, ids in
+// [0, C); the probabilities of a repeated id add up, an entry of probability 0 adds nothing.
+// ids [N, k] (int32 or int64, any layout), probs [N, k].
+template <typename Scalar>
+struct SparseTargets {
+  TokenIds ids;                  // [N, k]
+  ConstMatrixRef<Scalar> probs;  // [N, k]
+};
+
+// How far a row of soft targets may sum from 1: |sum_c t_c - 1| <= kSoftTargetTolerance.
+constexpr double kSoftTargetTolerance = 1e-3;
 
 struct CrossEntropyResult {
   double loss = 0;        // mean: sum / weight_sum (0 when nothing counts); sum: sum; none: sum of
@@ -266,6 +292,206 @@ CrossEntropyResult cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, cons
   return result;
 }
 
+// Soft targets: options that do not apply. ignore_index must keep its default (PyTorch raises too).
+inline void check_soft_options(const char* where, const CrossEntropyOptions& options) {
+  if (options.ignore_index != -100) {
+    std::ostringstream message;
+    message << where << ": ignore_index = " << options.ignore_index
+            << " with soft targets, which have no ignored rows (leave it at its default, -100)";
+    throw value_error(message.str());
+  }
+}
+
+// t = a target probability at `place`: finite and in [0, 1].
+template <typename Scalar>
+void check_soft_probability(const char* where, const char* what, Scalar t, Index n, Index i) {
+  if (t >= Scalar(0) && t <= Scalar(1)) return;
+  std::ostringstream message;
+  message << where << ": " << what << "(" << n << ", " << i << ") = " << t << " outside [0, 1]";
+  throw value_error(message.str());
+}
+
+inline void check_soft_sum(const char* where, double sum, Index n) {
+  if (std::fabs(sum - 1.0) <= kSoftTargetTolerance) return;
+  std::ostringstream message;
+  message << where << ": targets of row n=" << n << " sum to " << sum << ", outside [1 - " << kSoftTargetTolerance
+          << ", 1 + " << kSoftTargetTolerance << "] (a distribution over the classes)";
+  throw value_error(message.str());
+}
+
+// Dense targets [N, C] (or [N, V], the padding columns [C, V) 0): throws unless every row is a
+// distribution. fill(n, t) then writes row n's t [C].
+template <typename Scalar>
+struct DenseSoftTargets {
+  const ConstMatrixRef<Scalar>& targets;
+
+  void check(const char* where, Index N, Index C, Index V) const {
+    if (targets.rows() != N || (targets.cols() != C && targets.cols() != V)) {
+      std::ostringstream message;
+      message << where << ": targets has shape [" << targets.rows() << ", " << targets.cols()
+              << "], expected [N, C] = [" << N << ", " << C << "]";
+      if (V != C) message << " or [N, V] = [" << N << ", " << V << "]";
+      throw shape_error(message.str());
+    }
+    for (Index n = 0; n < N; ++n) {
+      double sum = 0;
+      for (Index j = 0; j < targets.cols(); ++j) {
+        const Scalar t = targets(n, j);
+        check_soft_probability(where, "targets", t, n, j);
+        if (j >= C && t != Scalar(0)) {
+          std::ostringstream message;
+          message << where << ": targets(" << n << ", " << j << ") = " << t << " in a padding column [" << C << ", "
+                  << V << "): must be 0";
+          throw value_error(message.str());
+        }
+        sum += static_cast<double>(t);
+      }
+      check_soft_sum(where, sum, n);
+    }
+  }
+  void fill(Index n, Index C, double* t) const {
+    for (Index j = 0; j < C; ++j) t[j] = static_cast<double>(targets(n, j));
+  }
+};
+
+// Sparse targets: throws unless ids and probs are [N, k] alike, every id in [0, C) and every row a
+// distribution.
+template <typename Scalar, typename Id>
+struct SparseSoftTargets {
+  const TypedTokenIds<Id>& ids;
+  const ConstMatrixRef<Scalar>& probs;
+
+  void check(const char* where, Index N, Index C, Index V) const {
+    if (ids.rows() != N || probs.rows() != N || ids.cols() != probs.cols()) {
+      std::ostringstream message;
+      message << where << ": sparse targets have ids [" << ids.rows() << ", " << ids.cols() << "] and probs ["
+              << probs.rows() << ", " << probs.cols() << "], expected both [N, k] with N = " << N;
+      throw shape_error(message.str());
+    }
+    for (Index n = 0; n < N; ++n) {
+      double sum = 0;
+      for (Index i = 0; i < ids.cols(); ++i) {
+        const Index c = static_cast<Index>(ids(n, i));
+        if (c < 0 || c >= C) {
+          std::ostringstream message;
+          message << where << ": targets.ids(" << n << ", " << i << ") = " << c << " outside [0, " << C << ")";
+          if (V > C && c >= C && c < V) message << "; columns [" << C << ", " << V << ") are vocabulary padding";
+          throw index_error(message.str());
+        }
+        check_soft_probability(where, "targets.probs", probs(n, i), n, i);
+        sum += static_cast<double>(probs(n, i));
+      }
+      check_soft_sum(where, sum, n);
+    }
+  }
+  void fill(Index n, Index C, double* t) const {
+    std::fill_n(t, C, 0.0);
+    for (Index i = 0; i < ids.cols(); ++i) t[static_cast<Index>(ids(n, i))] += static_cast<double>(probs(n, i));
+  }
+};
+
+// Checked soft targets as the fused loss reads them, a block of columns at a time: row n's
+// v_c = u_c t'_c over global columns [c0, c0 + width) (fill_block) and T_n = sum_c v_c (mass).
+// Either dense (targets [N, C or V]) or sparse (ids, as Index, and probs [N, k]).
+template <typename Scalar>
+struct SoftTargetRows {
+  const ConstMatrixRef<Scalar>* dense = nullptr;
+  const ConstMatrixRef<Scalar>* probs = nullptr;
+  std::vector<Index> ids;  // [N * k], row-major
+  Index k = 0;
+  double eps = 0;
+  Index classes = 0;
+  const double* u = nullptr;  // class weights [C]; null: all 1
+
+  double weight(Index c) const { return u ? u[c] : 1.0; }
+  // T_n: dense, sum_c v_c; sparse, (1 - eps) sum_i u_{id_i} p_i + (eps / C) sum_c u_c.
+  double mass(Index n) const {
+    const double smooth = eps / static_cast<double>(classes);
+    double T = 0;
+    if (dense) {
+      for (Index c = 0; c < classes; ++c) T += weight(c) * ((1.0 - eps) * static_cast<double>((*dense)(n, c)) + smooth);
+      return T;
+    }
+    for (Index i = 0; i < k; ++i)
+      T += weight(ids[static_cast<std::size_t>(n * k + i)]) * static_cast<double>((*probs)(n, i));
+    double U = 0;
+    if (eps > 0)
+      for (Index c = 0; c < classes; ++c) U += weight(c);
+    return (1.0 - eps) * T + smooth * U;
+  }
+  void fill_block(Index n, Index c0, Index width, double* out) const {
+    const double smooth = eps / static_cast<double>(classes);
+    if (dense) {
+      for (Index j = 0; j < width; ++j)
+        out[j] = weight(c0 + j) * ((1.0 - eps) * static_cast<double>((*dense)(n, c0 + j)) + smooth);
+      return;
+    }
+    for (Index j = 0; j < width; ++j) out[j] = weight(c0 + j) * smooth;
+    for (Index i = 0; i < k; ++i) {
+      const Index c = ids[static_cast<std::size_t>(n * k + i)];
+      if (c >= c0 && c < c0 + width) out[c - c0] += weight(c) * (1.0 - eps) * static_cast<double>((*probs)(n, i));
+    }
+  }
+};
+
+// The soft-target pass: Targets is DenseSoftTargets or SparseSoftTargets. Everything is checked
+// before anything is written; dlogits and losses are written when non-null.
+template <typename Scalar, typename Targets>
+CrossEntropyResult soft_cross_entropy_pass(const ConstMatrixRef<Scalar>& logits, const Targets& targets,
+                                           const CrossEntropyOptions& options, MatrixRef<Scalar>* dlogits,
+                                           MatrixRef<Scalar>* losses, const char* where) {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+  const Index N = logits.rows(), V = logits.cols();
+  if (dlogits) check_shape(where, "dlogits", *dlogits, N, V);
+  if (losses) check_shape(where, "losses", *losses, N, 1);
+  check_loss_options<Scalar>(where, options, V);
+  check_soft_options(where, options);
+  const Index C = classes_of(options, V);
+  targets.check(where, N, C, V);
+  if (options.error_if_nonfinite)
+    for (Index n = 0; n < N; ++n) {
+      const Index j = first_nonfinite_column(logits, n, C);
+      if (j < 0) continue;
+      std::ostringstream place;
+      place << "n=" << n << ", column " << j << ",";
+      throw_nonfinite(where, "logit", logits(n, j), place.str());
+    }
+
+  SoftmaxTerms terms = softmax_terms(options, C);
+  CrossEntropyResult result;
+  result.count = N;
+  result.weight_sum = static_cast<double>(N);
+  const double scale = reduction_scale(options.reduction, result.weight_sum, options.gradient_scale);
+  std::vector<double> v(static_cast<std::size_t>(C));
+  std::vector<Scalar> scratch(!dlogits && options.softcap > 0 ? static_cast<std::size_t>(C) : 0);
+  const double eps = options.label_smoothing, smooth = eps / static_cast<double>(C);
+  for (Index n = 0; n < N; ++n) {
+    targets.fill(n, C, v.data());
+    double mass = 0;
+    for (Index c = 0; c < C; ++c) {
+      const double t = (1.0 - eps) * v[c] + smooth;
+      v[c] = terms.class_weights ? terms.class_weights[c] * t : t;
+      mass += v[c];
+    }
+    terms.soft_targets = v.data();
+    terms.soft_mass = mass;
+    Scalar* work = dlogits ? dlogits->row(n).data() : scratch.data();
+    const RowLoss row = softmax_loss_row<Scalar>(logits.row(n).data(), work, -1, terms, dlogits != nullptr, scale);
+    if (dlogits && C < V) dlogits->row(n).tail(V - C).setZero();
+    add_row_loss(row, 1.0, result, losses, n);
+  }
+  finish_reduction(result, options.reduction);
+  return result;
+}
+
+template <typename Scalar, typename F>
+CrossEntropyResult visit_sparse_targets(const SparseTargets<Scalar>& targets, const F& f) {
+  return targets.ids.visit([&](const auto& typed) {
+    using Id = typename std::decay_t<decltype(typed)>::id_type;
+    return f(SparseSoftTargets<Scalar, Id>{typed, targets.probs});
+  });
+}
+
 }  // namespace detail
 
 // Targets are a TokenIds (token_ids.hpp): N ids of std::int32_t or std::int64_t in any shape
@@ -318,6 +544,74 @@ CrossEntropyResult cross_entropy_per_token(const ConstMatrixRef<Scalar>& logits,
                                            MatrixRef<Scalar> losses, const CrossEntropyOptions& options = {}) {
   return targets.visit([&](const auto& typed) {
     return detail::cross_entropy_pass<Scalar>(logits, typed, options, nullptr, &losses, "cross_entropy_per_token");
+  });
+}
+
+// ---- soft (probability) targets: see the header ----
+// \throws shape_error if targets is not [N, C] (or [N, V], its padding columns 0), sparse ids and
+// probs are not both [N, k], dlogits is not [N, V] or losses not [N, 1]; value_error for a target
+// probability NaN or outside [0, 1], a row not summing to 1 within kSoftTargetTolerance, a
+// non-zero probability in a padding column, ignore_index other than -100, an option out of range,
+// or with error_if_nonfinite a NaN or infinite logit among the classes; index_error for a sparse
+// id outside [0, C). Each names the row n, the entry and the valid range. Nothing written on throw.
+// dlogits may be logits itself.
+
+// logits [N, V], targets [N, C] (or [N, V]) probabilities -> loss.
+template <typename Scalar>
+CrossEntropyResult cross_entropy_soft(const ConstMatrixRef<Scalar>& logits, const ConstMatrixRef<Scalar>& targets,
+                                      const CrossEntropyOptions& options = {}) {
+  return detail::soft_cross_entropy_pass<Scalar>(logits, detail::DenseSoftTargets<Scalar>{targets}, options, nullptr,
+                                                 nullptr, "cross_entropy_soft");
+}
+
+// logits [N, V], sparse targets (ids [N, k], probs [N, k]) -> loss.
+template <typename Scalar>
+CrossEntropyResult cross_entropy_soft(const ConstMatrixRef<Scalar>& logits, const SparseTargets<Scalar>& targets,
+                                      const CrossEntropyOptions& options = {}) {
+  return detail::visit_sparse_targets(targets, [&](const auto& sparse) {
+    return detail::soft_cross_entropy_pass<Scalar>(logits, sparse, options, nullptr, nullptr, "cross_entropy_soft");
+  });
+}
+
+// logits [N, V], targets [N, C] (or [N, V]) -> loss; dlogits [N, V] = (T_n softmax - v) * scale.
+template <typename Scalar>
+CrossEntropyResult cross_entropy_soft_forward_backward(const ConstMatrixRef<Scalar>& logits,
+                                                       const ConstMatrixRef<Scalar>& targets, MatrixRef<Scalar> dlogits,
+                                                       const CrossEntropyOptions& options = {}) {
+  return detail::soft_cross_entropy_pass<Scalar>(logits, detail::DenseSoftTargets<Scalar>{targets}, options, &dlogits,
+                                                 nullptr, "cross_entropy_soft_forward_backward");
+}
+
+// ... and losses [N, 1] = loss_n in the same pass.
+template <typename Scalar>
+CrossEntropyResult cross_entropy_soft_forward_backward(const ConstMatrixRef<Scalar>& logits,
+                                                       const ConstMatrixRef<Scalar>& targets, MatrixRef<Scalar> dlogits,
+                                                       MatrixRef<Scalar> losses,
+                                                       const CrossEntropyOptions& options = {}) {
+  return detail::soft_cross_entropy_pass<Scalar>(logits, detail::DenseSoftTargets<Scalar>{targets}, options, &dlogits,
+                                                 &losses, "cross_entropy_soft_forward_backward");
+}
+
+// logits [N, V], sparse targets (ids [N, k], probs [N, k]) -> loss; dlogits [N, V].
+template <typename Scalar>
+CrossEntropyResult cross_entropy_soft_forward_backward(const ConstMatrixRef<Scalar>& logits,
+                                                       const SparseTargets<Scalar>& targets, MatrixRef<Scalar> dlogits,
+                                                       const CrossEntropyOptions& options = {}) {
+  return detail::visit_sparse_targets(targets, [&](const auto& sparse) {
+    return detail::soft_cross_entropy_pass<Scalar>(logits, sparse, options, &dlogits, nullptr,
+                                                   "cross_entropy_soft_forward_backward");
+  });
+}
+
+// ... and losses [N, 1] = loss_n in the same pass.
+template <typename Scalar>
+CrossEntropyResult cross_entropy_soft_forward_backward(const ConstMatrixRef<Scalar>& logits,
+                                                       const SparseTargets<Scalar>& targets, MatrixRef<Scalar> dlogits,
+                                                       MatrixRef<Scalar> losses,
+                                                       const CrossEntropyOptions& options = {}) {
+  return detail::visit_sparse_targets(targets, [&](const auto& sparse) {
+    return detail::soft_cross_entropy_pass<Scalar>(logits, sparse, options, &dlogits, &losses,
+                                                   "cross_entropy_soft_forward_backward");
   });
 }
 

@@ -40,6 +40,10 @@
 // weights), plus per-token weights w_n >= 0 (mean divides by their sum over counted tokens; with
 // class weights by the sum of w_n u_{y_n}), the log-sum-exp of every row as an output (for z-loss
 // monitoring), and per-token losses (Reduction::none).
+// Soft (probability) targets (fused_head_loss_soft*: dense [N, C] or SparseTargets, the plain
+// loss's semantics, cross_entropy.hpp): each block of columns adds sum_c v_c s_c over its columns
+// to the row's statistics (v_c = u_c t'_c, filled a block at a time from the targets) and
+// subtracts w v_j in the row's gradient; T_n = sum_c v_c is computed once per row.
 //
 // bf16 mixed precision (the overloads taking W as Eigen::bfloat16, "bf16 mixed precision" below):
 // the same pass with the products' inputs in bf16 -- bf16(h), W, bf16(dz) -- and everything else,
@@ -127,6 +131,8 @@ struct FusedHeadLossWorkspace {
   std::vector<double> lse;                         // each counted row's log-sum-exp
   std::vector<double> entropy;                     // and its entropy (with an entropy term)
   std::vector<double> reduced;                     // vocabulary-parallel: the per-row sums all-reduced in one call
+  std::vector<double> soft_mass;                   // soft targets: each counted row's T_n
+  std::vector<double> soft_block;                  // and its v over a block of columns, per row being worked
   // bf16 mixed precision (W stored in bf16): h and dz rounded to bf16, as bf16 where the backend takes
   // bf16 operands (oneDNN), else as Scalar holding the rounded values (hidden then holds h's); the
   // float tiles a bf16 W is widened into on such a backend.
@@ -341,7 +347,8 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
                                         const FusedHeadLossExtras<Scalar>& extras, MatrixRef<Scalar>* dh,
                                         MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
                                         const FusedHeadLossOptions& options, FusedHeadLossWorkspace<Scalar>& ws,
-                                        const char* where, const VocabSlice<Scalar>* slice = nullptr) {
+                                        const char* where, const VocabSlice<Scalar>* slice = nullptr,
+                                        const SoftTargetRows<Scalar>* soft = nullptr) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   // bf16 mixed precision: W stored in bf16, h and dz rounded to bf16 for the products, held as Low
   // (bf16 on a backend that takes bf16 operands, else Scalar holding the rounded values).
@@ -382,7 +389,8 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   for (Index n = 0; n < N; ++n)
     if (target_of(n) != options.ignore_index) {
       ws.tokens.push_back(n);
-      result.weight_sum += terms.class_weights ? weight_of(n) * terms.target_weight(target_of(n)) : weight_of(n);
+      result.weight_sum += terms.class_weights && !soft ? weight_of(n) * terms.target_weight(target_of(n))
+                                                        : weight_of(n);
     }
   const Index count = static_cast<Index>(ws.tokens.size());
   result.count = count;
@@ -461,6 +469,24 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   if (terms.entropy) ws.entropy.resize(static_cast<std::size_t>(count));
   const double softcap = options.softcap;
   const Scalar cap = static_cast<Scalar>(softcap);
+  // Soft targets: each row's T_n, and a block of v per row being worked (indexed r % soft_rows).
+  const Index soft_rows = one_pass ? chunk : count;
+  if (soft) {
+    ws.soft_mass.resize(static_cast<std::size_t>(count));
+    for (Index r = 0; r < count; ++r)
+      ws.soft_mass[static_cast<std::size_t>(r)] = soft->mass(ws.tokens[static_cast<std::size_t>(r)]);
+    // At least one value: the row's terms need a non-null v even on a shard with no class (block 0).
+    ws.soft_block.resize(static_cast<std::size_t>(std::max<Index>(1, soft_rows * block)));
+  }
+  // The row's terms with its soft targets over global columns [c0, c0 + width) (v in its block buffer).
+  auto soft_terms = [&](Index r, Index c0, Index width) {
+    SoftmaxTerms row_terms = terms;
+    double* v = ws.soft_block.data() + (r % soft_rows) * block;
+    if (width > 0) soft->fill_block(ws.tokens[static_cast<std::size_t>(r)], c0, width, v);
+    row_terms.soft_targets = v;
+    row_terms.soft_mass = ws.soft_mass[static_cast<std::size_t>(r)];
+    return row_terms;
+  };
 
   // The GEMM pieces along the vocabulary: within a two-pass block (a few thousand rows at most)
   // kFusedRowPiece rows, so a block still gives the threads several pieces; across a token chunk's
@@ -521,6 +547,10 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   // Row r's statistics over columns [v0, v0 + width) of its logits z (z[0] is column v0).
   auto accumulate_row = [&](Index r, const Scalar* z, Index v0, Index width) {
     const std::size_t i = static_cast<std::size_t>(r);
+    if (soft) {  // v over the block's columns, read from column 0 of its buffer
+      ws.row_stats[i].accumulate(z, width, -1, soft_terms(r, begin + v0, width), 0);
+      return;
+    }
     const Index y = target_of(ws.tokens[i]) - begin;                  // in W's local numbering
     ws.row_stats[i].accumulate(z, width, y - v0, terms, begin + v0);  // the online rescale
   };
@@ -529,7 +559,8 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
     for (Index r = r0; r < r1; ++r) {
       const std::size_t i = static_cast<std::size_t>(r);
       const Index n = ws.tokens[i];
-      const RowLoss row = row_loss(ws.row_stats[i], terms, terms.target_weight(target_of(n)));
+      const RowLoss row = soft ? row_loss(ws.row_stats[i], soft_terms(r, 0, 0))
+                               : row_loss(ws.row_stats[i], terms, terms.target_weight(target_of(n)));
       ws.lse[i] = row.lse;
       if (terms.entropy) ws.entropy[i] = row.entropy;
       add_row_loss<Scalar>(row, weight_of(n), result, want_losses ? losses : nullptr, n);
@@ -544,6 +575,15 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
     RowLoss row;
     row.lse = ws.lse[i];
     if (terms.entropy) row.entropy = ws.entropy[i];
+    if (soft) {  // block by block, each with its v
+      for (Index b0 = 0; b0 < width; b0 += block) {
+        const Index b_width = std::min(block, width - b0);
+        const SoftmaxTerms row_terms = soft_terms(r, begin + v0 + b0, b_width);
+        const SoftmaxGradient<Scalar> k = softmax_gradient_at_lse<Scalar>(row, w, row_terms);
+        apply_softmax_gradient(z + b0, b_width, -1, k, row_terms, /*holds_exp=*/false, 0);
+      }
+      return;
+    }
     row.class_weight = terms.target_weight(target_of(ws.tokens[i]));
     const SoftmaxGradient<Scalar> k = softmax_gradient_at_lse<Scalar>(row, w, terms);
     const Index y = target_of(ws.tokens[i]) - begin;  // in W's local numbering
@@ -697,6 +737,122 @@ CrossEntropyResult fused_head_loss(const ConstMatrixRef<Scalar>& h, const ConstM
     return detail::fused_head_loss_pass<Scalar>(h, W, bias, typed, extras, nullptr, nullptr, nullptr, options,
                                                 workspace, "fused_head_loss");
   });
+}
+
+// ---- soft (probability) targets ----
+// The plain loss's soft targets (cross_entropy.hpp: dense [N, C] or [N, V], or SparseTargets [N,
+// k]; PyTorch's semantics, label smoothing and class weights included; ignore_index must stay
+// -100), in either plan: each block of columns adds sum_c v_c s_c over its columns (a sparse row
+// only its targets there) to the row's statistics, and its gradient subtracts w v_j. Per-token
+// weights w_n apply as with class indices: the mean divides by sum_n w_n (N without weights).
+// \throws as the class-index calls, and as cross_entropy_soft for the targets. Nothing written on
+// throw. Cost: the class-index call's, plus reading the targets (dense: N C values) and a buffer
+// of one block of v per row worked on.
+
+namespace detail {
+
+template <typename Scalar, typename Checked>
+CrossEntropyResult fused_soft_pass(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                   const ConstMatrixRef<Scalar>& bias, const Checked& checked,
+                                   const SoftTargetRows<Scalar>& soft, MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW,
+                                   MatrixRef<Scalar>* db, FusedHeadLossWorkspace<Scalar>& workspace,
+                                   const FusedHeadLossOptions& options, const FusedHeadLossExtras<Scalar>& extras,
+                                   const char* where) {
+  const Index N = h.rows(), V = W.rows();
+  check_loss_options<Scalar>(where, options, V);
+  check_soft_options(where, options);
+  checked.check(where, N, classes_of(options, V), V);
+  SoftTargetRows<Scalar> rows = soft;
+  rows.eps = options.label_smoothing;
+  rows.classes = classes_of(options, V);
+  rows.u = options.class_weights.empty() ? nullptr : options.class_weights.data();
+  // The class-index checks see N targets of class 0: every row counted, none out of range.
+  const std::vector<std::int32_t> zeros(static_cast<std::size_t>(N), 0);
+  const TypedTokenIds<std::int32_t> counted(zeros.data(), 1, N, N, 1);
+  return fused_head_loss_pass<Scalar, std::int32_t>(h, W, bias, counted, extras, dh, dW, db, options, workspace, where,
+                                                    nullptr, &rows);
+}
+
+template <typename Scalar>
+CrossEntropyResult fused_soft_dense(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                    const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& targets,
+                                    MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                    FusedHeadLossWorkspace<Scalar>& workspace, const FusedHeadLossOptions& options,
+                                    const FusedHeadLossExtras<Scalar>& extras, const char* where) {
+  SoftTargetRows<Scalar> soft;
+  soft.dense = &targets;
+  return fused_soft_pass(h, W, bias, DenseSoftTargets<Scalar>{targets}, soft, dh, dW, db, workspace, options, extras,
+                         where);
+}
+
+template <typename Scalar>
+CrossEntropyResult fused_soft_sparse(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                     const ConstMatrixRef<Scalar>& bias, const SparseTargets<Scalar>& targets,
+                                     MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                     FusedHeadLossWorkspace<Scalar>& workspace, const FusedHeadLossOptions& options,
+                                     const FusedHeadLossExtras<Scalar>& extras, const char* where) {
+  return targets.ids.visit([&](const auto& typed) {
+    using Id = typename std::decay_t<decltype(typed)>::id_type;
+    const SparseSoftTargets<Scalar, Id> checked{typed, targets.probs};
+    SoftTargetRows<Scalar> soft;
+    soft.probs = &targets.probs;
+    soft.k = targets.probs.cols();
+    // The ids as Index, once checked (a shape error is reported by check first).
+    if (typed.rows() == h.rows() && typed.cols() == soft.k) {
+      soft.ids.resize(static_cast<std::size_t>(typed.rows() * soft.k));
+      for (Index n = 0; n < typed.rows(); ++n)
+        for (Index i = 0; i < soft.k; ++i)
+          soft.ids[static_cast<std::size_t>(n * soft.k + i)] = static_cast<Index>(typed(n, i));
+    }
+    return fused_soft_pass(h, W, bias, checked, soft, dh, dW, db, workspace, options, extras, where);
+  });
+}
+
+}  // namespace detail
+
+// h [N, d], W [V, d], bias [V, 1] or empty, targets [N, C] (or [N, V]) probabilities -> loss;
+// dh [N, d] written, dW [V, d] +=, db [V, 1] += (each skipped when empty).
+template <typename Scalar>
+CrossEntropyResult fused_head_loss_soft_forward_backward(
+    const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W, const ConstMatrixRef<Scalar>& bias,
+    const ConstMatrixRef<Scalar>& targets, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> db,
+    FusedHeadLossWorkspace<Scalar>& workspace, const FusedHeadLossOptions& options = {},
+    const FusedHeadLossExtras<Scalar>& extras = {}) {
+  return detail::fused_soft_dense<Scalar>(h, W, bias, targets, &dh, &dW, &db, workspace, options, extras,
+                                          "fused_head_loss_soft_forward_backward");
+}
+
+// ... with sparse targets (ids [N, k], probs [N, k]).
+template <typename Scalar>
+CrossEntropyResult fused_head_loss_soft_forward_backward(
+    const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W, const ConstMatrixRef<Scalar>& bias,
+    const SparseTargets<Scalar>& targets, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> db,
+    FusedHeadLossWorkspace<Scalar>& workspace, const FusedHeadLossOptions& options = {},
+    const FusedHeadLossExtras<Scalar>& extras = {}) {
+  return detail::fused_soft_sparse<Scalar>(h, W, bias, targets, &dh, &dW, &db, workspace, options, extras,
+                                           "fused_head_loss_soft_forward_backward");
+}
+
+// h [N, d], W [V, d], bias, targets [N, C] (or [N, V]) -> the loss alone.
+template <typename Scalar>
+CrossEntropyResult fused_head_loss_soft(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                        const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& targets,
+                                        FusedHeadLossWorkspace<Scalar>& workspace,
+                                        const FusedHeadLossOptions& options = {},
+                                        const FusedHeadLossExtras<Scalar>& extras = {}) {
+  return detail::fused_soft_dense<Scalar>(h, W, bias, targets, nullptr, nullptr, nullptr, workspace, options, extras,
+                                          "fused_head_loss_soft");
+}
+
+// ... with sparse targets.
+template <typename Scalar>
+CrossEntropyResult fused_head_loss_soft(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                        const ConstMatrixRef<Scalar>& bias, const SparseTargets<Scalar>& targets,
+                                        FusedHeadLossWorkspace<Scalar>& workspace,
+                                        const FusedHeadLossOptions& options = {},
+                                        const FusedHeadLossExtras<Scalar>& extras = {}) {
+  return detail::fused_soft_sparse<Scalar>(h, W, bias, targets, nullptr, nullptr, nullptr, workspace, options, extras,
+                                           "fused_head_loss_soft");
 }
 
 // ---- bf16 mixed precision ----

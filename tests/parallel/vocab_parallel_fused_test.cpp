@@ -748,3 +748,186 @@ TEST_CASE("vocabulary-parallel fused loss with error_if_nonfinite: agreed on eve
     CHECK(dh.isConstant(Scalar(7)));
   }
 }
+
+// ---- soft (probability) targets ----
+
+namespace {
+
+// Soft targets [N, C] for the setup: row n puts 1/2 on targets(n) (a class index in [0, C)), and
+// 1/2 spread over the 3 classes after it (mod C), so every shard sees some of them; the same on
+// every rank. And the same targets as sparse pairs [N, 4].
+template <typename Scalar>
+struct SoftSetup {
+  RowMatrix<Scalar> dense;
+  IdMatrix<std::int64_t> ids;
+  RowMatrix<Scalar> probs;
+};
+
+template <typename Scalar>
+SoftSetup<Scalar> soft_targets_for(const Setup<Scalar>& s, Index C) {
+  SoftSetup<Scalar> t{RowMatrix<Scalar>::Zero(s.N, C), IdMatrix<std::int64_t>(s.N, 4), RowMatrix<Scalar>(s.N, 4)};
+  const double share[4] = {0.5, 0.25, 0.125, 0.125};
+  for (Index n = 0; n < s.N; ++n) {
+    const Index y = static_cast<Index>(s.targets(n / s.targets.cols(), n % s.targets.cols())) % C;
+    for (Index i = 0; i < 4; ++i) {
+      const Index c = (y + 11 * i) % C;
+      t.dense(n, c) += static_cast<Scalar>(share[i]);
+      t.ids(n, i) = c;
+      t.probs(n, i) = static_cast<Scalar>(share[i]);
+    }
+  }
+  return t;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("vocabulary-parallel fused loss with soft targets equals fused_head_loss_soft on the whole head",
+                   "[vocab_parallel_fused][soft]", float, double) {
+  using Scalar = TestType;
+  const bool one_rank = world().size() == 1;
+  Setup<Scalar> s = make_setup<Scalar>(53, 13, 3, 7, 61, true);
+  for (const Index C : {Index(53), Index(36)})  // 36: the third rank's shard wholly in the padding
+    for (const Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none})
+      for (const bool smoothing_weights : {false, true})
+        for (const bool extras : {false, true})
+          for (int plan : {0, 1})
+            for (const bool sparse : {false, true}) {
+              CAPTURE(C, static_cast<int>(reduction), smoothing_weights, extras, plan, sparse, world().rank(),
+                      world().size());
+              FusedHeadLossOptions options;
+              options.valid_vocab = C;
+              options.reduction = reduction;
+              if (smoothing_weights) {
+                options.label_smoothing = 0.1;
+                options.class_weights = test_support::class_weights(C);
+              }
+              if (extras) {
+                options.z_loss = 1e-3;
+                options.softcap = 3.0;
+                options.entropy_bonus = -0.2;
+                options.gradient_scale = 0.5;
+              }
+              options.vocab_block = 7;
+              options.plan = plan == 0 ? embedhead::FusedPlan::vocab_blocks : embedhead::FusedPlan::token_chunks;
+              if (plan == 1)
+                options.memory_budget = 2 * embedhead::vocab_shard(s.V, 0, world().size()).rows() *
+                                        static_cast<Index>(sizeof(Scalar));
+              const SoftSetup<Scalar> t = soft_targets_for(s, C);
+              const embedhead::SparseTargets<Scalar> sparse_targets{t.ids, t.probs};
+              RowMatrix<Scalar> weights = random_matrix<Scalar>(s.N, 1, 63, 1.0).cwiseAbs();
+              // The whole head: fused_head_loss_soft_forward_backward, the same plan on one rank (bit
+              // for bit), the default plan on more (a shard's budget may not hold a whole row).
+              FusedHeadLossOptions reference = options;
+              if (!one_rank) {
+                reference.plan = embedhead::FusedPlan::automatic;
+                reference.memory_budget = 0;
+              }
+              Outputs<Scalar> expected{{},
+                                       RowMatrix<Scalar>(s.N, s.d),
+                                       RowMatrix<Scalar>::Zero(s.V, s.d),
+                                       RowMatrix<Scalar>::Zero(s.V, 1),
+                                       RowMatrix<Scalar>(s.N, 1),
+                                       RowMatrix<Scalar>(s.N, 1)};
+              embedhead::FusedHeadLossWorkspace<Scalar> ws;
+              expected.result = sparse ? embedhead::fused_head_loss_soft_forward_backward<Scalar>(
+                                             s.h, s.full.weight().value(), s.full.bias()->value(), sparse_targets,
+                                             expected.dh, expected.dW, expected.db, ws, reference,
+                                             extras_of(weights, expected.lse, expected.losses))
+                                       : embedhead::fused_head_loss_soft_forward_backward<Scalar>(
+                                             s.h, s.full.weight().value(), s.full.bias()->value(), t.dense, expected.dh,
+                                             expected.dW, expected.db, ws, reference,
+                                             extras_of(weights, expected.lse, expected.losses));
+              expected.dW = RowMatrix<Scalar>(expected.dW.middleRows(s.shard.begin, s.shard.rows()));
+              expected.db = RowMatrix<Scalar>(expected.db.middleRows(s.shard.begin, s.shard.rows()));
+
+              Outputs<Scalar> actual{{}, RowMatrix<Scalar>(s.N, s.d), {},
+                                     {}, RowMatrix<Scalar>(s.N, 1),   RowMatrix<Scalar>(s.N, 1)};
+              s.W_shard->zero_grad();
+              s.b_shard->zero_grad();
+              VocabParallelFusedHeadLoss<Scalar> loss(options);
+              actual.result = sparse ? loss.forward_backward_shard_soft(world(), s.V, *s.W_shard, s.b_shard.get(), s.h,
+                                                                        sparse_targets, actual.dh,
+                                                                        extras_of(weights, actual.lse, actual.losses))
+                                     : loss.forward_backward_shard_soft(world(), s.V, *s.W_shard, s.b_shard.get(), s.h,
+                                                                        t.dense, actual.dh,
+                                                                        extras_of(weights, actual.lse, actual.losses));
+              actual.dW = s.W_shard->grad().to_dense();
+              actual.db = s.b_shard->grad().to_dense();
+              CHECK(actual.result.count == s.N);
+              check_matches(actual, expected, one_rank);
+              CHECK(replicated(actual));
+              // The loss alone: the same numbers, bit for bit.
+              RowMatrix<Scalar> lse(s.N, 1), losses(s.N, 1);
+              const CrossEntropyResult r = sparse
+                                               ? loss.forward_shard_soft(world(), s.V, *s.W_shard, s.b_shard.get(), s.h,
+                                                                         sparse_targets,
+                                                                         extras_of(weights, lse, losses))
+                                               : loss.forward_shard_soft(world(), s.V, *s.W_shard, s.b_shard.get(), s.h,
+                                                                         t.dense, extras_of(weights, lse, losses));
+              CHECK(r.loss == actual.result.loss);
+              CHECK(same_values(losses, actual.losses));
+            }
+}
+
+TEST_CASE("vocabulary-parallel fused loss with soft targets: errors agreed on every rank, nothing changed",
+          "[vocab_parallel_fused][soft][errors]") {
+  using Scalar = float;
+  Communicator& comm = world();
+  const int R = comm.size();
+  const bool last = comm.rank() == R - 1;
+  Setup<Scalar> s = make_setup<Scalar>(53, 6, 2, 4, 71, true);
+  const SoftSetup<Scalar> t = soft_targets_for(s, 53);
+  s.W_shard->grad().dense_accumulator().setConstant(Scalar(1.5));
+  RowMatrix<Scalar> dh = RowMatrix<Scalar>::Constant(s.N, s.d, Scalar(7));
+  RowMatrix<Scalar> lse = RowMatrix<Scalar>::Constant(s.N, 1, Scalar(8)),
+                    losses = RowMatrix<Scalar>::Constant(s.N, 1, Scalar(9));
+  const RowMatrix<Scalar> no_weights(0, 1);
+  VocabParallelFusedHeadLoss<Scalar> loss;
+  const std::string fb = "VocabParallelFusedHeadLoss::forward_backward_shard_soft";
+  auto unchanged = [&] {
+    CHECK((dh.array() == Scalar(7)).all());
+    CHECK((lse.array() == Scalar(8)).all());
+    CHECK((losses.array() == Scalar(9)).all());
+    CHECK((s.W_shard->grad().to_dense().array() == Scalar(1.5)).all());
+    CHECK(s.b_shard->grad().to_dense().cwiseAbs().sum() == 0);
+  };
+  auto dense_call = [&](const RowMatrix<Scalar>& targets) {
+    return [&] {
+      loss.forward_backward_shard_soft(comm, 53, *s.W_shard, s.b_shard.get(), s.h, targets, dh,
+                                       extras_of(no_weights, lse, losses));
+    };
+  };
+  SECTION("a row that does not sum to 1 on the last rank") {
+    RowMatrix<Scalar> targets = t.dense;
+    if (last) targets(1, 0) += Scalar(0.5);
+    const std::string message = agreed_error<embedhead::value_error>(dense_call(targets));
+    CHECK_THAT(message, Contains(fb) && Contains("targets of row n=1 sum to 1.5") && EndsWith(on_last_rank()));
+    unchanged();
+  }
+  SECTION("a sparse id out of range") {
+    IdMatrix<std::int64_t> ids = t.ids;
+    ids(2, 3) = 60;
+    const std::string message = agreed_error<embedhead::index_error>([&] {
+      loss.forward_backward_shard_soft(comm, 53, *s.W_shard, s.b_shard.get(), s.h,
+                                       embedhead::SparseTargets<Scalar>{ids, t.probs}, dh,
+                                       extras_of(no_weights, lse, losses));
+    });
+    CHECK_THAT(message, Contains(fb) && Contains("targets.ids(2, 3) = 60 outside [0, 53)"));
+    unchanged();
+  }
+  SECTION("valid soft targets that differ across ranks") {
+    RowMatrix<Scalar> targets = t.dense;
+    if (last && R > 1) {  // still a distribution on every rank, but not the same one
+      const Index c = (targets(0, 0) > 0) ? 1 : 0;
+      targets(0, c) += Scalar(0.125);
+      Index other = 0;
+      while (!(targets(0, other) >= Scalar(0.125)) || other == c) ++other;
+      targets(0, other) -= Scalar(0.125);
+    }
+    if (R > 1) {
+      const std::string message = agreed_error<embedhead::value_error>(dense_call(targets));
+      CHECK_THAT(message, Contains(fb) && Contains("disagree on the call (forward or forward_backward), targets"));
+      unchanged();
+    }
+  }
+}

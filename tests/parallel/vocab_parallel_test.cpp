@@ -926,3 +926,146 @@ TEST_CASE("vocab_parallel_cross_entropy errors: agreed across ranks, nothing wri
   CHECK_THROWS_AS(vocab_parallel_cross_entropy<float>(comm, R > 1 ? R - 1 : 0, local, targets), value_error);
   CHECK(dlocal.isConstant(2.0f));
 }
+
+// ---- soft (probability) targets ----
+
+namespace {
+
+// Soft targets [N, C] and the same as sparse pairs [N, 4]: row n puts 1/2, 1/4, 1/8, 1/8 on the
+// classes (7 n + 13 i) mod C, spread over every shard.
+template <typename S>
+void soft_targets(Index N, Index C, RowMatrix<S>& dense, IdMatrix<std::int64_t>& ids, RowMatrix<S>& probs) {
+  const double share[4] = {0.5, 0.25, 0.125, 0.125};
+  dense = RowMatrix<S>::Zero(N, C);
+  ids.resize(N, 4);
+  probs.resize(N, 4);
+  for (Index n = 0; n < N; ++n)
+    for (Index i = 0; i < 4; ++i) {
+      const Index c = (7 * n + 13 * i) % C;
+      dense(n, c) += static_cast<S>(share[i]);
+      ids(n, i) = c;
+      probs(n, i) = static_cast<S>(share[i]);
+    }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("vocab_parallel_cross_entropy_soft: the loss and dlogits columns of cross_entropy_soft",
+                   "[vocab_parallel][soft]", float, double) {
+  using S = TestType;
+  Communicator& comm = world();
+  const int R = comm.size();
+  const VocabShard shard = vocab_shard(kV, comm.rank(), R);
+  const double tol = test_support::tolerance<S>(), ltol = loss_tolerance<S>();
+  const Index N = 10;
+  const RowMatrix<S> logits = random_matrix<S>(N, kV, 180, 4.0);
+  const RowMatrix<S> local = logits.middleCols(shard.begin, shard.rows());
+  for (const Index C : {kV, Index(36)})  // 36: the third rank's columns all padding
+    for (const Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none})
+      for (const bool smoothing_weights : {false, true})
+        for (const bool extras : {false, true})
+          for (const bool sparse : {false, true}) {
+            CAPTURE(C, static_cast<int>(reduction), smoothing_weights, extras, sparse, comm.rank(), R);
+            CrossEntropyOptions o;
+            o.valid_vocab = C;
+            o.reduction = reduction;
+            if (smoothing_weights) {
+              o.label_smoothing = 0.1;
+              o.class_weights = test_support::class_weights(C);
+            }
+            if (extras) {
+              o.z_loss = 1e-3;
+              o.softcap = 3.0;
+              o.entropy_bonus = 0.25;
+              o.gradient_scale = 0.5;
+            }
+            RowMatrix<S> dense, probs;
+            IdMatrix<std::int64_t> ids;
+            soft_targets<S>(N, C, dense, ids, probs);
+            const SparseTargets<S> sparse_targets{ids, probs};
+            RowMatrix<S> dlogits(N, kV);
+            const CrossEntropyResult expected = sparse
+                                                    ? cross_entropy_soft_forward_backward<S>(logits, sparse_targets,
+                                                                                             dlogits, o)
+                                                    : cross_entropy_soft_forward_backward<S>(logits, dense, dlogits, o);
+            RowMatrix<S> dlocal = RowMatrix<S>::Constant(N, shard.rows(), S(9));
+            const CrossEntropyResult got =
+                sparse
+                    ? vocab_parallel_cross_entropy_soft_forward_backward<S>(comm, kV, local, sparse_targets, dlocal, o)
+                    : vocab_parallel_cross_entropy_soft_forward_backward<S>(comm, kV, local, dense, dlocal, o);
+            CHECK(got.count == N);
+            CHECK(got.weight_sum == expected.weight_sum);
+            CHECK(close_scalar(got.loss, expected.loss, ltol));
+            CHECK(close_scalar(got.entropy, expected.entropy, ltol));
+            CHECK(close(dlocal, dlogits.middleCols(shard.begin, shard.rows()), tol));
+            CHECK(same_on_every_rank(comm, got.loss));
+            const CrossEntropyResult alone = sparse ? vocab_parallel_cross_entropy_soft<S>(comm, kV, local,
+                                                                                           sparse_targets, o)
+                                                    : vocab_parallel_cross_entropy_soft<S>(comm, kV, local, dense, o);
+            CHECK(alone.loss == got.loss);
+            RowMatrix<S> inplace = local;  // dlocal over the logits
+            vocab_parallel_cross_entropy_soft_forward_backward<S>(comm, kV, inplace, dense, inplace, o);
+            if (!sparse) CHECK(first_difference(inplace, dlocal) == "");
+            if (R == 1 && !sparse) {  // one rank, dense: the plain loss's arithmetic
+              CHECK(got.loss == expected.loss);
+              CHECK(first_difference(dlocal, dlogits) == "");
+            }
+          }
+}
+
+TEST_CASE("vocab_parallel_cross_entropy_soft errors: agreed across ranks, nothing written", "[vocab_parallel][soft]") {
+  Communicator& comm = world();
+  const int R = comm.size(), me = comm.rank(), last = R - 1;
+  const VocabShard shard = vocab_shard(kV, me, R);
+  const RowMatrix<float> local = random_matrix<float>(4, shard.rows(), 19);
+  RowMatrix<float> dlocal = RowMatrix<float>::Constant(4, shard.rows(), 2.0f);
+  RowMatrix<float> dense, probs;
+  IdMatrix<std::int64_t> ids;
+  soft_targets<float>(4, kV, dense, ids, probs);
+  const std::string fb = "vocab_parallel_cross_entropy_soft_forward_backward: ";
+
+  // A row that does not sum to 1 on the last rank.
+  RowMatrix<float> bad = dense;
+  if (me == last) bad(2, 0) += 0.5f;
+  std::string message = thrown_message<value_error>(
+      [&] { vocab_parallel_cross_entropy_soft_forward_backward<float>(comm, kV, local, bad, dlocal); });
+  std::string expected = on_rank(
+      fb + "targets of row n=2 sum to 1.5, outside [1 - 0.001, 1 + 0.001] (a distribution over the classes)", last, R);
+  CHECK(message == expected);
+  for (const std::string& m : gather_strings(comm, message)) CHECK(m == expected);
+  CHECK(dlocal.isConstant(2.0f));
+
+  // A sparse id out of range, on every rank.
+  IdMatrix<std::int64_t> bad_ids = ids;
+  bad_ids(1, 2) = 60;
+  CHECK(thrown_message<index_error>([&] {
+          vocab_parallel_cross_entropy_soft_forward_backward<float>(comm, kV, local,
+                                                                    SparseTargets<float>{bad_ids, probs}, dlocal);
+        }) == on_rank(fb + "targets.ids(1, 2) = 60 outside [0, 53)", 0, R));
+  CHECK(dlocal.isConstant(2.0f));
+
+  // ignore_index other than -100.
+  CrossEntropyOptions o;
+  o.ignore_index = 0;
+  CHECK(thrown_message<value_error>([&] {
+          vocab_parallel_cross_entropy_soft_forward_backward<float>(comm, kV, local, dense, dlocal, o);
+        }) == on_rank(fb + "ignore_index = 0 with soft targets, which have no ignored rows (leave it at its default, "
+                           "-100)",
+                      0, R));
+  CHECK(dlocal.isConstant(2.0f));
+
+  // Valid soft targets that differ across ranks.
+  if (R > 1) {
+    RowMatrix<float> differ = dense;
+    if (me == last) {  // still a distribution: 1/8 moved from one class to another
+      const Index from = ids(0, 3), to = (ids(0, 3) + 1) % kV;
+      differ(0, from) -= 0.125f;
+      differ(0, to) += 0.125f;
+    }
+    message = thrown_message<value_error>(
+        [&] { vocab_parallel_cross_entropy_soft_forward_backward<float>(comm, kV, local, differ, dlocal); });
+    CHECK_THAT(message, Catch::Contains("ranks 0 and " + std::to_string(last)) &&
+                            Catch::Contains("disagree on the targets, N, V or the loss options"));
+  }
+  CHECK(dlocal.isConstant(2.0f));
+}

@@ -160,6 +160,56 @@ LossResult full_loss(const RowMatrix<double>& logits, const TargetsT& targets, c
   return r;
 }
 
+// Soft (probability) targets, PyTorch's cross_entropy with a [N, C] float target (aten
+// LossNLL.cpp), plus the z-loss and entropy terms it does not have: logits [N, V] (classes: the
+// first o.classes columns), targets t [N, classes] with
+//   t'_c = (1 - eps) t_c + eps / C,  loss_n = -sum_c u_c t'_c log p_c + z lse^2 - beta H_n,
+// p = softmax(s) over the classes, s = c tanh(z / c) with softcap c. Each row counts once: the mean
+// divides by N. The gradient is each term's derivative, times the softcap's 1 - (s_j / c)^2:
+//   d/ds_j (-sum_c v_c log p_c) = (sum_c v_c) p_j - v_j,  d/ds_j lse^2 = 2 lse p_j,
+//   d/ds_j (-H) = p_j (log p_j + H).
+// A term with u_c t'_c = 0 adds 0 (where PyTorch's 0 * log 0 would be NaN).
+inline LossResult soft_loss(const RowMatrix<double>& logits, const RowMatrix<double>& targets, const LossOptions& o) {
+  const Index N = logits.rows(), V = logits.cols(), C = o.classes < 0 ? V : o.classes;
+  LossResult r;
+  r.dlogits = RowMatrix<double>::Zero(N, V);
+  r.losses.assign(static_cast<std::size_t>(N), 0.0);
+  r.count = N;
+  r.weight_sum = static_cast<double>(N);
+  const double scale = o.gradient_scale * (o.mean ? 1.0 / static_cast<double>(N) : 1.0);
+  for (Index n = 0; n < N; ++n) {
+    std::vector<double> s(static_cast<std::size_t>(C)), p(s.size()), v(s.size());
+    for (Index j = 0; j < C; ++j) s[j] = o.softcap > 0 ? o.softcap * std::tanh(logits(n, j) / o.softcap) : logits(n, j);
+    double m = -INFINITY;
+    for (Index j = 0; j < C; ++j) m = std::max(m, s[j]);
+    double S = 0;
+    for (Index j = 0; j < C; ++j) S += std::exp(s[j] - m);
+    const double lse = m + std::log(S);
+    double H = 0, ce = 0, T = 0;
+    for (Index j = 0; j < C; ++j) {
+      p[j] = std::exp(s[j] - lse);
+      if (p[j] > 0) H -= p[j] * (s[j] - lse);
+      const double u = o.class_weights.empty() ? 1.0 : o.class_weights[static_cast<std::size_t>(j)];
+      v[j] = u * ((1 - o.label_smoothing) * targets(n, j) + o.label_smoothing / static_cast<double>(C));
+      T += v[j];
+      if (v[j] != 0) ce -= v[j] * (s[j] - lse);
+    }
+    const double loss = ce + o.z_loss * lse * lse - o.entropy_bonus * H;
+    r.losses[static_cast<std::size_t>(n)] = loss;
+    r.sum += loss;
+    r.entropy += H;
+    for (Index j = 0; j < C; ++j) {
+      double g = T * p[j] - v[j] + 2 * o.z_loss * lse * p[j];
+      if (p[j] > 0) g += o.entropy_bonus * p[j] * (s[j] - lse + H);
+      if (o.softcap > 0) g *= 1 - (s[j] / o.softcap) * (s[j] / o.softcap);
+      r.dlogits(n, j) = scale * g;
+    }
+  }
+  r.loss = o.mean ? r.sum / static_cast<double>(N) : r.sum;
+  if (o.mean) r.entropy /= static_cast<double>(N);
+  return r;
+}
+
 // Central finite differences of a scalar function f over every entry of x (double):
 //   g_i = (f(x + eps e_i) - f(x - eps e_i)) / (2 eps).
 inline RowMatrix<double> numerical_gradient(RowMatrix<double>& x, const std::function<double()>& f, double eps = 1e-6) {

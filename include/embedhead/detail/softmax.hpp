@@ -32,6 +32,18 @@
 // (the entropy from statistics shifted by m, so nothing cancels however large the logits; a class
 // of probability 0, s_j = -inf, adds 0, not 0 * -inf).
 //
+// Soft (probability) targets t [C] (PyTorch's probability targets, label smoothing and class
+// weights included), the row's target weights v_c = u_c t'_c with t' = (1 - eps) t + eps / C, and
+// their mass T = sum_c v_c (both set per row by the caller: SoftmaxTerms::soft_targets, soft_mass):
+//   ce    = -sum_c v_c log p_c = T lse - sum_c v_c s_c
+//         = T log S + (T m - sum_c v_c s_c)                             row_loss
+//   zl    = z_loss lse^2,   eb = -beta H   (each row counts once: the mean divides by N)
+//   dz_j  = w (a p_j - v_j + beta p_j (s_j - lse + H)) (softcap factor),  a = T + 2 z_loss lse
+// The statistic s_y becomes sum_c v_c s_c (summed over blocks and ranks as s_y is), label
+// smoothing's sum_j s_j is not needed (it is in v), and the gradient's per-column term b_j = w v_j
+// replaces both b u_j and the target's c. A column with v_c = 0 adds 0 to sum_c v_c s_c even
+// where s_c = -inf (PyTorch's 0 * log 0 gives NaN there).
+//
 // The statistics (m, S, s_y, sum_j s_j) of a row split into blocks of columns -- blocks of the
 // vocabulary in the fused loss, shards on the ranks -- combine by the online rescale of Milakov &
 // Gimelshein (2018):
@@ -86,15 +98,20 @@ namespace detail {
 
 // The options the row arithmetic reads, and the number of classes C.
 struct SoftmaxTerms {
-  double label_smoothing = 0;                              // eps
-  double z_loss = 0;                                       // coefficient of lse^2
-  double softcap = 0;                                      // c > 0: s = c tanh(z / c); 0: off
-  double entropy_bonus = 0;                                // beta: -beta H added to the loss
-  Index classes = 0;                                       // C: the columns that are classes
-  bool entropy = false;                                    // E is summed (entropy outputs, the bonus)
-  const double* class_weights = nullptr;                   // u [C] by global column; null: all 1
-  double class_weight_sum = 0;                             // U = sum_j u_j (with class_weights)
-  bool logit_sums() const { return label_smoothing > 0; }  // sum_j s_j (sum_j u_j s_j) is needed
+  double label_smoothing = 0;             // eps
+  double z_loss = 0;                      // coefficient of lse^2
+  double softcap = 0;                     // c > 0: s = c tanh(z / c); 0: off
+  double entropy_bonus = 0;               // beta: -beta H added to the loss
+  Index classes = 0;                      // C: the columns that are classes
+  bool entropy = false;                   // E is summed (entropy outputs, the bonus)
+  const double* class_weights = nullptr;  // u [C] by global column; null: all 1
+  double class_weight_sum = 0;            // U = sum_j u_j (with class_weights)
+  // Soft targets: v [C] by global column (v_c = u_c t'_c, set per row) and T = sum_c v_c; null:
+  // the row has a class index as its target.
+  const double* soft_targets = nullptr;
+  double soft_mass = 0;
+  // sum_j s_j (sum_j u_j s_j) is needed: label smoothing with a class-index target.
+  bool logit_sums() const { return label_smoothing > 0 && !soft_targets; }
   // u_y, the weight a row with target y counts with (1 without class weights).
   double target_weight(Index y) const { return class_weights ? class_weights[y] : 1.0; }
 };
@@ -289,13 +306,29 @@ double weighted_sum_in_lanes(const Scalar* s, const double* u, Index width) {
   return acc.sum();
 }
 
+// sum_c v_c s_c of s [width] and v [width] in double, summed as weighted_sum_in_lanes, except that
+// a term with v_c = 0 adds 0 whatever s_c (-inf included).
+template <typename Scalar>
+double soft_target_sum_in_lanes(const Scalar* s, const double* v, Index width) {
+  using Wide = Eigen::Array<double, kSoftmaxLanes, 1>;
+  Wide acc = Wide::Zero();
+  const auto add = [&](const Wide& x, const Wide& w) { acc += (w != 0.0).select(x * w, Wide::Zero()); };
+  Index j = 0;
+  for (; j + kSoftmaxLanes <= width; j += kSoftmaxLanes)
+    add(Eigen::Map<const SoftmaxLanes<Scalar>>(s + j).template cast<double>(), Eigen::Map<const Wide>(v + j));
+  if (j < width)
+    add(load_partial_lanes(s + j, width - j, Scalar(0)).template cast<double>(),
+        load_partial_lanes(v + j, width - j, 0.0));
+  return acc.sum();
+}
+
 // One row's statistics over the columns seen so far (a block of them, a shard, or all), in double.
 struct SoftmaxRowStats {
   double max = -std::numeric_limits<double>::infinity();  // m (-inf: no column yet)
   double sum_exp = 0;                                     // S = sum_j exp(s_j - max)
-  double target = 0;                                      // s_y, 0 where y is not among the columns
-  double logit_sum = 0;                                   // sum_j s_j (u_j s_j), with SoftmaxTerms::logit_sums()
-  double entropy_sum = 0;                                 // E = sum_j exp(s_j - max) (s_j - max), with terms.entropy
+  double target = 0;       // s_y, 0 where y is not among the columns (soft targets: sum_c v_c s_c)
+  double logit_sum = 0;    // sum_j s_j (u_j s_j), with SoftmaxTerms::logit_sums()
+  double entropy_sum = 0;  // E = sum_j exp(s_j - max) (s_j - max), with terms.entropy
 
   // max <- new_max (>= max), S (and E) rescaled to it; S = 0 stays 0 (also for max = -inf).
   void rescale_to(double new_max) {
@@ -320,7 +353,10 @@ struct SoftmaxRowStats {
   template <typename Scalar>
   void add_at_max(const Scalar* s, Index width, Index target_column, const SoftmaxTerms& terms, Scalar* exp_out,
                   Index column = 0) {
-    if (target_column >= 0 && target_column < width) target = static_cast<double>(s[target_column]);
+    if (terms.soft_targets)
+      target += soft_target_sum_in_lanes(s, terms.soft_targets + column, width);
+    else if (target_column >= 0 && target_column < width)
+      target = static_cast<double>(s[target_column]);
     if (terms.logit_sums())
       logit_sum += terms.class_weights ? weighted_sum_in_lanes(s, terms.class_weights + column, width)
                                        : sum_in_lanes(s, width);
@@ -415,6 +451,15 @@ inline RowLoss row_loss(const SoftmaxRowStats& stats, const SoftmaxTerms& terms,
   const double log_sum = std::log(stats.sum_exp);
   row.lse = stats.max + log_sum;
   const double eps = terms.label_smoothing;
+  if (terms.soft_targets) {
+    // T log S + (T m - sum_c v_c s_c): nothing of lse's size is subtracted.
+    const double T = terms.soft_mass;
+    row.ce = T * log_sum + (T * stats.max - stats.target);
+    row.z_loss = terms.z_loss > 0 ? terms.z_loss * row.lse * row.lse : 0.0;
+    if (terms.entropy) row.entropy = row_entropy(stats);
+    row.entropy_bonus = terms.entropy_bonus != 0 ? -terms.entropy_bonus * row.entropy : 0.0;
+    return row;
+  }
   if (terms.class_weights) {
     const double u = target_weight, C = static_cast<double>(terms.classes), U = terms.class_weight_sum;
     row.class_weight = u;
@@ -448,6 +493,7 @@ inline RowLoss row_loss(const SoftmaxRowStats& stats, const SoftmaxTerms& terms,
 // With class weights (u_y = row.class_weight): a = w ((1 - eps) u_y + eps U / C + 2 u_y z_loss lse)
 // (/ S at the max), b_j = w (eps / C) u_j (b times each column's u_j), c = w (1 - eps) u_y,
 // e = w beta u_y (/ S at the max).
+// With soft targets: a = w (T + 2 z_loss lse) (/ S at the max), b_j = w v_j, c = 0, e = w beta (/ S).
 template <typename Scalar>
 struct SoftmaxGradient {
   Scalar shift = 0, a = 0, b = 0, c = 0;
@@ -459,13 +505,14 @@ struct SoftmaxGradient {
 template <typename Scalar>
 SoftmaxGradient<Scalar> make_softmax_gradient(double shift, double a, double weight, const SoftmaxTerms& terms,
                                               double e = 0, double log_shift = 0, double target_weight = 1.0) {
-  const double b = weight * terms.label_smoothing / static_cast<double>(terms.classes);
+  const double b = terms.soft_targets ? weight : weight * terms.label_smoothing / static_cast<double>(terms.classes);
   SoftmaxGradient<Scalar> k;
   k.shift = static_cast<Scalar>(shift);
   k.a = static_cast<Scalar>(a);
   k.b = static_cast<Scalar>(b);
-  k.c = static_cast<Scalar>(terms.class_weights ? weight * (1.0 - terms.label_smoothing) * target_weight
-                                                : weight * (1.0 - terms.label_smoothing));
+  k.c = static_cast<Scalar>(terms.soft_targets    ? 0.0
+                            : terms.class_weights ? weight * (1.0 - terms.label_smoothing) * target_weight
+                                                  : weight * (1.0 - terms.label_smoothing));
   k.smoothing = b != 0;
   k.entropy = terms.entropy_bonus != 0;
   k.e = static_cast<Scalar>(e);
@@ -477,6 +524,8 @@ SoftmaxGradient<Scalar> make_softmax_gradient(double shift, double a, double wei
 // w ((1 - eps) u_y + eps U / C + 2 u_y z_loss lse).
 inline double softmax_gradient_factor(double lse, double weight, const SoftmaxTerms& terms,
                                       double target_weight = 1.0) {
+  if (terms.soft_targets)
+    return weight * (terms.z_loss > 0 ? terms.soft_mass + 2.0 * terms.z_loss * lse : terms.soft_mass);
   if (terms.class_weights) {
     const double eps = terms.label_smoothing, u = target_weight;
     const double a = (1.0 - eps) * u + eps * terms.class_weight_sum / static_cast<double>(terms.classes);
@@ -487,7 +536,8 @@ inline double softmax_gradient_factor(double lse, double weight, const SoftmaxTe
 
 // The entropy bonus's coefficient e before the division by S: w beta (u_y).
 inline double softmax_entropy_factor(double weight, const SoftmaxTerms& terms, double target_weight) {
-  return terms.class_weights ? weight * terms.entropy_bonus * target_weight : weight * terms.entropy_bonus;
+  return terms.class_weights && !terms.soft_targets ? weight * terms.entropy_bonus * target_weight
+                                                    : weight * terms.entropy_bonus;
 }
 
 template <typename Scalar>
@@ -524,19 +574,22 @@ SoftmaxGradient<Scalar> softmax_gradient_at_lse(double lse, double weight, const
 // w [width] <- dz of a block of the row's columns, target_column = y's column in the block
 // (ignored outside [0, width)). w holds the block's soft-capped logits s, or, when holds_exp is
 // set (at the max, no softcap: the exponentials written by add_at_max), exp(s_j - m).
-// holds_exp must be false with an entropy bonus (its term needs s) and with class weights under
-// label smoothing (b_j needs the column). column: the global class of w[0].
+// holds_exp must be false with an entropy bonus (its term needs s), with class weights under
+// label smoothing and with soft targets (b_j needs the column). column: the global class of w[0].
+// With soft targets target_column is ignored (c = 0; the targets are in b_j = b v_j).
 template <typename Scalar>
 void apply_softmax_gradient(Scalar* w, Index width, Index target_column, const SoftmaxGradient<Scalar>& k,
                             const SoftmaxTerms& terms, bool holds_exp, Index column = 0) {
   using Lanes = SoftmaxLanes<Scalar>;
-  const bool target_here = target_column >= 0 && target_column < width;
-  if (k.smoothing && terms.class_weights) {
-    // dz = (exp(s - shift) (a [+ e (s - L)]) - b u_j) (1 - (s / cap)^2 with softcap).
+  const bool target_here = !terms.soft_targets && target_column >= 0 && target_column < width;
+  const double* per_column = terms.soft_targets ? terms.soft_targets : k.smoothing ? terms.class_weights : nullptr;
+  if (per_column) {
+    // dz = (exp(s - shift) (a [+ e (s - L)]) - b u_j) (1 - (s / cap)^2 with softcap); soft
+    // targets: b v_j in place of b u_j.
     const Scalar cap = static_cast<Scalar>(terms.softcap);
     const bool capped = terms.softcap > 0;
     const Scalar t_y = target_here && capped ? w[target_column] / cap : Scalar(0);
-    const double* u = terms.class_weights + column;
+    const double* u = per_column + column;
     map_lanes_at(w, w, width, [&](const Lanes& s, Index j, Index count) -> Lanes {
       const Lanes b = k.b * load_partial_lanes(u + j, count, 0.0).template cast<Scalar>();
       const Lanes e = exp_lanes<Scalar>(s - k.shift);
@@ -579,9 +632,9 @@ void apply_softmax_gradient(Scalar* w, Index width, Index target_column, const S
 }
 
 // The whole row at once, max first (the plain loss): z [C] raw logits (C = terms.classes), target
-// y in [0, C). work is a C-long buffer the kernel may overwrite (it may be z itself); it is
-// required when `gradient` is set or softcap > 0, and may be null otherwise. With `gradient`,
-// work <- dz for row weight `weight`. z_y, the max and the sums are read before work is written.
+// y in [0, C) (ignored with soft targets: terms.soft_targets holds the row's v). work is a C-long buffer the kernel may
+// overwrite (it may be z itself); it is required when `gradient` is set or softcap > 0, and may be null otherwise. With
+// `gradient`, work <- dz for row weight `weight`. z_y, the max and the sums are read before work is written.
 template <typename Scalar>
 RowLoss softmax_loss_row(const Scalar* z, Scalar* work, Index y, const SoftmaxTerms& terms, bool gradient,
                          double weight) {
@@ -596,9 +649,9 @@ RowLoss softmax_loss_row(const Scalar* z, Scalar* work, Index y, const SoftmaxTe
   // Without soft-capping, exp(s - m) goes straight into work (the gradient's first step); with an
   // entropy bonus the gradient needs s itself, so work gets a copy of z instead.
   const bool exp_into_work = gradient && !(terms.softcap > 0) && terms.entropy_bonus == 0 &&
-                             !(terms.class_weights && terms.logit_sums());
+                             !(terms.class_weights && terms.logit_sums()) && !terms.soft_targets;
   stats.add_at_max(s, C, y, terms, exp_into_work ? work : nullptr);
-  const RowLoss row = row_loss(stats, terms, terms.target_weight(y));
+  const RowLoss row = row_loss(stats, terms, terms.soft_targets ? 1.0 : terms.target_weight(y));
   if (gradient) {
     if (!exp_into_work && s != work) std::copy_n(s, C, work);
     const SoftmaxGradient<Scalar> k = softmax_gradient_at_max<Scalar>(stats, row, weight, terms);

@@ -1,7 +1,9 @@
 // embedhead: the vocabulary-parallel cross-entropy (vocab_shard.hpp has the design): the
 // full-vocabulary softmax from each rank's columns -- an all-reduce max of the N row maxima, then
 // one all-reduce sum of the N partial sum_exp, target logits (and logit sums for label smoothing);
-// dlocal = this rank's columns of the full dlogits. The [N, V] logits exist nowhere.
+// dlocal = this rank's columns of the full dlogits. The [N, V] logits exist nowhere. Soft targets
+// (vocab_parallel_cross_entropy_soft*): the same passes, each row's sum_c v_c s_c over this rank's
+// classes in place of s_y (cross_entropy.hpp).
 #ifndef EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_CROSS_ENTROPY_HPP
 #define EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_CROSS_ENTROPY_HPP
 
@@ -15,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <limits>
 #include <memory>
@@ -36,11 +39,17 @@ namespace detail {
 //           one all-reduce sum of 2N (3N) doubles
 //   pass 3  lse, the row loss, and dz for the local columns (at the max)
 // With one rank this is softmax_loss_row's arithmetic operation for operation.
+// Soft targets (soft not null; targets then N class-0 ids, for the shared checks): soft_check(N,
+// C) checks them (on every rank, before any collective), soft_hash is their fingerprint, and each
+// row's statistic sum_c v_c s_c is summed over this rank's classes as s_y is.
 template <typename Scalar, typename Id>
 CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V,
                                                      const ConstMatrixRef<Scalar>& local_logits,
                                                      const TypedTokenIds<Id>& targets, MatrixRef<Scalar>* dlocal,
-                                                     const CrossEntropyOptions& options, const char* where) {
+                                                     const CrossEntropyOptions& options, const char* where,
+                                                     const SoftTargetRows<Scalar>* soft = nullptr,
+                                                     const std::function<void(Index, Index)>& soft_check = {},
+                                                     std::uint64_t soft_hash = 0) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   const Index N = local_logits.rows(), T = targets.cols();
   VocabShard shard;
@@ -60,13 +69,17 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
         check_shape(where, "local_logits", local_logits, N, shard.rows());
         if (dlocal) check_shape(where, "dlocal_logits", *dlocal, N, shard.rows());
         check_loss_options<Scalar>(where, options, V);
+        if (soft) {
+          check_soft_options(where, options);
+          soft_check(N, classes_of(options, V));
+        }
         check_targets(where, targets, N, classes_of(options, V), options.ignore_index, V);
         // This rank's classes only; the lowest failing rank's message is everyone's.
         check_finite_logits(where, local_logits, targets,
                             std::clamp<Index>(classes_of(options, V) - shard.begin, 0, shard.rows()), options,
                             shard.begin);
       },
-      fingerprint_ids(targets, fingerprint), "the targets, N, V or the loss options");
+      fingerprint_ids(targets, fingerprint) ^ soft_hash, "the targets, N, V or the loss options");
 
   const Index classes = classes_of(options, V);
   // This rank's classes: local columns [0, local_classes); the rest are vocabulary padding.
@@ -77,17 +90,18 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
   // Without soft-capping pass 2 leaves exp(s - m) in dlocal for the gradient, unless the entropy
   // bonus's gradient needs s itself (then dlocal gets the logits in pass 3).
   // Nor with class weights under label smoothing (b_j needs the column's weight, not exp(s - m)).
+  // Nor with soft targets (b_j = w v_j needs the column).
   const bool exp_in_d = gradient && !softcap && terms.entropy_bonus == 0 &&
-                        !(terms.class_weights && terms.logit_sums());
+                        !(terms.class_weights && terms.logit_sums()) && !soft;
 
   CrossEntropyResult result;
   for (Index n = 0; n < N; ++n) {
     const Index y = static_cast<Index>(targets(n / T, n % T));
     if (y == options.ignore_index) continue;
     ++result.count;
-    if (terms.class_weights) result.weight_sum += terms.target_weight(y);
+    if (terms.class_weights && !soft) result.weight_sum += terms.target_weight(y);
   }
-  if (!terms.class_weights) result.weight_sum = static_cast<double>(result.count);
+  if (!terms.class_weights || soft) result.weight_sum = static_cast<double>(result.count);
   const double scale = reduction_scale(options.reduction, result.weight_sum, options.gradient_scale);
   auto counted = [&](Index n) { return static_cast<Index>(targets(n / T, n % T)) != options.ignore_index; };
 
@@ -98,6 +112,20 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
     Scalar* work = gradient ? dlocal->row(n).data() : scratch.data();
     softcap_row(local_logits.row(n).data(), work, local_classes, static_cast<Scalar>(options.softcap));
     return work;
+  };
+
+  // Soft targets: each row's T_n, and v over this rank's classes (at least one value: the row's
+  // terms need a non-null v even on a rank with no class).
+  std::vector<double> soft_mass(soft ? static_cast<std::size_t>(N) : 0);
+  std::vector<double> soft_v(soft ? static_cast<std::size_t>(std::max<Index>(1, local_classes)) : 0);
+  if (soft)
+    for (Index n = 0; n < N; ++n) soft_mass[static_cast<std::size_t>(n)] = soft->mass(n);
+  auto soft_terms = [&](Index n, bool fill) {
+    SoftmaxTerms row_terms = terms;
+    if (fill && local_classes > 0) soft->fill_block(n, shard.begin, local_classes, soft_v.data());
+    row_terms.soft_targets = soft_v.data();
+    row_terms.soft_mass = soft_mass[static_cast<std::size_t>(n)];
+    return row_terms;
   };
 
   // Pass 1: the row maxima (-inf where this rank holds no class, and for ignored rows, unused).
@@ -117,8 +145,12 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
     const Scalar* s = softcap && gradient ? dlocal->row(n).data() : capped_row(n);
     // Without soft-capping, exp(s - m) goes straight into dlocal (the gradient's first step);
     // s_y and sum_s are read first, so dlocal may be local_logits.
-    stats[static_cast<std::size_t>(n)].add_at_max(s, local_classes, y - shard.begin, terms,
-                                                  exp_in_d ? dlocal->row(n).data() : nullptr, shard.begin);
+    if (soft)  // v over this rank's classes, from column 0 of soft_v
+      stats[static_cast<std::size_t>(n)].add_at_max(s, local_classes, -1, soft_terms(n, true),
+                                                    static_cast<Scalar*>(nullptr), 0);
+    else
+      stats[static_cast<std::size_t>(n)].add_at_max(s, local_classes, y - shard.begin, terms,
+                                                    exp_in_d ? dlocal->row(n).data() : nullptr, shard.begin);
   }
   all_reduce_row_sums(comm, stats.data(), N, terms, buffer);
 
@@ -130,7 +162,8 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
     }
     const Index y = static_cast<Index>(targets(n / T, n % T));
     const SoftmaxRowStats& row_stats = stats[static_cast<std::size_t>(n)];
-    const RowLoss row = row_loss(row_stats, terms, terms.target_weight(y));
+    const SoftmaxTerms row_terms = soft ? soft_terms(n, false) : terms;
+    const RowLoss row = soft ? row_loss(row_stats, row_terms) : row_loss(row_stats, terms, terms.target_weight(y));
     add_row_loss<Scalar>(row, 1.0, result, nullptr, n);
     if (!gradient) continue;
 
@@ -139,6 +172,13 @@ CrossEntropyResult vocab_parallel_cross_entropy_pass(Communicator& comm, Index V
     if (local_classes == 0) continue;
     if (!softcap && !exp_in_d && d_row.data() != local_logits.row(n).data())
       std::copy_n(local_logits.row(n).data(), local_classes, d_row.data());
+    if (soft) {
+      const SoftmaxTerms filled = soft_terms(n, true);
+      apply_softmax_gradient(d_row.data(), local_classes, -1,
+                             softmax_gradient_at_max<Scalar>(row_stats, row, scale, filled), filled,
+                             /*holds_exp=*/false, 0);
+      continue;
+    }
     apply_softmax_gradient(d_row.data(), local_classes, y - shard.begin,
                            softmax_gradient_at_max<Scalar>(row_stats, row, scale, terms), terms,
                            /*holds_exp=*/exp_in_d, shard.begin);
@@ -183,6 +223,114 @@ CrossEntropyResult vocab_parallel_cross_entropy(Communicator& comm, Index V, con
     return detail::vocab_parallel_cross_entropy_pass<Scalar>(comm, V, local_logits, typed, nullptr, options,
                                                              "vocab_parallel_cross_entropy");
   });
+}
+
+// ---- soft (probability) targets (cross_entropy.hpp: PyTorch's semantics, the mean divides by N) ----
+// local_logits [N, shard.rows()], targets dense [N, C] (or [N, V]) or SparseTargets [N, k], global
+// and replicated (fingerprinted: every value) -> the CrossEntropyResult cross_entropy_soft gives
+// on the full logits (replicated); dlocal_logits [N, shard.rows()] = this rank's columns of its
+// dlogits. Collective, as above. \throws as vocab_parallel_cross_entropy_forward_backward and as
+// cross_entropy_soft for the targets, on every rank alike; nothing written on throw.
+
+namespace detail {
+
+template <typename Scalar>
+std::uint64_t soft_targets_fingerprint(const ConstMatrixRef<Scalar>& m, std::uint64_t hash = 0xcbf29ce484222325ULL) {
+  const std::int64_t shape[2] = {static_cast<std::int64_t>(m.rows()), static_cast<std::int64_t>(m.cols())};
+  hash = fingerprint_bytes(shape, sizeof(shape), hash);
+  for (Index n = 0; n < m.rows(); ++n)
+    hash = fingerprint_bytes(m.row(n).data(), static_cast<std::size_t>(m.cols()) * sizeof(Scalar), hash);
+  return hash;
+}
+
+template <typename Scalar>
+CrossEntropyResult vocab_parallel_soft_dense(Communicator& comm, Index V, const ConstMatrixRef<Scalar>& local_logits,
+                                             const ConstMatrixRef<Scalar>& targets, MatrixRef<Scalar>* dlocal,
+                                             const CrossEntropyOptions& options, const char* where) {
+  const Index N = local_logits.rows();
+  SoftTargetRows<Scalar> rows;
+  rows.dense = &targets;
+  rows.eps = options.label_smoothing;
+  rows.classes = options.valid_vocab == -1 ? V : options.valid_vocab;
+  rows.u = options.class_weights.empty() ? nullptr : options.class_weights.data();
+  const std::vector<std::int32_t> zeros(static_cast<std::size_t>(N), 0);
+  const TypedTokenIds<std::int32_t> counted(zeros.data(), 1, N, N, 1);
+  return vocab_parallel_cross_entropy_pass<Scalar>(
+      comm, V, local_logits, counted, dlocal, options, where, &rows,
+      [&](Index rows_n, Index C) { DenseSoftTargets<Scalar>{targets}.check(where, rows_n, C, V); },
+      soft_targets_fingerprint(targets));
+}
+
+template <typename Scalar>
+CrossEntropyResult vocab_parallel_soft_sparse(Communicator& comm, Index V, const ConstMatrixRef<Scalar>& local_logits,
+                                              const SparseTargets<Scalar>& targets, MatrixRef<Scalar>* dlocal,
+                                              const CrossEntropyOptions& options, const char* where) {
+  return targets.ids.visit([&](const auto& typed) {
+    using Id = typename std::decay_t<decltype(typed)>::id_type;
+    const Index N = local_logits.rows();
+    SoftTargetRows<Scalar> rows;
+    rows.probs = &targets.probs;
+    rows.k = targets.probs.cols();
+    rows.eps = options.label_smoothing;
+    rows.classes = options.valid_vocab == -1 ? V : options.valid_vocab;
+    rows.u = options.class_weights.empty() ? nullptr : options.class_weights.data();
+    if (typed.rows() == N && typed.cols() == rows.k) {  // else the check reports the shapes
+      rows.ids.resize(static_cast<std::size_t>(N * rows.k));
+      for (Index n = 0; n < N; ++n)
+        for (Index i = 0; i < rows.k; ++i)
+          rows.ids[static_cast<std::size_t>(n * rows.k + i)] = static_cast<Index>(typed(n, i));
+    }
+    const std::vector<std::int32_t> zeros(static_cast<std::size_t>(N), 0);
+    const TypedTokenIds<std::int32_t> counted(zeros.data(), 1, N, N, 1);
+    return vocab_parallel_cross_entropy_pass<Scalar>(
+        comm, V, local_logits, counted, dlocal, options, where, &rows,
+        [&](Index rows_n, Index C) {
+          SparseSoftTargets<Scalar, Id>{typed, targets.probs}.check(where, rows_n, C, V);
+        },
+        fingerprint_ids(typed, soft_targets_fingerprint(targets.probs)));
+  });
+}
+
+}  // namespace detail
+
+// Dense soft targets [N, C] (or [N, V]) -> loss; dlocal_logits [N, shard.rows()].
+template <typename Scalar>
+CrossEntropyResult vocab_parallel_cross_entropy_soft_forward_backward(Communicator& comm, Index V,
+                                                                      const ConstMatrixRef<Scalar>& local_logits,
+                                                                      const ConstMatrixRef<Scalar>& targets,
+                                                                      MatrixRef<Scalar> dlocal_logits,
+                                                                      const CrossEntropyOptions& options = {}) {
+  return detail::vocab_parallel_soft_dense<Scalar>(comm, V, local_logits, targets, &dlocal_logits, options,
+                                                   "vocab_parallel_cross_entropy_soft_forward_backward");
+}
+
+// Sparse soft targets (ids [N, k], probs [N, k]) -> loss; dlocal_logits [N, shard.rows()].
+template <typename Scalar>
+CrossEntropyResult vocab_parallel_cross_entropy_soft_forward_backward(Communicator& comm, Index V,
+                                                                      const ConstMatrixRef<Scalar>& local_logits,
+                                                                      const SparseTargets<Scalar>& targets,
+                                                                      MatrixRef<Scalar> dlocal_logits,
+                                                                      const CrossEntropyOptions& options = {}) {
+  return detail::vocab_parallel_soft_sparse<Scalar>(comm, V, local_logits, targets, &dlocal_logits, options,
+                                                    "vocab_parallel_cross_entropy_soft_forward_backward");
+}
+
+// The loss only, dense or sparse soft targets.
+template <typename Scalar>
+CrossEntropyResult vocab_parallel_cross_entropy_soft(Communicator& comm, Index V,
+                                                     const ConstMatrixRef<Scalar>& local_logits,
+                                                     const ConstMatrixRef<Scalar>& targets,
+                                                     const CrossEntropyOptions& options = {}) {
+  return detail::vocab_parallel_soft_dense<Scalar>(comm, V, local_logits, targets, nullptr, options,
+                                                   "vocab_parallel_cross_entropy_soft");
+}
+template <typename Scalar>
+CrossEntropyResult vocab_parallel_cross_entropy_soft(Communicator& comm, Index V,
+                                                     const ConstMatrixRef<Scalar>& local_logits,
+                                                     const SparseTargets<Scalar>& targets,
+                                                     const CrossEntropyOptions& options = {}) {
+  return detail::vocab_parallel_soft_sparse<Scalar>(comm, V, local_logits, targets, nullptr, options,
+                                                    "vocab_parallel_cross_entropy_soft");
 }
 
 }  // namespace embedhead

@@ -24,6 +24,11 @@
 // different targets -- makes every rank throw the same exception instead of hanging. h itself is
 // not fingerprinted (hashing it would cost a pass over N d values each call): it must be the same
 // on every rank.
+//
+// Soft (probability) targets (forward_backward_shard_soft, forward_shard_soft): the single-process
+// fused_head_loss_soft's semantics; the targets are replicated like h but fingerprinted (every
+// value: N C values dense, 2 N k sparse), and each row's statistic sum_c v_c s_c is all-reduced
+// with the others (detail/softmax.hpp).
 #ifndef EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP
 #define EMBEDHEAD_PARALLEL_VOCAB_PARALLEL_FUSED_HEAD_LOSS_HPP
 
@@ -35,6 +40,7 @@
 #include "vocab_shard.hpp"
 
 #include <cstdint>
+#include <functional>
 #include <sstream>
 #include <type_traits>
 
@@ -140,8 +146,116 @@ class VocabParallelFusedHeadLoss {
     });
   }
 
+  // Soft (probability) targets (fused_head_loss_soft's semantics: cross_entropy.hpp), dense [N, C]
+  // (or [N, V]) or SparseTargets [N, k], replicated like h and fingerprinted with the call (every
+  // value, so ranks fed different targets throw alike). Otherwise as forward_backward_shard /
+  // forward_shard, and \throws as those and as cross_entropy_soft for the targets.
+  CrossEntropyResult forward_backward_shard_soft(Communicator& comm, Index V, Parameter<Scalar>& weight_shard,
+                                                 Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                                                 const ConstMatrixRef<Scalar>& targets, MatrixRef<Scalar> dh,
+                                                 const FusedHeadLossExtras<Scalar>& extras = {}) {
+    const char* where = "VocabParallelFusedHeadLoss::forward_backward_shard_soft";
+    detail::SoftTargetRows<Scalar> rows;
+    rows.dense = &targets;
+    return soft_impl(comm, V, &weight_shard, bias_shard, weight_shard, bias_shard, h,
+                     detail::DenseSoftTargets<Scalar>{targets}, rows, dense_hash(targets), &dh, extras, where);
+  }
+  CrossEntropyResult forward_backward_shard_soft(Communicator& comm, Index V, Parameter<Scalar>& weight_shard,
+                                                 Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                                                 const SparseTargets<Scalar>& targets, MatrixRef<Scalar> dh,
+                                                 const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return targets.ids.visit([&](const auto& typed) {
+      return sparse_impl(comm, V, &weight_shard, bias_shard, weight_shard, bias_shard, h, typed, targets.probs, &dh,
+                         extras, "VocabParallelFusedHeadLoss::forward_backward_shard_soft");
+    });
+  }
+  CrossEntropyResult forward_shard_soft(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
+                                        const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                                        const ConstMatrixRef<Scalar>& targets,
+                                        const FusedHeadLossExtras<Scalar>& extras = {}) {
+    detail::SoftTargetRows<Scalar> rows;
+    rows.dense = &targets;
+    return soft_impl(comm, V, nullptr, nullptr, weight_shard, bias_shard, h, detail::DenseSoftTargets<Scalar>{targets},
+                     rows, dense_hash(targets), nullptr, extras, "VocabParallelFusedHeadLoss::forward_shard_soft");
+  }
+  CrossEntropyResult forward_shard_soft(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
+                                        const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                                        const SparseTargets<Scalar>& targets,
+                                        const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return targets.ids.visit([&](const auto& typed) {
+      return sparse_impl(comm, V, nullptr, nullptr, weight_shard, bias_shard, h, typed, targets.probs, nullptr, extras,
+                         "VocabParallelFusedHeadLoss::forward_shard_soft");
+    });
+  }
+
  private:
   using OutputMap = Eigen::Map<RowMatrix<Scalar>>;
+
+  static std::uint64_t dense_hash(const ConstMatrixRef<Scalar>& targets) {
+    const std::int64_t shape[2] = {static_cast<std::int64_t>(targets.rows()),
+                                   static_cast<std::int64_t>(targets.cols())};
+    std::uint64_t hash = detail::fingerprint_bytes(shape, sizeof(shape));
+    for (Index n = 0; n < targets.rows(); ++n)
+      hash = detail::fingerprint_bytes(targets.row(n).data(), static_cast<std::size_t>(targets.cols()) * sizeof(Scalar),
+                                       hash);
+    return hash;
+  }
+
+  template <typename Id>
+  CrossEntropyResult sparse_impl(Communicator& comm, Index V, Parameter<Scalar>* weight_grad,
+                                 Parameter<Scalar>* bias_grad, const Parameter<Scalar>& weight_shard,
+                                 const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                                 const TypedTokenIds<Id>& ids, const ConstMatrixRef<Scalar>& probs,
+                                 MatrixRef<Scalar>* dh, const FusedHeadLossExtras<Scalar>& extras, const char* where) {
+    std::uint64_t hash = detail::fingerprint_ids(ids, dense_hash(probs));
+    detail::SoftTargetRows<Scalar> rows;
+    rows.probs = &probs;
+    rows.k = probs.cols();
+    if (ids.rows() == h.rows() && ids.cols() == rows.k) {  // else check reports the shapes
+      rows.ids.resize(static_cast<std::size_t>(ids.rows() * rows.k));
+      for (Index n = 0; n < ids.rows(); ++n)
+        for (Index i = 0; i < rows.k; ++i)
+          rows.ids[static_cast<std::size_t>(n * rows.k + i)] = static_cast<Index>(ids(n, i));
+    }
+    return soft_impl(comm, V, weight_grad, bias_grad, weight_shard, bias_shard, h,
+                     detail::SparseSoftTargets<Scalar, Id>{ids, probs}, rows, hash, dh, extras, where);
+  }
+
+  // The soft-target call: every check (the targets' too) agreed across the ranks, the targets'
+  // hash in the fingerprint, then the shard's pass. weight_grad null: the loss alone (dh null).
+  template <typename Checked>
+  CrossEntropyResult soft_impl(Communicator& comm, Index V, Parameter<Scalar>* weight_grad,
+                               Parameter<Scalar>* bias_grad, const Parameter<Scalar>& weight_shard,
+                               const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
+                               const Checked& checked, detail::SoftTargetRows<Scalar> rows, std::uint64_t target_hash,
+                               MatrixRef<Scalar>* dh, const FusedHeadLossExtras<Scalar>& extras, const char* where) {
+    const Index N = h.rows();
+    // The class-index checks see N targets of class 0: every row counted, none out of range.
+    const std::vector<std::int32_t> zeros(static_cast<std::size_t>(N), 0);
+    const TypedTokenIds<std::int32_t> counted(zeros.data(), 1, N, N, 1);
+    const detail::CommunicatorSlice<Scalar> slice = agree<std::int32_t>(
+        comm, V, weight_shard, bias_shard, h, counted, dh, extras, where,
+        [&] {
+          detail::check_loss_options<Scalar>(where, options_, V);
+          detail::check_soft_options(where, options_);
+          checked.check(where, N, detail::classes_of(options_, V), V);
+        },
+        target_hash);
+    rows.eps = options_.label_smoothing;
+    rows.classes = detail::classes_of(options_, V);
+    rows.u = options_.class_weights.empty() ? nullptr : options_.class_weights.data();
+    if (!dh)
+      return detail::fused_head_loss_pass<Scalar, std::int32_t>(h, weight_shard.value(), bias_of(bias_shard), counted,
+                                                                extras, nullptr, nullptr, nullptr, options_, workspace_,
+                                                                where, &slice, &rows);
+    OutputMap no_output(nullptr, 0, 1);
+    OutputMap dW = weight_grad->frozen() ? no_output : weight_grad->grad().dense_accumulator();
+    OutputMap db = bias_grad && !bias_grad->frozen() ? bias_grad->grad().dense_accumulator() : no_output;
+    MatrixRef<Scalar> dW_ref(dW), db_ref(db);
+    return detail::fused_head_loss_pass<Scalar, std::int32_t>(h, weight_shard.value(), bias_of(bias_shard), counted,
+                                                              extras, dh, &dW_ref, &db_ref, options_, workspace_, where,
+                                                              &slice, &rows);
+  }
 
   static Eigen::Map<const RowMatrix<Scalar>> bias_of(const Parameter<Scalar>* bias_shard) {
     if (bias_shard) return bias_shard->value();
@@ -154,7 +268,9 @@ class VocabParallelFusedHeadLoss {
   detail::CommunicatorSlice<Scalar> agree(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
                                           const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
                                           const TypedTokenIds<Id>& targets, const MatrixRef<Scalar>* dh,
-                                          const FusedHeadLossExtras<Scalar>& extras, const char* where) const {
+                                          const FusedHeadLossExtras<Scalar>& extras, const char* where,
+                                          const std::function<void()>& more_checks = {},
+                                          std::uint64_t more_fingerprint = 0) const {
     const int R = comm.size(), rank = comm.rank();
     VocabShard shard;
     auto checks = [&] {
@@ -164,6 +280,7 @@ class VocabParallelFusedHeadLoss {
                 << " ranks must own at least one row";
         throw value_error(message.str());
       }
+      if (more_checks) more_checks();
       shard = vocab_shard(V, rank, R);
       detail::check_shard_shape(where, "weight_shard", weight_shard, shard, h.cols(), V, rank, R);
       if (bias_shard) detail::check_shard_shape(where, "bias_shard", *bias_shard, shard, 1, V, rank, R);
@@ -174,7 +291,8 @@ class VocabParallelFusedHeadLoss {
     };
     // Whether dh is asked for is part of it: forward_shard on one rank and forward_backward_shard on
     // another would make different numbers of collectives.
-    check_on_every_rank(comm, where, checks, fingerprint(V, h, bias_shard != nullptr, dh != nullptr, targets, extras),
+    check_on_every_rank(comm, where, checks,
+                        fingerprint(V, h, bias_shard != nullptr, dh != nullptr, targets, extras) ^ more_fingerprint,
                         "the call (forward or forward_backward), targets, per-token weights, shapes (N, d, V, bias) "
                         "or loss options");
     return detail::CommunicatorSlice<Scalar>(shard.begin, V, comm);
