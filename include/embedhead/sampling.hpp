@@ -401,6 +401,7 @@ struct SamplingRow {
   std::vector<double> packed;           // z (then exp) of the candidates, packed
   std::vector<std::int32_t> bucket_of;  // and its bucket
   std::vector<double> bucket_mass;
+  std::vector<Index> bucket_count;
   double raw_lse = 0.0;     // log-sum-exp of the row as loaded, before the chain
   bool cand_valid = false;  // cand holds every survivor (and maybe some removed since)
 
@@ -506,28 +507,40 @@ PrefixCut mass_prefix(SamplingRow& row, const Key& key, const Weight& weight, do
   bool found = false;
   const double scale = static_cast<double>(kBuckets - 1) / (hi - lo);
   if (n > kMassPrefixHalving && hi > lo && std::isfinite(scale)) {
+    // Each bucket's mass and count, summed in kWays interleaved copies (token i into copy i %
+    // kWays, then the copies added in order): consecutive tokens of one bucket then do not wait on
+    // each other's store.
+    constexpr Index kWays = 4;
     row.bucket_of.resize(static_cast<std::size_t>(n));
-    row.bucket_mass.assign(static_cast<std::size_t>(kBuckets), 0.0);
+    row.bucket_mass.assign(static_cast<std::size_t>(kWays * kBuckets), 0.0);
+    row.bucket_count.assign(static_cast<std::size_t>(kWays * kBuckets), 0);
     for (Index i = 0; i < n; ++i) {
       const Index j = cand[static_cast<std::size_t>(i)];
       const double k = key(j);
       const Index within = std::clamp<Index>(static_cast<Index>((k - lo) * scale), 0, kBuckets - 2);
       const auto b = static_cast<std::int32_t>(k > hi ? kBuckets - 1 : within);
       row.bucket_of[static_cast<std::size_t>(i)] = b;
-      row.bucket_mass[static_cast<std::size_t>(b)] += weight(j);
+      const std::size_t slot = static_cast<std::size_t>((i % kWays) * kBuckets + b);
+      row.bucket_mass[slot] += weight(j);
+      ++row.bucket_count[slot];
     }
-    double acc = 0.0;  // the mass of the buckets below b
-    Index b = 0;
+    double acc = 0.0;         // the mass of the buckets below b
+    Index b = 0, before = 0;  // and their count of tokens
     for (; b < kBuckets; ++b) {
-      if (acc + row.bucket_mass[static_cast<std::size_t>(b)] >= target) break;
-      acc += row.bucket_mass[static_cast<std::size_t>(b)];
+      double mass = 0.0;
+      Index count = 0;
+      for (Index way = 0; way < kWays; ++way) {
+        mass += row.bucket_mass[static_cast<std::size_t>(way * kBuckets + b)];
+        count += row.bucket_count[static_cast<std::size_t>(way * kBuckets + b)];
+      }
+      if (acc + mass >= target) break;
+      acc += mass;
+      before += count;
     }
     if (b == kBuckets) return result;  // the whole set falls short (rounding): nothing removed
     row.ranked.clear();
-    Index before = 0;
     for (Index i = 0; i < n; ++i) {
       const std::int32_t bi = row.bucket_of[static_cast<std::size_t>(i)];
-      before += bi < b ? 1 : 0;
       if (bi == b) {
         const Index j = cand[static_cast<std::size_t>(i)];
         row.ranked.push_back(Ranked{key(j), j, weight(j)});
