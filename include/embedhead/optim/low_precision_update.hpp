@@ -76,13 +76,13 @@ template <typename Storage>
 std::uint16_t storage_bits(Storage s) {
   static_assert(sizeof(Storage) == 2, "a 16-bit storage type");
   std::uint16_t bits = 0;
-  std::memcpy(&bits, &s, sizeof bits);
+  std::memcpy(&bits, static_cast<const void*>(&s), sizeof bits);
   return bits;
 }
 template <typename Storage>
 Storage storage_from_bits(std::uint16_t bits) {
   Storage s;
-  std::memcpy(&s, &bits, sizeof bits);
+  std::memcpy(static_cast<void*>(&s), &bits, sizeof bits);  // a 16-bit pattern, whatever Storage's members
   return s;
 }
 
