@@ -499,3 +499,50 @@ TEST_CASE("bf16 update: LazyAdamW's catch-up writes through the same rounding", 
     CHECK(std::fabs(got - start(2, j) * decay) <= 1e-6);
   }
 }
+
+TEST_CASE("fp16 update: stochastic rounding unbiased, Kahan the float trajectory", "[optim][bf16]") {
+  // fp16 has 11 significant bits: ulp 2^-10 on [1, 2). 10^5 elements at 1.5, one SGD step of 0.3
+  // ulp: each goes to 1.5 - 2^-10 with probability 0.3 (count within 6 sd, 870, of 30,000).
+  using Half = Eigen::half;
+  using HParam = Parameter<Half, float>;
+  const Index V = 1000, d = 100;
+  const double ulp = std::ldexp(1.0, -10);
+  auto p = std::make_shared<HParam>(RowMatrix<Half>::Constant(V, d, Half(1.5f)), "E");
+  set_dense_gradient(*p, RowMatrix<double>::Constant(V, d, 0.3 * ulp));
+  embedhead::SGD<float> sgd(embedhead::SGDOptions{1.0});
+  sgd.set_low_precision_update(mode(LowPrecisionUpdate::stochastic));
+  sgd.add_group(std::vector<std::shared_ptr<HParam>>{p});
+  sgd.step();
+  long down = 0;
+  for (Index i = 0; i < V * d; ++i) {
+    const double w = static_cast<float>(p->value().data()[i]);
+    REQUIRE((w == 1.5 || w == 1.5 - ulp));
+    down += w == 1.5 - ulp;
+  }
+  CHECK(std::labs(down - 30000) <= 870);
+
+  // Kahan: fp16 + c is a float parameter's AdamW trajectory bit for bit.
+  const RowMatrix<double> start = test_support::random_matrix<double>(4, 8, 6);
+  RowMatrix<Half> h(4, 8);
+  for (Index i = 0; i < h.size(); ++i) h.data()[i] = Half(static_cast<float>(start.data()[i]));
+  auto q = std::make_shared<HParam>(h, "E");
+  auto twin = std::make_shared<Parameter<float>>(RowMatrix<float>(h.cast<float>()), "E");
+  embedhead::AdamW<float> opt(embedhead::AdamOptions{0.01}), twin_opt(embedhead::AdamOptions{0.01});
+  opt.set_low_precision_update(mode(LowPrecisionUpdate::kahan));
+  opt.add_group(std::vector<std::shared_ptr<HParam>>{q});
+  twin_opt.add_group({twin});
+  for (int t = 1; t <= 10; ++t) {
+    const RowMatrix<double> G = test_support::random_matrix<double>(4, 8, 60 + static_cast<std::uint64_t>(t), 1e-3);
+    set_dense_gradient(*q, G);
+    set_dense_gradient(*twin, G);
+    opt.step();
+    twin_opt.step();
+  }
+  const RowMatrix<float> c = opt.state().parameters[0].buffers.at("kahan_compensation");
+  bool compensated = false;
+  for (Index i = 0; i < 32; ++i) {
+    CHECK(static_cast<float>(q->value().data()[i]) + c.data()[i] == twin->value().data()[i]);
+    compensated = compensated || c.data()[i] != 0;
+  }
+  CHECK(compensated);
+}
