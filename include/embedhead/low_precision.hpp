@@ -34,11 +34,9 @@
 // a float row-sparse gradient, a frozen flag, so freezing, zero_grad, clip_grad_norm,
 // count_parameters and the data-parallel exchange (all_reduce_gradient) reach them as they reach a
 // float table. The head's bias is a float Parameter<float>; the head's parameters() lists both as
-// ParameterBase<float> (the part that does not depend on the value's type). The optimizers
-// (optim/optimizer.hpp) do not step a Storage value: registering a Parameter<Storage, float> with one is
-// a compile-time error naming the reason (the update must run in float and round once to Storage,
-// round-to-nearest-even, with stochastic rounding later; not implemented yet). Update such a table
-// through weight().value() or train a float copy and convert_table it.
+// ParameterBase<float> (the part that does not depend on the value's type). Every optimizer
+// (optim/optimizer.hpp) steps a Parameter<Storage, float>: the rows are updated in float and written
+// back by its LowPrecisionUpdate (nearest, stochastic or kahan; optim/low_precision_update.hpp).
 #ifndef EMBEDHEAD_LOW_PRECISION_HPP
 #define EMBEDHEAD_LOW_PRECISION_HPP
 

@@ -51,17 +51,17 @@ class Adagrad : public Optimizer<Scalar> {
   void check_step(std::size_t g, double lr, double, std::int64_t t) const override {
     this->check_step_constant("lr / (1 + (t - 1) lr_decay)", decayed_lr(lr, t), g, lr, t);
   }
-  void update(Parameter<Scalar>& p, double lr, double, std::int64_t t,
+  void update(ParameterBase<Scalar>& p, ValueRows<Scalar>& value, double lr, double, std::int64_t t,
               std::map<std::string, RowMatrix<Scalar>>& state) override {
-    const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
-    auto value = p.value();
+    const RowGradient<Scalar>& g = static_cast<const ParameterBase<Scalar>&>(p).grad();
     RowMatrix<Scalar>& sum = this->buffer(state, "sum", p, static_cast<Scalar>(options_.initial_accumulator_value));
     const Scalar clr = static_cast<Scalar>(decayed_lr(lr, t));
     const Scalar eps = static_cast<Scalar>(options_.eps);
     detail::for_touched_rows(g, [&](Index r, const auto& grad) {
       auto s = sum.row(r).array();
       s += grad.square();
-      value.row(r).array() -= clr * grad / (s.sqrt() + eps);
+      value.row(r) -= clr * grad / (s.sqrt() + eps);
+      value.store(r);
     });
   }
 

@@ -89,17 +89,16 @@ class DenseAdam : public Optimizer<Scalar> {
     if (weight_decay != 0 && Decoupled)
       this->check_step_constant("the decay 1 - lr weight_decay", 1.0 - lr * weight_decay, g, lr, t);
   }
-  void update(Parameter<Scalar>& p, double lr, double weight_decay, std::int64_t t,
+  void update(ParameterBase<Scalar>& p, ValueRows<Scalar>& value, double lr, double weight_decay, std::int64_t t,
               std::map<std::string, RowMatrix<Scalar>>& state) override {
-    const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
-    auto value = p.value();
+    const RowGradient<Scalar>& g = static_cast<const ParameterBase<Scalar>&>(p).grad();
     RowMatrix<Scalar>& m = this->buffer(state, "exp_avg", p);
     RowMatrix<Scalar>& v = this->buffer(state, "exp_avg_sq", p);
     const AdamRowStep<Scalar> adam(options_.beta1, options_.beta2, options_.eps, lr, static_cast<double>(t));
     const Scalar decay = static_cast<Scalar>(1.0 - lr * weight_decay), wd = static_cast<Scalar>(weight_decay);
     typename Optimizer<Scalar>::Row coupled(this->scratch_row(p.cols()), p.cols());
     for_every_row(g, this->zero_row(p.cols()), [&](Index r, const auto& grad) {
-      auto x = value.row(r).array();
+      auto x = value.row(r);
       if (weight_decay != 0 && Decoupled) x *= decay;
       if (weight_decay != 0 && !Decoupled) {
         coupled = grad + wd * x;
@@ -107,6 +106,7 @@ class DenseAdam : public Optimizer<Scalar> {
       } else {
         adam.apply(x, m.row(r).array(), v.row(r).array(), grad);
       }
+      value.store(r);
     });
   }
 

@@ -97,16 +97,16 @@ class LazyAdam : public Optimizer<Scalar> {
                                                                               static_cast<double>(t)),
                               g, lr, t);
   }
-  void update(Parameter<Scalar>& p, double lr, double, std::int64_t t,
+  void update(ParameterBase<Scalar>& p, ValueRows<Scalar>& value, double lr, double, std::int64_t t,
               std::map<std::string, RowMatrix<Scalar>>& state) override {
-    const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
-    auto value = p.value();
+    const RowGradient<Scalar>& g = static_cast<const ParameterBase<Scalar>&>(p).grad();
     RowMatrix<Scalar>& m = this->buffer(state, "exp_avg", p);
     RowMatrix<Scalar>& v = this->buffer(state, "exp_avg_sq", p);
     const detail::SparseAdamRowStep<Scalar> adam(options_.beta1, options_.beta2, options_.eps, lr,
                                                  static_cast<double>(t));
     detail::for_touched_rows(g, [&](Index r, const auto& grad) {
-      adam.apply(value.row(r).array(), m.row(r).array(), v.row(r).array(), grad);
+      adam.apply(value.row(r), m.row(r).array(), v.row(r).array(), grad);
+      value.store(r);
     });
   }
 

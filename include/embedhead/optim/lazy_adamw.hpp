@@ -105,23 +105,24 @@ class LazyAdamW : public Optimizer<Scalar> {
   // \throws shape_error as step (a parameter resized without resize_state); nothing changes.
   void catch_up() {
     this->check_state("catch_up");
-    this->for_each_slot(
-        [&](Parameter<Scalar>& p, auto& state, auto& scalars, std::int64_t t) { catch_up_rows(p, state, scalars, t); });
+    this->for_each_slot([&](ParameterBase<Scalar>& p, ValueRows<Scalar>& value, auto& state, auto& scalars,
+                            std::int64_t t) { catch_up_rows(p, value, state, scalars, t); });
   }
   // The same for p only. \throws value_error if p is not registered here, shape_error as step.
-  void catch_up(const Parameter<Scalar>& p) {
+  void catch_up(const ParameterBase<Scalar>& p) {
     require_registered(p, "catch_up");
     this->check_state("catch_up");
-    this->for_each_slot([&](Parameter<Scalar>& q, auto& state, auto& scalars, std::int64_t t) {
-      if (&q == &p) catch_up_rows(q, state, scalars, t);
-    });
+    this->for_each_slot(
+        [&](ParameterBase<Scalar>& q, ValueRows<Scalar>& value, auto& state, auto& scalars, std::int64_t t) {
+          if (&q == &p) catch_up_rows(q, value, state, scalars, t);
+        });
   }
   // The same for the rows ids[0 .. count) of p only (token ids, any integer type, any order,
   // repeats allowed): before a forward pass reads them (see the header). O(count * d).
   // \throws value_error if p is not registered here, count < 0 or an id is outside [0, p.rows())
   // (naming its index and value); shape_error as step. Nothing changes on throw.
   template <typename Id>
-  void catch_up(const Parameter<Scalar>& p, const Id* ids, Index count) {
+  void catch_up(const ParameterBase<Scalar>& p, const Id* ids, Index count) {
     static_assert(std::is_integral_v<Id>, "catch_up: ids must be integers");
     require_registered(p, "catch_up");
     this->check_state("catch_up");
@@ -135,23 +136,25 @@ class LazyAdamW : public Optimizer<Scalar> {
               << ") (the rows of '" << p.name() << "'); nothing was updated";
       throw value_error(message.str());
     }
-    this->for_each_slot([&](Parameter<Scalar>& q, auto& state, auto& scalars, std::int64_t t) {
-      if (&q != &p || state.find("last_step") == state.end()) return;
-      Buffers b = buffers(q, state);
-      const Running now = running(scalars);
-      auto value = q.value();
-      for (Index i = 0; i < count; ++i) {
-        const auto r = static_cast<Index>(ids[i]);
-        if (static_cast<std::int64_t>(b.last(r, 0)) < t) bring_up_to_date(value.row(r).array(), b, r, now, t, t);
-      }
-    });
+    this->for_each_slot(
+        [&](ParameterBase<Scalar>& q, ValueRows<Scalar>& value, auto& state, auto& scalars, std::int64_t t) {
+          if (&q != &p || state.find("last_step") == state.end()) return;
+          Buffers b = buffers(q, state);
+          const Running now = running(scalars);
+          for (Index i = 0; i < count; ++i) {
+            const auto r = static_cast<Index>(ids[i]);
+            if (static_cast<std::int64_t>(b.last(r, 0)) >= t) continue;
+            bring_up_to_date(value.row(r), b, r, now, t, t);
+            value.store(r);
+          }
+        });
   }
   // -> the number of p's rows whose value lags (not brought up to date since p's last step);
   // 0 right after catch_up(). O(V). \throws value_error if p is not registered here.
-  Index lagging_rows(const Parameter<Scalar>& p) const {
+  Index lagging_rows(const ParameterBase<Scalar>& p) const {
     require_registered(p, "lagging_rows");
     Index lagging = 0;
-    this->for_each_slot([&](const Parameter<Scalar>& q, const auto& state, const auto&, std::int64_t t) {
+    this->for_each_slot([&](const ParameterBase<Scalar>& q, const auto& state, const auto&, std::int64_t t) {
       const auto it = state.find("last_step");
       if (&q != &p || it == state.end()) return;
       for (Index r = 0; r < it->second.rows(); ++r) lagging += static_cast<std::int64_t>(it->second(r, 0)) < t;
@@ -233,9 +236,9 @@ class LazyAdamW : public Optimizer<Scalar> {
     }
   }
 
-  void update(Parameter<Scalar>& p, double lr, double weight_decay, std::int64_t t,
+  void update(ParameterBase<Scalar>& p, ValueRows<Scalar>& value, double lr, double weight_decay, std::int64_t t,
               std::map<std::string, RowMatrix<Scalar>>& state) override {
-    const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
+    const RowGradient<Scalar>& g = static_cast<const ParameterBase<Scalar>&>(p).grad();
     Buffers b = buffers(p, state);
     auto& scalars = this->scalars_of(p);
     Running now = running(scalars);
@@ -243,10 +246,11 @@ class LazyAdamW : public Optimizer<Scalar> {
     store(scalars, now);
     // Dense AdamW's step t on a touched row, its decay left out (the catch-up's D holds it).
     const detail::AdamRowStep<Scalar> adam(options_.beta1, options_.beta2, options_.eps, lr, static_cast<double>(t));
-    auto value = p.value();
     detail::for_touched_rows(g, [&](Index r, const auto& grad) {
-      bring_up_to_date(value.row(r).array(), b, r, now, t, t - 1);
-      adam.apply(value.row(r).array(), b.m.row(r).array(), b.v.row(r).array(), grad);
+      auto x = value.row(r);
+      bring_up_to_date(x, b, r, now, t, t - 1);
+      adam.apply(x, b.m.row(r).array(), b.v.row(r).array(), grad);
+      value.store(r);
     });
   }
 
@@ -277,7 +281,7 @@ class LazyAdamW : public Optimizer<Scalar> {
     scalars["decay_mantissa"] = now.mantissa;
     scalars["decay_exponent"] = now.exponent;
   }
-  Buffers buffers(const Parameter<Scalar>& p, std::map<std::string, RowMatrix<Scalar>>& state) const {
+  Buffers buffers(const ParameterBase<Scalar>& p, std::map<std::string, RowMatrix<Scalar>>& state) const {
     const Running start;  // a row never updated: up to date at step 0, P_0 = 1
     return {this->buffer(state, "exp_avg", p), this->buffer(state, "exp_avg_sq", p),
             this->buffer(state, "last_step", p),
@@ -309,17 +313,20 @@ class LazyAdamW : public Optimizer<Scalar> {
     b.exponent(r, 0) = static_cast<Scalar>(now.exponent);
   }
 
-  void catch_up_rows(Parameter<Scalar>& p, std::map<std::string, RowMatrix<Scalar>>& state,
-                     const std::map<std::string, double>& scalars, std::int64_t t) const {
+  void catch_up_rows(ParameterBase<Scalar>& p, ValueRows<Scalar>& value,
+                     std::map<std::string, RowMatrix<Scalar>>& state, const std::map<std::string, double>& scalars,
+                     std::int64_t t) const {
     if (state.find("last_step") == state.end()) return;  // never stepped: nothing lags
     Buffers b = buffers(p, state);
     const Running now = running(scalars);
-    auto value = p.value();
-    for (Index r = 0; r < p.rows(); ++r)
-      if (static_cast<std::int64_t>(b.last(r, 0)) < t) bring_up_to_date(value.row(r).array(), b, r, now, t, t);
+    for (Index r = 0; r < p.rows(); ++r) {
+      if (static_cast<std::int64_t>(b.last(r, 0)) >= t) continue;
+      bring_up_to_date(value.row(r), b, r, now, t, t);
+      value.store(r);
+    }
   }
 
-  void require_registered(const Parameter<Scalar>& p, const char* call) const {
+  void require_registered(const ParameterBase<Scalar>& p, const char* call) const {
     if (this->slot_of(&p) >= 0) return;
     std::ostringstream message;
     message << "LazyAdamW::" << call << ": parameter '" << p.name() << "' [" << p.rows() << ", " << p.cols()

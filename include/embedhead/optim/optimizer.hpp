@@ -40,12 +40,13 @@
 // changes (Parameter::resize_rows, resize_vocabulary), resize_state() makes its buffers follow.
 //
 // Low-precision parameters (Parameter<Eigen::bfloat16, float>, Parameter<Eigen::half, float>: the
-// bf16/fp16 layers' tables) are not stepped: Optimizer<float>::add_group rejects them at compile
-// time with a static_assert saying so. Stepping one correctly means widening the value to float,
-// updating in float and rounding once to the storage type (round-to-nearest-even; stochastic
-// rounding is a later issue), which is not implemented yet; rather than update such a value
-// silently in the wrong precision, the optimizers refuse it. clip_grad_norm and unique_parameters
-// do take them (they only read the float gradient).
+// bf16/fp16 layers' tables) are stepped like float ones: each row the update reads is widened to
+// float, updated by the same formulas with the state in float, and written back by the optimizer's
+// LowPrecisionUpdate mode (set_low_precision_update; stochastic rounding by default): nearest
+// (round-to-nearest-even, which loses an update below half an ulp), stochastic (unbiased, its draws
+// from the counter-based Rng keyed by seed, parameter, step, row and column) or kahan (a float
+// compensation buffer "kahan_compensation" [V, d] in the state). optim/low_precision_update.hpp has
+// the rounding and ValueRows, the one seam through which every optimizer reads and writes a row.
 //
 // This header holds what every optimizer shares (parameter groups, the step count, state save and
 // restore, resize_state); each optimizer has a header of its own beside it (sgd.hpp, adamw.hpp,
@@ -60,6 +61,7 @@
 #include "../errors.hpp"
 #include "../parameter.hpp"
 #include "../types.hpp"
+#include "low_precision_update.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -92,16 +94,20 @@ struct ParameterGroupOptions {
   std::optional<double> weight_decay;  // unset: the optimizer's default
 };
 
+// A group holds Scalar parameters (`parameters`) or low-precision ones (`low_precision`, bf16 /
+// fp16 values with a Scalar gradient), as it was added.
 template <typename Scalar>
 struct ParameterGroup {
   std::vector<std::shared_ptr<Parameter<Scalar>>> parameters;
   double lr_multiplier = 1.0;
   double weight_decay = 0.0;
+  std::vector<std::shared_ptr<ParameterBase<Scalar>>> low_precision = {};
 };
 
 // Everything an optimizer needs to continue where it stopped: the count of step() calls and, per
 // parameter (in registration order), its name, shape, its own step count and named buffers
-// ("exp_avg", "exp_avg_sq", "momentum_buffer", "sum"), each [rows, cols] (RowWiseAdagrad's "sum",
+// ("exp_avg", "exp_avg_sq", "momentum_buffer", "sum"; "kahan_compensation" for a low-precision
+// parameter under LowPrecisionUpdate::kahan), each [rows, cols] (RowWiseAdagrad's "sum",
 // LazyAdamW's per-row "last_step", "decay_mantissa", "decay_exponent": [rows, 1]), and named
 // per-parameter scalars in double (LazyAdamW's running decay, "decay_mantissa" and
 // "decay_exponent"; the other optimizers have none). A buffer or scalar not created yet is absent.
@@ -198,43 +204,28 @@ class Optimizer {
   // negative or not finite (weight_decay: also in Scalar), or a weight decay this optimizer cannot
   // apply. Nothing changes on throw. (lr() x lr_multiplier is checked in Scalar by each step.)
   void add_group(const ParameterList& parameters, const ParameterGroupOptions& options = {}) {
-    const char* where = name_;
-    detail::check_non_negative(where, "lr_multiplier", options.lr_multiplier);
-    const double weight_decay = options.weight_decay.value_or(default_weight_decay_);
-    check_weight_decay_value(weight_decay);
-    check_weight_decay(weight_decay);
-    for (std::size_t i = 0; i < parameters.size(); ++i) {
-      const auto& p = parameters[i];
-      if (!p) {
-        std::ostringstream message;
-        message << where << ": parameter " << i << " of the group is a null pointer";
-        throw value_error(message.str());
-      }
-      const bool earlier_in_group = std::find(parameters.begin(), parameters.begin() + static_cast<std::ptrdiff_t>(i),
-                                              p) != parameters.begin() + static_cast<std::ptrdiff_t>(i);
-      if (earlier_in_group || slot_of(p.get()) >= 0) {
-        std::ostringstream message;
-        message << where << ": parameter '" << p->name() << "' [" << p->rows() << ", " << p->cols()
-                << "] is registered twice (a tied table belongs to one group only; see unique_parameters)";
-        throw value_error(message.str());
-      }
-    }
-    groups_.push_back({parameters, options.lr_multiplier, weight_decay});
-    for (const auto& p : parameters) {
-      slots_.push_back(p.get());
-      state_.emplace_back();
-      steps_.push_back(0);
-      scalars_.emplace_back();
-    }
+    add_group_of(parameters, options);
   }
 
-  // A list of low-precision parameters (Parameter<Storage, Scalar>, Storage = bf16 / fp16): a
-  // compile-time error, see the header. (A list of Parameter<Scalar> takes the overload above.)
-  template <typename Storage>
-  void add_group(const std::vector<std::shared_ptr<Parameter<Storage, Scalar>>>&, const ParameterGroupOptions& = {}) {
-    static_assert(!is_low_precision_v<Storage>,
-                  "embedhead optimizers do not step bf16/fp16 parameters (Parameter<Storage, float>) yet: the update "
-                  "would have to run in float and round once to Storage; train a float table and convert_table it");
+  // A group of low-precision parameters (Parameter<Storage, Scalar>, Storage = Eigen::bfloat16 or
+  // Eigen::half): updated in Scalar and written back by low_precision_update() (see the header).
+  // \throws as above.
+  template <typename Storage, typename = std::enable_if_t<is_low_precision_v<Storage>>>
+  void add_group(const std::vector<std::shared_ptr<Parameter<Storage, Scalar>>>& parameters,
+                 const ParameterGroupOptions& options = {}) {
+    add_group_of(parameters, options);
+  }
+
+  // How low-precision parameters are written back (see the header); float parameters ignore it.
+  const LowPrecisionUpdateOptions& low_precision_update() const { return low_precision_; }
+  // Sets it. Leaving kahan drops the compensation buffers (each value keeps its rounded storage);
+  // entering it starts them at zero. \throws value_error for a mode that is not a
+  // LowPrecisionUpdate value (naming it); nothing changes on throw.
+  void set_low_precision_update(const LowPrecisionUpdateOptions& options) {
+    detail::check_low_precision_update((std::string(name_) + "::set_low_precision_update").c_str(), options.mode);
+    if (options.mode != LowPrecisionUpdate::kahan)
+      for (auto& buffers : state_) buffers.erase(detail::kKahanBuffer);
+    low_precision_ = options;
   }
 
   const std::vector<ParameterGroup<Scalar>>& groups() const { return groups_; }
@@ -250,7 +241,7 @@ class Optimizer {
   std::int64_t step_count() const { return step_; }
   // -> p's own step count t: the steps that updated it (see the header; at most step_count()).
   // \throws value_error if p is not registered here.
-  std::int64_t step_count(const Parameter<Scalar>& p) const {
+  std::int64_t step_count(const ParameterBase<Scalar>& p) const {
     const std::ptrdiff_t slot = slot_of(&p);
     if (slot < 0) {
       std::ostringstream message;
@@ -278,23 +269,22 @@ class Optimizer {
   // weight_decay -- is not finite in Scalar. Nothing changes on throw, the step counts included.
   void step() {
     check_state("step");
-    std::size_t slot = 0;
-    for (std::size_t g = 0; g < groups_.size(); ++g) {
-      const auto& group = groups_[g];
-      for (const auto& p : group.parameters) {
-        if (steps_this_time(*p)) check_step(g, lr_ * group.lr_multiplier, group.weight_decay, steps_[slot] + 1);
-        ++slot;
-      }
+    for (std::size_t s = 0; s < slots_.size(); ++s) {
+      const auto& group = groups_[slots_[s].group];
+      if (steps_this_time(*slots_[s].base))
+        check_step(slots_[s].group, lr_ * group.lr_multiplier, group.weight_decay, steps_[s] + 1);
     }
+    // The Kahan buffers this step writes, created before anything else changes.
+    for (std::size_t s = 0; s < slots_.size(); ++s)
+      if (steps_this_time(*slots_[s].base)) compensation_of(s);
     ++step_;
-    slot = 0;
-    for (const auto& group : groups_)
-      for (const auto& p : group.parameters) {
-        const std::size_t s = slot++;
-        if (!steps_this_time(*p)) continue;
-        ++steps_[s];
-        update(*p, lr_ * group.lr_multiplier, group.weight_decay, steps_[s], state_[s]);
-      }
+    for (std::size_t s = 0; s < slots_.size(); ++s) {
+      const auto& group = groups_[slots_[s].group];
+      if (!steps_this_time(*slots_[s].base)) continue;
+      ++steps_[s];
+      ValueRows<Scalar> value = value_rows(s);
+      update(*slots_[s].base, value, lr_ * group.lr_multiplier, group.weight_decay, steps_[s], state_[s]);
+    }
   }
 
   // After p's row count changed (Parameter::resize_rows): resizes each of p's buffers to
@@ -305,12 +295,11 @@ class Optimizer {
   // t, as PyTorch's SparseAdam treats a row seen for the first time. A buffer not created yet
   // stays absent. -> false, changing nothing, when p is not registered here. Strong guarantee (new
   // buffers are built, then swapped in). Cost O(rows * cols) per buffer.
-  bool resize_state(const Parameter<Scalar>& p);
+  bool resize_state(const ParameterBase<Scalar>& p);
 
   // zero_grad() of every registered parameter.
   void zero_grad() {
-    for (const auto& group : groups_)
-      for (const auto& p : group.parameters) p->zero_grad();
+    for (const auto& slot : slots_) slot.base->zero_grad();
   }
 
   // -> the step count and every registered parameter's buffers, in registration order.
@@ -320,12 +309,10 @@ class Optimizer {
     OptimizerState<Scalar> s;
     s.optimizer = name_;
     s.step = step_;
-    std::size_t slot = 0;
-    for (const auto& group : groups_)
-      for (const auto& p : group.parameters) {
-        s.parameters.push_back({p->name(), p->rows(), p->cols(), state_[slot], steps_[slot], scalars_[slot]});
-        ++slot;
-      }
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      const ParameterBase<Scalar>& p = *slots_[i].base;
+      s.parameters.push_back({p.name(), p.rows(), p.cols(), state_[i], steps_[i], scalars_[i]});
+    }
     return s;
   }
 
@@ -349,7 +336,7 @@ class Optimizer {
     }
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       const auto& entry = s.parameters[i];
-      const Parameter<Scalar>& p = *slots_[i];
+      const ParameterBase<Scalar>& p = *slots_[i].base;
       if (entry.name != p.name() || entry.rows != p.rows() || entry.cols != p.cols()) {
         std::ostringstream message;
         message << where << "::load_state: parameter " << i << " is '" << entry.name << "' [" << entry.rows << ", "
@@ -366,13 +353,26 @@ class Optimizer {
         throw value_error(message.str());
       }
       for (const auto& [key, buffer] : entry.buffers) {
-        if (std::find(buffer_names_.begin(), buffer_names_.end(), key) == buffer_names_.end()) {
+        if (key == detail::kKahanBuffer &&
+            !(slots_[i].low_precision() && low_precision_.mode == LowPrecisionUpdate::kahan)) {
+          std::ostringstream message;
+          message << where << "::load_state: parameter '" << entry.name << "' has a buffer '" << key << "', which "
+                  << (slots_[i].low_precision()
+                          ? "only the kahan low-precision update uses (this optimizer's is "
+                          : "only a low-precision parameter with the kahan update has (this one is ")
+                  << (slots_[i].low_precision() ? low_precision_update_name(low_precision_.mode)
+                                                : detail::scalar_name<Scalar>())
+                  << ")";
+          throw value_error(message.str());
+        }
+        if (key != detail::kKahanBuffer &&
+            std::find(buffer_names_.begin(), buffer_names_.end(), key) == buffer_names_.end()) {
           std::ostringstream message;
           message << where << "::load_state: parameter '" << entry.name << "' has a buffer '" << key << "' that "
                   << name_ << " does not use";
           throw value_error(message.str());
         }
-        detail::check_shape(where, (entry.name + "." + key).c_str(), buffer, p.rows(), buffer_cols(key, p.cols()));
+        detail::check_shape(where, (entry.name + "." + key).c_str(), buffer, p.rows(), cols_of(key, p.cols()));
       }
       for (const auto& [key, value] : entry.scalars) {
         const auto names = scalar_names();
@@ -409,9 +409,10 @@ class Optimizer {
   }
 
   // Updates p with learning rate lr and weight decay at p's step t (>= 1, already advanced);
-  // `state` holds its buffers by name.
-  virtual void update(Parameter<Scalar>& p, double lr, double weight_decay, std::int64_t t,
-                      std::map<std::string, RowMatrix<Scalar>>& state) = 0;
+  // `value` its rows (read each row through value.row(r), updated in Scalar, written back with
+  // value.store(r): the seam between the update and the storage); `state` holds its buffers by name.
+  virtual void update(ParameterBase<Scalar>& p, ValueRows<Scalar>& value, double lr, double weight_decay,
+                      std::int64_t t, std::map<std::string, RowMatrix<Scalar>>& state) = 0;
   // Throws if this optimizer cannot apply weight_decay (the lazy ones).
   virtual void check_weight_decay(double) const {}
   // The value the buffer `key` starts from (and a resized buffer's new rows).
@@ -455,10 +456,10 @@ class Optimizer {
   // The named buffer of p's state, created [rows, buffer_cols(key, cols)] filled with `initial`
   // on first use.
   RowMatrix<Scalar>& buffer(std::map<std::string, RowMatrix<Scalar>>& state, const char* key,
-                            const Parameter<Scalar>& p, Scalar initial = Scalar(0)) const {
+                            const ParameterBase<Scalar>& p, Scalar initial = Scalar(0)) const {
     auto it = state.find(key);
     if (it == state.end())
-      it = state.emplace(key, RowMatrix<Scalar>::Constant(p.rows(), buffer_cols(key, p.cols()), initial)).first;
+      it = state.emplace(key, RowMatrix<Scalar>::Constant(p.rows(), cols_of(key, p.cols()), initial)).first;
     return it->second;
   }
   // A zero row of p's width, for untouched rows in the exact optimizers.
@@ -471,23 +472,21 @@ class Optimizer {
     return scratch_.data();
   }
   // p's per-parameter scalars (Entry::scalars), for update(); p must be registered here.
-  std::map<std::string, double>& scalars_of(const Parameter<Scalar>& p) {
+  std::map<std::string, double>& scalars_of(const ParameterBase<Scalar>& p) {
     return scalars_[static_cast<std::size_t>(slot_of(&p))];
   }
-  // Calls f(parameter, buffers, scalars, own step count) for each registered parameter, in
-  // registration order.
+  // Calls f(parameter, its value rows, buffers, scalars, own step count) for each registered
+  // parameter, in registration order (a Kahan buffer is created on the way if missing).
   template <typename F>
   void for_each_slot(F&& f) {
-    std::size_t slot = 0;
-    for (const auto& group : groups_)
-      for (const auto& p : group.parameters) {
-        f(*p, state_[slot], scalars_[slot], steps_[slot]);
-        ++slot;
-      }
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      ValueRows<Scalar> value = value_rows(i);
+      f(*slots_[i].base, value, state_[i], scalars_[i], steps_[i]);
+    }
   }
   template <typename F>
   void for_each_slot(F&& f) const {
-    for (std::size_t i = 0; i < slots_.size(); ++i) f(*slots_[i], state_[i], scalars_[i], steps_[i]);
+    for (std::size_t i = 0; i < slots_.size(); ++i) f(*slots_[i].base, state_[i], scalars_[i], steps_[i]);
   }
 
   const char* name_;
@@ -497,9 +496,9 @@ class Optimizer {
   // the update would read and write past the buffer. O(parameters * buffers).
   void check_state(const char* call) const {
     for (std::size_t i = 0; i < slots_.size(); ++i) {
-      const Parameter<Scalar>& p = *slots_[i];
+      const ParameterBase<Scalar>& p = *slots_[i].base;
       for (const auto& [key, buffer] : state_[i]) {
-        if (buffer.rows() == p.rows() && buffer.cols() == buffer_cols(key, p.cols())) continue;
+        if (buffer.rows() == p.rows() && buffer.cols() == cols_of(key, p.cols())) continue;
         std::ostringstream message;
         message << name_ << "::" << call << ": parameter '" << p.name() << "' is [" << p.rows() << ", " << p.cols()
                 << "] but its state '" << key << "' is [" << buffer.rows() << ", " << buffer.cols()
@@ -509,17 +508,108 @@ class Optimizer {
     }
   }
 
-  std::ptrdiff_t slot_of(const Parameter<Scalar>* p) const {
-    const auto it = std::find(slots_.begin(), slots_.end(), p);
-    return it == slots_.end() ? -1 : it - slots_.begin();
+  std::ptrdiff_t slot_of(const ParameterBase<Scalar>* p) const {
+    for (std::size_t i = 0; i < slots_.size(); ++i)
+      if (slots_[i].base == p) return static_cast<std::ptrdiff_t>(i);
+    return -1;
   }
 
  private:
   template <typename>
   friend class detail::StateResize;
 
+  // A registered parameter: its base, and its value as a Scalar, bf16 or fp16 matrix (one set).
+  struct Slot {
+    ParameterBase<Scalar>* base = nullptr;
+    Parameter<Scalar>* full = nullptr;
+    Parameter<Eigen::bfloat16, Scalar>* bf16 = nullptr;
+    Parameter<Eigen::half, Scalar>* fp16 = nullptr;
+    std::size_t group = 0;
+    bool low_precision() const { return full == nullptr; }
+  };
+
+  template <typename Value>
+  void add_group_of(const std::vector<std::shared_ptr<Parameter<Value, Scalar>>>& parameters,
+                    const ParameterGroupOptions& options) {
+    const char* where = name_;
+    detail::check_non_negative(where, "lr_multiplier", options.lr_multiplier);
+    const double weight_decay = options.weight_decay.value_or(default_weight_decay_);
+    check_weight_decay_value(weight_decay);
+    check_weight_decay(weight_decay);
+    for (std::size_t i = 0; i < parameters.size(); ++i) {
+      const auto& p = parameters[i];
+      if (!p) {
+        std::ostringstream message;
+        message << where << ": parameter " << i << " of the group is a null pointer";
+        throw value_error(message.str());
+      }
+      const bool earlier_in_group = std::find(parameters.begin(), parameters.begin() + static_cast<std::ptrdiff_t>(i),
+                                              p) != parameters.begin() + static_cast<std::ptrdiff_t>(i);
+      if (earlier_in_group || slot_of(p.get()) >= 0) {
+        std::ostringstream message;
+        message << where << ": parameter '" << p->name() << "' [" << p->rows() << ", " << p->cols()
+                << "] is registered twice (a tied table belongs to one group only; see unique_parameters)";
+        throw value_error(message.str());
+      }
+    }
+    ParameterGroup<Scalar> group{{}, options.lr_multiplier, weight_decay};
+    if constexpr (std::is_same_v<Value, Scalar>)
+      group.parameters = parameters;
+    else
+      group.low_precision.assign(parameters.begin(), parameters.end());
+    groups_.push_back(std::move(group));
+    for (const auto& p : parameters) {
+      Slot slot;
+      slot.base = p.get();
+      if constexpr (std::is_same_v<Value, Scalar>)
+        slot.full = p.get();
+      else if constexpr (std::is_same_v<Value, Eigen::bfloat16>)
+        slot.bf16 = p.get();
+      else
+        slot.fp16 = p.get();
+      slot.group = groups_.size() - 1;
+      slots_.push_back(slot);
+      state_.emplace_back();
+      steps_.push_back(0);
+      scalars_.emplace_back();
+    }
+  }
+
+  // The column count of buffer `key`: the Kahan buffer is [rows, cols], the others buffer_cols.
+  Index cols_of(const std::string& key, Index cols) const {
+    return key == detail::kKahanBuffer ? cols : buffer_cols(key, cols);
+  }
+  void fill_rows(const std::string& key, RowMatrix<Scalar>& buffer, Index from,
+                 const std::map<std::string, double>& scalars, std::int64_t t) const {
+    if (key == detail::kKahanBuffer)
+      buffer.bottomRows(buffer.rows() - from).setZero();
+    else
+      fill_new_rows(key, buffer, from, scalars, t);
+  }
+  // Slot s's Kahan buffer, created (zero) if missing; null unless s is low precision under kahan.
+  RowMatrix<Scalar>* compensation_of(std::size_t s) {
+    if (!slots_[s].low_precision() || low_precision_.mode != LowPrecisionUpdate::kahan) return nullptr;
+    return &buffer(state_[s], detail::kKahanBuffer, *slots_[s].base);
+  }
+  // Slot s's rows as its update reads and writes them, at its current step count.
+  ValueRows<Scalar> value_rows(std::size_t s) {
+    const Slot& slot = slots_[s];
+    if (slot.full) return ValueRows<Scalar>(*slot.full);
+    if constexpr (!std::is_same_v<Scalar, float>) {
+      return ValueRows<Scalar>(*slot.full);  // unreachable: only float parameters have low-precision values
+    } else {
+      const Rng stream(Rng(low_precision_.seed).bits_at(static_cast<std::uint64_t>(s)));
+      if (static_cast<Index>(widened_.size()) < slot.base->cols())
+        widened_.resize(static_cast<std::size_t>(slot.base->cols()));
+      Scalar* scratch = widened_.data();
+      if (slot.bf16)
+        return ValueRows<Scalar>(*slot.bf16, low_precision_.mode, stream, steps_[s], compensation_of(s), scratch);
+      return ValueRows<Scalar>(*slot.fp16, low_precision_.mode, stream, steps_[s], compensation_of(s), scratch);
+    }
+  }
+
   // Whether step() updates p now: not frozen, and with a gradient unless those without are stepped.
-  bool steps_this_time(const Parameter<Scalar>& p) const {
+  bool steps_this_time(const ParameterBase<Scalar>& p) const {
     return !p.frozen() && (!skip_without_grad_ || p.grad().num_touched() > 0);
   }
 
@@ -529,11 +619,13 @@ class Optimizer {
   std::int64_t step_ = 0;
   bool skip_without_grad_ = true;
   std::vector<ParameterGroup<Scalar>> groups_;
-  std::vector<const Parameter<Scalar>*> slots_;  // registration order
+  std::vector<Slot> slots_;  // registration order
+  LowPrecisionUpdateOptions low_precision_;
   std::vector<std::map<std::string, RowMatrix<Scalar>>> state_;
   std::vector<std::int64_t> steps_;                     // each parameter's own t, by slot
   std::vector<std::map<std::string, double>> scalars_;  // each parameter's scalars, by slot
   std::vector<Scalar> zero_, scratch_;
+  std::vector<Scalar> widened_;  // a low-precision row widened to Scalar (ValueRows)
 };
 
 namespace detail {
@@ -544,7 +636,7 @@ namespace detail {
 template <typename Scalar>
 class StateResize {
  public:
-  StateResize(Optimizer<Scalar>& optimizer, const Parameter<Scalar>& p, Index new_rows, Index keep)
+  StateResize(Optimizer<Scalar>& optimizer, const ParameterBase<Scalar>& p, Index new_rows, Index keep)
       : optimizer_(&optimizer), slot_(optimizer.slot_of(&p)) {
     if (slot_ < 0) return;
     const auto slot = static_cast<std::size_t>(slot_);
@@ -552,7 +644,7 @@ class StateResize {
       const Index kept = std::min(keep, buffer.rows());
       RowMatrix<Scalar> resized(new_rows, buffer.cols());
       resized.topRows(kept) = buffer.topRows(kept);
-      optimizer.fill_new_rows(key, resized, kept, optimizer.scalars_[slot], optimizer.steps_[slot]);
+      optimizer.fill_rows(key, resized, kept, optimizer.scalars_[slot], optimizer.steps_[slot]);
       buffers_.emplace(key, std::move(resized));
     }
   }
@@ -570,7 +662,7 @@ class StateResize {
 }  // namespace detail
 
 template <typename Scalar>
-bool Optimizer<Scalar>::resize_state(const Parameter<Scalar>& p) {
+bool Optimizer<Scalar>::resize_state(const ParameterBase<Scalar>& p) {
   const std::ptrdiff_t slot = slot_of(&p);
   if (slot < 0) return false;
   // Kept rows: those below the old row count, which every buffer of p still has.

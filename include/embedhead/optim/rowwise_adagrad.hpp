@@ -66,10 +66,9 @@ class RowWiseAdagrad : public Optimizer<Scalar> {
     if (weight_decay != 0 && options_.weight_decay_mode == RowWiseWeightDecay::decoupled)
       this->check_step_constant("the decay 1 - lr weight_decay", 1.0 - lr * weight_decay, g, lr, t);
   }
-  void update(Parameter<Scalar>& p, double lr, double weight_decay, std::int64_t,
+  void update(ParameterBase<Scalar>& p, ValueRows<Scalar>& value, double lr, double weight_decay, std::int64_t,
               std::map<std::string, RowMatrix<Scalar>>& state) override {
-    const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
-    auto value = p.value();
+    const RowGradient<Scalar>& g = static_cast<const ParameterBase<Scalar>&>(p).grad();
     RowMatrix<Scalar>& sum = this->buffer(state, "sum", p);
     const bool l2 = weight_decay != 0 && options_.weight_decay_mode == RowWiseWeightDecay::l2;
     const bool decoupled = weight_decay != 0 && options_.weight_decay_mode == RowWiseWeightDecay::decoupled;
@@ -77,7 +76,7 @@ class RowWiseAdagrad : public Optimizer<Scalar> {
     const Scalar wd = static_cast<Scalar>(weight_decay), decay = static_cast<Scalar>(1.0 - lr * weight_decay);
     const Scalar inv_d = Scalar(1) / static_cast<Scalar>(p.cols());
     detail::for_touched_rows(g, [&](Index r, const auto& grad) {
-      auto x = value.row(r).array();
+      auto x = value.row(r);
       // The mean of the squared (l2: decayed) gradient, summed in Scalar over the row.
       const Scalar mean_square = l2 ? (grad + wd * x).square().sum() * inv_d : grad.square().sum() * inv_d;
       const Scalar accumulated = sum(r, 0) + mean_square;
@@ -85,6 +84,7 @@ class RowWiseAdagrad : public Optimizer<Scalar> {
       const Scalar multiplier = step / (std::sqrt(accumulated) + eps);
       const Scalar correction = l2 ? Scalar(1) - multiplier * wd : decoupled ? decay : Scalar(1);
       x = correction * x - multiplier * grad;
+      value.store(r);
     });
   }
 

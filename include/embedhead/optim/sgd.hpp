@@ -39,34 +39,37 @@ class SGD : public Optimizer<Scalar> {
     if (weight_decay != 0)
       this->check_step_constant("the decay 1 - lr weight_decay", 1.0 - lr * weight_decay, g, lr, t);
   }
-  void update(Parameter<Scalar>& p, double lr, double weight_decay, std::int64_t,
+  void update(ParameterBase<Scalar>& p, ValueRows<Scalar>& value, double lr, double weight_decay, std::int64_t,
               std::map<std::string, RowMatrix<Scalar>>& state) override {
-    const RowGradient<Scalar>& g = static_cast<const Parameter<Scalar>&>(p).grad();
-    auto value = p.value();
+    const RowGradient<Scalar>& g = static_cast<const ParameterBase<Scalar>&>(p).grad();
     const Scalar step = static_cast<Scalar>(lr);
     if (options_.momentum == 0 && weight_decay == 0) {
-      detail::for_touched_rows(g, [&](Index r, const auto& grad) { value.row(r).array() -= step * grad; });
+      detail::for_touched_rows(g, [&](Index r, const auto& grad) {
+        value.row(r) -= step * grad;
+        value.store(r);
+      });
       return;
     }
     const Scalar decay = static_cast<Scalar>(1.0 - lr * weight_decay), mu = static_cast<Scalar>(options_.momentum);
     const bool first = state.find("momentum_buffer") == state.end();
     RowMatrix<Scalar>* momentum = options_.momentum > 0 ? &this->buffer(state, "momentum_buffer", p) : nullptr;
     detail::for_every_row(g, this->zero_row(p.cols()), [&](Index r, const auto& grad) {
-      auto v = value.row(r).array();
+      auto v = value.row(r);
       if (weight_decay != 0) v *= decay;
       if (!momentum) {
         v -= step * grad;
-        return;
+      } else {
+        auto buf = momentum->row(r).array();
+        if (first)
+          buf = grad;
+        else
+          buf = mu * buf + grad;
+        if (options_.nesterov)
+          v -= step * (grad + mu * buf);
+        else
+          v -= step * buf;
       }
-      auto buf = momentum->row(r).array();
-      if (first)
-        buf = grad;
-      else
-        buf = mu * buf + grad;
-      if (options_.nesterov)
-        v -= step * (grad + mu * buf);
-      else
-        v -= step * buf;
+      value.store(r);
     });
   }
 
