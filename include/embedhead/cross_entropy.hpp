@@ -50,6 +50,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -161,13 +162,16 @@ void check_loss_options(const char* where, const CrossEntropyOptions& options, I
             << " (one per class: " << (options.valid_vocab == -1 ? "V" : "valid_vocab") << ")";
     throw shape_error(message.str());
   }
+  // One pass of comparisons; the entry's name is built only for a message.
+  const double largest = static_cast<double>(std::numeric_limits<Scalar>::max());
   double sum = 0;
   for (std::size_t j = 0; j < options.class_weights.size(); ++j) {
     const double u = options.class_weights[j];
+    sum += u;
+    if (u >= 0 && u <= largest) continue;  // NaN and inf fail both
     const std::string what = "class_weights[" + std::to_string(j) + "]";
     if (!(u >= 0) || !std::isfinite(u)) fail(what.c_str(), u, "[0, inf)");
     check_in_scalar<Scalar>(where, what.c_str(), u, "[0, inf)", /*reject_underflow=*/false);
-    sum += u;
   }
   if (!std::isfinite(sum)) fail("the sum of class_weights", sum, "the finite numbers");
 }

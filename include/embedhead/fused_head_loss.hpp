@@ -113,9 +113,12 @@ struct FusedHeadLossOptions : CrossEntropyOptions {
   // tokens (C: the classes; vocabulary-parallel, the most classes any shard holds), at most all the
   // counted ones (see fused_token_chunk for how n is rounded). 0: kFusedDefaultBudget (64 MiB:
   // 256 tokens of GPT-2's V = 50,257 in float, 25 % of the logits of N = 1024). The chunk fixes
-  // dW's order of summation over tokens, so the result
-  // depends on it (within rounding), never on the thread count. It does not bound the two-pass
-  // plan, whose buffer is N * vocab_block scalars (64 MiB at N = 4096, vocab_block = 4096).
+  // dW's order of summation over tokens, so the result depends on it (within rounding), never on
+  // the thread count. It does not bound the two-pass plan, whose buffer is N * vocab_block scalars
+  // (64 MiB at N = 4096, vocab_block = 4096). Soft targets add a block of their weights v in double
+  // for each row of the buffer: chunk * vocab_block doubles in token chunks (not counted in the
+  // budget), N * vocab_block in the two-pass plan (128 MiB at the shape above, in float twice the
+  // logits' buffer).
   Index memory_budget = 0;
 };
 
@@ -746,8 +749,8 @@ CrossEntropyResult fused_head_loss(const ConstMatrixRef<Scalar>& h, const ConstM
 // only its targets there) to the row's statistics, and its gradient subtracts w v_j. Per-token
 // weights w_n apply as with class indices: the mean divides by sum_n w_n (N without weights).
 // \throws as the class-index calls, and as cross_entropy_soft for the targets. Nothing written on
-// throw. Cost: the class-index call's, plus reading the targets (dense: N C values) and a buffer
-// of one block of v per row worked on.
+// throw. Cost: the class-index call's, plus reading the targets (dense: N C values) and a block of
+// v in double for each row of the logits buffer (FusedHeadLossOptions::memory_budget has the sizes).
 
 namespace detail {
 

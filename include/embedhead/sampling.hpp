@@ -70,26 +70,28 @@
 // inverse CDF over ids in increasing order from u = rng.uniform_at(c + k), where c is the
 // caller's counter.
 //
-// Cost (one row of V logits, K surviving tokens before a step): bias, penalties and the banned
-// list O(their lengths) (history sorted: O(L log L)); the allowed set and temperature O(V);
-// top-k O(K): a min-heap of the k largest values seen when k <= K / 64 (one comparison per value
-// once full, about k ln(K / k) insertions), else std::nth_element on a copy; top-p, min-p and
-// typical: one vectorised exp pass over the survivors (the softmax core's sum_exp_shifted), then,
-// for top-p and typical, a selection of the mass prefix by repeated halving -- nth_element on the
-// undecided range, its mass summed, one half decided -- O(K) expected in all, with a std::sort of
-// at most 16 tokens at the end; above 8192 tokens the halving runs only in the one of 2048
-// equal-width buckets of the keys that holds the cut, found by one pass summing each bucket's mass
-// (up to 8192 tokens top-p first drops the tokens below (1 - top_p) / K of the mass, which are all
-// in its removed tail), and the prefix is then known by its last token, so one comparison per
-// token removes the rest. Nothing sorts V (or K) entries. The survivors are kept as a list once
-// found (no step revives a removed token), so steps after a cut cost O(K), not O(V); while the
-// survivors are most of the row, the passes run over the whole row instead (contiguous and
-// vectorised, no index loads: the same results). Which tokens go is decided without a branch
-// (the pattern is data-dependent). The chain runs in double; processed logits are rounded once to Scalar. Sampling:
-// O(K') for K' survivors. Scratch: a workspace per thread (thread_local), grown to the largest V seen and kept for the
-// thread's life (about 9 V doubles: 18 MB at V = 256,000), so calls allocate only their results and O(N) bookkeeping
-// once it has grown. Rows are processed one after another on the calling thread (no threading), so results cannot
-// depend on a thread count.
+// Cost (one row of V logits, K surviving tokens before a step): bias, penalties and the banned list
+// O(their lengths) (history sorted: O(L log L)); the allowed set and temperature O(V); top-k O(K):
+// a min-heap of the k largest values seen when k <= K / 64 (one comparison per value once full,
+// about k ln(K / k) insertions), else std::nth_element on a copy; top-p, min-p and typical: one
+// vectorised exp pass over the survivors (the softmax core's sum_exp_shifted), then, for top-p and
+// typical, a selection of the mass prefix by repeated halving -- nth_element on the undecided
+// range, its mass summed, one half decided -- O(K) expected in all, with a std::sort of at most 16
+// tokens at the end; above 8192 tokens the halving runs only in the one of 2048 equal-width buckets
+// of the keys that holds the cut, found by one pass summing each bucket's mass (up to 8192 tokens
+// top-p first drops the tokens below (1 - top_p) / K of the mass, which are all in its removed
+// tail), and the prefix is then known by its last token, so one comparison per token removes the
+// rest. Nothing sorts V (or K) entries. The survivors are kept as a list once found (no step
+// revives a removed token), so steps after a cut cost O(K), not O(V); while the survivors are most
+// of the row, the passes run over the whole row instead (contiguous and vectorised, no index loads;
+// the same removals, and a sum of exponentials that may differ from the packed one in its last bit:
+// deterministic either way, the path depending on the row only). Which tokens go is decided without
+// a branch (the pattern is data-dependent). The chain runs in double; processed logits are rounded
+// once to Scalar. Sampling: O(K') for K' survivors. Scratch: a workspace per thread (thread_local),
+// grown to the largest V seen and kept for the thread's life (about 9 V doubles: 18 MB at V =
+// 256,000), so calls allocate only their results and O(N) bookkeeping once it has grown. Rows are
+// processed one after another on the calling thread (no threading), so results cannot depend on a
+// thread count.
 #ifndef EMBEDHEAD_SAMPLING_HPP
 #define EMBEDHEAD_SAMPLING_HPP
 

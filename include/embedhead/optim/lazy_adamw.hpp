@@ -242,13 +242,14 @@ class LazyAdamW : public Optimizer<Scalar> {
     Buffers b = buffers(p, state);
     auto& scalars = this->scalars_of(p);
     Running now = running(scalars);
-    if (weight_decay != 0) now.multiply(decay_factor(lr, weight_decay));
+    const double f_t = weight_decay != 0 ? decay_factor(lr, weight_decay) : 1.0;
+    if (weight_decay != 0) now.multiply(f_t);
     store(scalars, now);
     // Dense AdamW's step t on a touched row, its decay left out (the catch-up's D holds it).
     const detail::AdamRowStep<Scalar> adam(options_.beta1, options_.beta2, options_.eps, lr, static_cast<double>(t));
     detail::for_touched_rows(g, [&](Index r, const auto& grad) {
       auto x = value.row(r);
-      bring_up_to_date(x, b, r, now, t, t - 1);
+      bring_up_to_date(x, b, r, now, t, t - 1, f_t);
       adam.apply(x, b.m.row(r).array(), b.v.row(r).array(), grad);
       value.store(r);
     });
@@ -290,11 +291,24 @@ class LazyAdamW : public Optimizer<Scalar> {
   }
 
   // Row r: value *= P_now / P_l, m *= b1^k, v *= b2^k with k = through - l (the steps after l up to
-  // `through` in which the row's moments only decayed); then l = t and P_l = P_now.
+  // `through` in which the row's moments only decayed); then l = t and P_l = P_now. step_factor: f_t,
+  // when step t's decay is P_now's last factor (0: not given). A row up to date at t - 1 then has f_t
+  // alone pending, and is multiplied by f_t itself, as dense AdamW multiplies it: its stamp P_l is
+  // rounded to Scalar, so the quotient P_now / P_l could be off by an ulp of Scalar, every step for a
+  // row touched at every step.
   template <typename X>
-  void bring_up_to_date(X&& x, Buffers& b, Index r, const Running& now, std::int64_t t, std::int64_t through) const {
+  void bring_up_to_date(X&& x, Buffers& b, Index r, const Running& now, std::int64_t t, std::int64_t through,
+                        double step_factor = 0.0) const {
     const Scalar stamp_mantissa = b.mantissa(r, 0), stamp_exponent = b.exponent(r, 0);
-    if (stamp_mantissa != static_cast<Scalar>(now.mantissa) || stamp_exponent != static_cast<Scalar>(now.exponent)) {
+    if (step_factor > 0.0 && static_cast<std::int64_t>(b.last(r, 0)) == t - 1) {
+      if (step_factor != 1.0) {
+        if constexpr (std::is_same_v<Scalar, double>)
+          x *= step_factor;
+        else
+          x = (x.template cast<double>() * step_factor).template cast<Scalar>();  // = the Scalar product
+      }
+    } else if (stamp_mantissa != static_cast<Scalar>(now.mantissa) ||
+               stamp_exponent != static_cast<Scalar>(now.exponent)) {
       // The exponent difference is <= 0; below -2200 the quotient underflows to 0 all the same.
       const double shift = std::max(now.exponent - static_cast<double>(stamp_exponent), -2200.0);
       const double D = std::ldexp(now.mantissa / static_cast<double>(stamp_mantissa), static_cast<int>(shift));
