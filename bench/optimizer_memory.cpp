@@ -67,7 +67,7 @@ std::shared_ptr<Parameter<float>> make_table(Index V) {
 
 struct Case {
   const char* name;
-  double state_floats_per_row;  // the buffers' floats per row of the table
+  double state_floats_per_row;                                        // the buffers' floats per row of the table
   std::function<void(const std::shared_ptr<Parameter<float>>&)> run;  // construct, step 3 times
 };
 
@@ -130,8 +130,8 @@ int main(int argc, char** argv) {
     const double state_mib = c.state_floats_per_row * table_mib;
     std::printf("%-16s %12.1f %12.1f %12.1f\n", c.name, state_mib, values[0], values[1]);
     if (values[0] > state_mib + 16.0) {
-      std::fprintf(stderr, "optimizer_memory: %s grew by %.1f MiB, beyond its %.1f MiB of buffers\n", c.name,
-                   values[0], state_mib);
+      std::fprintf(stderr, "optimizer_memory: %s grew by %.1f MiB, beyond its %.1f MiB of buffers\n", c.name, values[0],
+                   state_mib);
       ok = false;
     }
   }
