@@ -406,9 +406,21 @@ struct SoftTargetRows {
   double eps = 0;
   Index classes = 0;
   const double* u = nullptr;  // class weights [C]; null: all 1
+  double u_sum = 0;           // U = sum_c u_c (C without class weights)
 
+  // eps, C, u and U from the loss's options, C = classes (valid_vocab, else V). O(C) once a call.
+  void set_options(const CrossEntropyOptions& options, Index C) {
+    eps = options.label_smoothing;
+    classes = C;
+    u = options.class_weights.empty() ? nullptr : options.class_weights.data();
+    u_sum = static_cast<double>(C);
+    if (u) {
+      u_sum = 0;
+      for (Index c = 0; c < C; ++c) u_sum += u[c];
+    }
+  }
   double weight(Index c) const { return u ? u[c] : 1.0; }
-  // T_n: dense, sum_c v_c; sparse, (1 - eps) sum_i u_{id_i} p_i + (eps / C) sum_c u_c.
+  // T_n: dense, sum_c v_c (O(C)); sparse, (1 - eps) sum_i u_{id_i} p_i + (eps / C) U (O(k)).
   double mass(Index n) const {
     const double smooth = eps / static_cast<double>(classes);
     double T = 0;
@@ -418,10 +430,7 @@ struct SoftTargetRows {
     }
     for (Index i = 0; i < k; ++i)
       T += weight(ids[static_cast<std::size_t>(n * k + i)]) * static_cast<double>((*probs)(n, i));
-    double U = 0;
-    if (eps > 0)
-      for (Index c = 0; c < classes; ++c) U += weight(c);
-    return (1.0 - eps) * T + smooth * U;
+    return (1.0 - eps) * T + (eps > 0 ? smooth * u_sum : 0.0);
   }
   void fill_block(Index n, Index c0, Index width, double* out) const {
     const double smooth = eps / static_cast<double>(classes);

@@ -766,9 +766,7 @@ CrossEntropyResult fused_soft_pass(const ConstMatrixRef<Scalar>& h, const ConstM
   check_soft_options(where, options);
   checked.check(where, N, classes_of(options, V), V);
   SoftTargetRows<Scalar> rows = soft;
-  rows.eps = options.label_smoothing;
-  rows.classes = classes_of(options, V);
-  rows.u = options.class_weights.empty() ? nullptr : options.class_weights.data();
+  rows.set_options(options, classes_of(options, V));
   // The class-index checks see N targets of class 0: every row counted, none out of range.
   const std::vector<std::int32_t> zeros(static_cast<std::size_t>(N), 0);
   const TypedTokenIds<std::int32_t> counted(zeros.data(), 1, N, N, 1);

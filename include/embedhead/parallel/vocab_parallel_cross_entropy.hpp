@@ -250,9 +250,7 @@ CrossEntropyResult vocab_parallel_soft_dense(Communicator& comm, Index V, const 
   const Index N = local_logits.rows();
   SoftTargetRows<Scalar> rows;
   rows.dense = &targets;
-  rows.eps = options.label_smoothing;
-  rows.classes = options.valid_vocab == -1 ? V : options.valid_vocab;
-  rows.u = options.class_weights.empty() ? nullptr : options.class_weights.data();
+  rows.set_options(options, options.valid_vocab == -1 ? V : options.valid_vocab);
   const std::vector<std::int32_t> zeros(static_cast<std::size_t>(N), 0);
   const TypedTokenIds<std::int32_t> counted(zeros.data(), 1, N, N, 1);
   return vocab_parallel_cross_entropy_pass<Scalar>(
@@ -271,9 +269,7 @@ CrossEntropyResult vocab_parallel_soft_sparse(Communicator& comm, Index V, const
     SoftTargetRows<Scalar> rows;
     rows.probs = &targets.probs;
     rows.k = targets.probs.cols();
-    rows.eps = options.label_smoothing;
-    rows.classes = options.valid_vocab == -1 ? V : options.valid_vocab;
-    rows.u = options.class_weights.empty() ? nullptr : options.class_weights.data();
+    rows.set_options(options, options.valid_vocab == -1 ? V : options.valid_vocab);
     if (typed.rows() == N && typed.cols() == rows.k) {  // else the check reports the shapes
       rows.ids.resize(static_cast<std::size_t>(N * rows.k));
       for (Index n = 0; n < N; ++n)

@@ -241,9 +241,7 @@ class VocabParallelFusedHeadLoss {
           checked.check(where, N, detail::classes_of(options_, V), V);
         },
         target_hash);
-    rows.eps = options_.label_smoothing;
-    rows.classes = detail::classes_of(options_, V);
-    rows.u = options_.class_weights.empty() ? nullptr : options_.class_weights.data();
+    rows.set_options(options_, detail::classes_of(options_, V));
     if (!dh)
       return detail::fused_head_loss_pass<Scalar, std::int32_t>(h, weight_shard.value(), bias_of(bias_shard), counted,
                                                                 extras, nullptr, nullptr, nullptr, options_, workspace_,
