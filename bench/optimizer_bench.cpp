@@ -6,6 +6,12 @@
 //   RowWiseAdagradStep/V:…  row-wise Adagrad (FBGEMM's): touched rows only, one accumulator per row
 //   SGDStep/V:…        plain SGD: touched rows only
 //   AdamWStep/V:…      exact AdamW: every row's moments and value -- grows with V
+//   AdamWStepTrainableRows/V:…  exact AdamW on a table of V rows of which only the 2,000 touched
+//                      ones are trainable (Parameter::set_trainable_rows): state and work of
+//                      2,000 rows; compare with AdamWStep/V:2000, a table of those 2,000 rows
+//   …/cold:1           the same with the caches flushed before each step (a 256 MiB buffer written,
+//                      untimed), as in training, where forward and backward passes come between
+//                      steps: a 2,000-row table no longer stays in the last-level cache
 //
 // Counters: rows_per_s (rows the step had to visit), GB/s over the bytes the step must stream
 // (AdamW: value, m and v read and written for all V rows; lazy ones: those of the touched rows
@@ -106,12 +112,25 @@ void check_rowwise_adagrad() {
     bench_support::fail(kProgram, "RowWiseAdagrad moved an untouched row");
 }
 
+// Writes 256 MiB, so that nothing of a step's data is left in the caches.
+void flush_caches() {
+  static std::vector<float> buffer(64 << 20);
+  for (float& x : buffer) x += 1.0f;
+  benchmark::DoNotOptimize(buffer.data());
+  benchmark::ClobberMemory();
+}
+
 template <typename Optimizer>
 void run_step(benchmark::State& state, Optimizer& optimizer, Table& table, double rows_visited, double bytes_per_step,
-              double state_floats) {
+              double state_floats, bool cold = false) {
   table.set_gradient();
   optimizer.step();  // first step allocates the state
   for (auto _ : state) {
+    if (cold) {
+      state.PauseTiming();
+      flush_caches();
+      state.ResumeTiming();
+    }
     optimizer.step();  // the same gradient each time: the cost does not depend on its values
     benchmark::ClobberMemory();
   }
@@ -156,7 +175,16 @@ void BM_AdamWStep(benchmark::State& state) {
   Table table(V);
   embedhead::AdamW<float> adam(embedhead::AdamOptions{}, {table.p});
   run_step(state, adam, table, static_cast<double>(V), static_cast<double>(V) * kRowBytes * 6 + kTouched * kRowBytes,
-           2.0 * static_cast<double>(V) * kD);
+           2.0 * static_cast<double>(V) * kD, state.range(1) != 0);
+}
+
+// The table's touched rows made its trainable rows: AdamW's state and step cover those k rows.
+void BM_AdamWStepTrainableRows(benchmark::State& state) {
+  Table table(state.range(0));
+  table.p->set_trainable_rows(table.rows);
+  embedhead::AdamW<float> adam(embedhead::AdamOptions{}, {table.p});
+  run_step(state, adam, table, kTouched, kTouched * kRowBytes * 7, 2.0 * kTouched * kD,  // g; p, m, v read + written
+           state.range(1) != 0);
 }
 
 void register_benchmarks() {
@@ -170,8 +198,22 @@ void register_benchmarks() {
         ->ArgName("V")
         ->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark("SGDStep", BM_SGDStep)->Arg(V)->ArgName("V")->Unit(benchmark::kMicrosecond);
-    benchmark::RegisterBenchmark("AdamWStep", BM_AdamWStep)->Arg(V)->ArgName("V")->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("AdamWStep", BM_AdamWStep)
+        ->Args({V, 0})
+        ->ArgNames({"V", "cold"})
+        ->Unit(benchmark::kMillisecond);
+    for (const std::int64_t cold : {0, 1})
+      benchmark::RegisterBenchmark("AdamWStepTrainableRows", BM_AdamWStepTrainableRows)
+          ->Args({V, cold})
+          ->ArgNames({"V", "cold"})
+          ->Unit(benchmark::kMicrosecond);
   }
+  // The cost of the k = 2,000 rows alone: a table of just those rows, every one touched.
+  for (const std::int64_t cold : {0, 1})
+    benchmark::RegisterBenchmark("AdamWStep", BM_AdamWStep)
+        ->Args({kTouched, cold})
+        ->ArgNames({"V", "cold"})
+        ->Unit(benchmark::kMicrosecond);
 }
 
 }  // namespace

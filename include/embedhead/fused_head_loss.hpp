@@ -144,6 +144,7 @@ struct FusedHeadLossWorkspace {
   std::vector<float> tiles;
   std::vector<Scalar> piece_logits;            // a token chunk's product per thread, before its copy
   std::vector<std::vector<float>> slot_tiles;  // and the widened tiles of each thread's product
+  std::vector<Scalar> masked_dz;               // trainable rows (a row mask on W): a block's dz columns of those rows
 };
 
 // Optional per-token inputs and outputs of the fused loss (the free functions and the layer-level
@@ -344,14 +345,12 @@ const Low* same_storage(const Scalar* p) {
 }
 
 template <typename Scalar, typename Id, typename Storage = Scalar, typename Backend = gemm::DefaultBackend>
-CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
-                                        const ConstMatrixRef<typename non_deduced<Storage>::type>& W,
-                                        const ConstMatrixRef<Scalar>& bias, const TypedTokenIds<Id>& targets,
-                                        const FusedHeadLossExtras<Scalar>& extras, MatrixRef<Scalar>* dh,
-                                        MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
-                                        const FusedHeadLossOptions& options, FusedHeadLossWorkspace<Scalar>& ws,
-                                        const char* where, const VocabSlice<Scalar>* slice = nullptr,
-                                        const SoftTargetRows<Scalar>* soft = nullptr) {
+CrossEntropyResult fused_head_loss_pass(
+    const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<typename non_deduced<Storage>::type>& W,
+    const ConstMatrixRef<Scalar>& bias, const TypedTokenIds<Id>& targets, const FusedHeadLossExtras<Scalar>& extras,
+    MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db, const FusedHeadLossOptions& options,
+    FusedHeadLossWorkspace<Scalar>& ws, const char* where, const VocabSlice<Scalar>* slice = nullptr,
+    const SoftTargetRows<Scalar>* soft = nullptr, const std::vector<Index>* dW_mask = nullptr) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   // bf16 mixed precision: W stored in bf16, h and dz rounded to bf16 for the products, held as Low
   // (bf16 on a backend that takes bf16 operands, else Scalar holding the rounded values).
@@ -364,7 +363,12 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   const Index N = h.rows(), rows = W.rows(), d = W.cols(), T = targets.cols();
   const Index V = slice ? slice->V : rows, begin = slice ? slice->begin : 0;
   // ---- every check before anything is written ----
-  check_fused_head_loss<Scalar, Id>(where, h, rows, d, bias, targets, extras, dh, dW, db, options, V, bytes_per_logit);
+  // dW_mask: W's trainable rows (sorted, local ids); dW is then [k, d], row i that of (*dW_mask)[i].
+  check_fused_head_loss<Scalar, Id>(where, h, rows, d, bias, targets, extras, dh, dW_mask ? nullptr : dW, db, options,
+                                    V, bytes_per_logit);
+  if (dW_mask && dW && dW->size() != 0) check_shape(where, "dW", *dW, static_cast<Index>(dW_mask->size()), d);
+  // The bf16 pass takes its dW from the caller, never a row mask (no layer passes one).
+  if (mixed && dW_mask) throw value_error(std::string(where) + ": trainable rows with a bf16 W are not supported here");
   const ConstMatrixRef<Scalar> weights = extras.weights;
   Eigen::Map<RowMatrix<Scalar>> lse_map = extras.lse, losses_map = extras.losses, entropy_map = extras.entropy;
   MatrixRef<Scalar> lse_ref(lse_map), losses_ref(losses_map);
@@ -376,7 +380,8 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
   const Index local_classes = slice ? std::clamp<Index>(classes - begin, 0, rows) : classes;
   const bool weighted = weights.size() != 0;
   const bool gradient = dh != nullptr;
-  const bool want_dW = gradient && dW && dW->size() != 0;  // empty: a frozen W
+  const bool want_dW = gradient && dW && dW->size() != 0;  // empty: a frozen W (or no trainable row)
+  const bool masked_dW = want_dW && dW_mask != nullptr;    // dW on the mask's rows only
   const bool want_db = gradient && db && db->size() != 0 && bias.size() != 0;
   const bool want_lse = lse && lse->size() != 0;
   const bool want_losses = losses && losses->size() != 0;
@@ -619,7 +624,10 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
                                                                  true);
     const gemm::Plan dim_pieces = gemm::per_thread_plan<Backend>(rows, d, kHeadMinThreadRows,
                                                                  gemm::Plan{gemm::Split::cols, kFusedDimPiece, true});
-    Scalar* dW_rows = want_dW ? dW->data() + v0 * dW->outerStride() : nullptr;
+    // With a row mask (float and double only), the full product writes nothing (its epilogue still
+    // sums db) and the mask's rows in this block, mask[m0, m1), get their own product of m1 - m0
+    // rows from their gathered columns of dz.
+    Scalar* dW_rows = want_dW && !masked_dW ? dW->data() + v0 * dW->outerStride() : nullptr;
     const Index ldW = want_dW ? dW->outerStride() : 0;
     const Low* h_rows = hidden.data() + r0 * hidden.outerStride();
     const Storage* W_rows = W.data() + v0 * W.outerStride();
@@ -631,14 +639,32 @@ CrossEntropyResult fused_head_loss_pass(const ConstMatrixRef<Scalar>& h,
       const Low* dzT = dz_buffer.data();
       const gemm::Op<Scalar, Layout::row_major, Layout::row_major, Low, Low> dW_product{
           width, d, rows, dzT, rows, h_rows, hidden.outerStride(), dW_rows, ldW};
-      if (want_dW || want_db) gemm::run<gemm::Kernel::expression, Backend>(dW_product, row_pieces, db_sums);
+      if ((want_dW && !masked_dW) || want_db)
+        gemm::run<gemm::Kernel::expression, Backend>(dW_product, row_pieces, db_sums);
       const gemm::Op<Scalar, Layout::col_major, Layout::row_major, Storage, Low> dh_product{
           rows, d, width, dzT, rows, W_rows, W.outerStride(), dh_rows, dhidden.outerStride()};
       gemm::run<gemm::Kernel::expression, Backend>(dh_product, dim_pieces, gemm::NoEpilogue{}, &ws.tiles);
     } else {
       const gemm::Op<Scalar, Layout::col_major, Layout::row_major> dW_product{
           width, d, rows, dz, ld, h_rows, hidden.outerStride(), dW_rows, ldW};
-      if (want_dW || want_db) gemm::run<gemm::Kernel::expression, Backend>(dW_product, row_pieces, db_sums);
+      if ((want_dW && !masked_dW) || want_db)
+        gemm::run<gemm::Kernel::expression, Backend>(dW_product, row_pieces, db_sums);
+      const auto m0 = masked_dW ? std::lower_bound(dW_mask->begin(), dW_mask->end(), v0)
+                                : std::vector<Index>::const_iterator();
+      const auto m1 = masked_dW ? std::lower_bound(m0, dW_mask->end(), v0 + width) : m0;
+      if (masked_dW && m1 > m0) {
+        const Index k = static_cast<Index>(m1 - m0);  // dz's columns of the mask's rows, gathered [rows, k]
+        const Index* cols = &*m0;
+        ws.masked_dz.resize(static_cast<std::size_t>(rows * k));
+        for (Index r = 0; r < rows; ++r)
+          for (Index i = 0; i < k; ++i) ws.masked_dz[static_cast<std::size_t>(r * k + i)] = dz[r * ld + cols[i] - v0];
+        Scalar* dW_mask_rows = dW->data() + static_cast<Index>(m0 - dW_mask->begin()) * ldW;
+        const gemm::Op<Scalar, Layout::col_major, Layout::row_major> mask_product{
+            k, d, rows, ws.masked_dz.data(), k, h_rows, hidden.outerStride(), dW_mask_rows, ldW};
+        gemm::run<gemm::Kernel::expression, Backend>(
+            mask_product,
+            gemm::per_thread_plan<Backend>(k, d, vocab_piece, gemm::Plan{gemm::Split::rows, vocab_piece, true}, true));
+      }
       const gemm::Op<Scalar, Layout::row_major, Layout::row_major> dh_product{
           rows, d, width, dz, ld, W_rows, W.outerStride(), dh_rows, dhidden.outerStride()};
       gemm::run<gemm::Kernel::expression, Backend>(dh_product, dim_pieces);
@@ -932,10 +958,11 @@ class FusedHeadLoss {
   const FusedHeadLossOptions& options() const { return options_; }
 
   // h [N, d], targets (N ids) -> loss; dh [N, d] written; head.weight().grad() += dz^T h (dense
-  // mode), bias grad += sums of dz. A frozen W or bias takes nothing: a frozen W skips the dW
-  // GEMMs (a third of the flops in token chunks, a quarter in vocabulary blocks) and its gradient
-  // is left as it was; loss and dh are the
-  // same. \throws as fused_head_loss_forward_backward; gradients, dh and extras unchanged on throw.
+  // mode; with trainable rows, Parameter::set_trainable_rows, their rows only: the gradient stays
+  // sparse and the dW products cover k rows), bias grad += sums of dz. A frozen W or bias takes nothing: a frozen W
+  // skips the dW GEMMs (a third of the flops in token chunks, a quarter in vocabulary blocks) and its gradient is left
+  // as it was; loss and dh are the same. \throws as fused_head_loss_forward_backward; gradients, dh and extras
+  // unchanged on throw.
   CrossEntropyResult forward_backward(OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h, TokenIds targets,
                                       MatrixRef<Scalar> dh, const FusedHeadLossExtras<Scalar>& extras = {}) {
     return targets.visit([&](const auto& typed) { return forward_backward_impl(head, h, typed, dh, extras); });
@@ -969,11 +996,15 @@ class FusedHeadLoss {
       detail::check_finite_inputs<Scalar, Scalar, Id>(where, h, weight.value(), bias_of(head), targets, options_,
                                                       head.vocab_size());
     }
-    auto dW = weight.frozen() ? no_output : head.weight().grad().dense_accumulator();
+    // Trainable rows (a row mask): dW on those rows only, [k, d], the gradient staying sparse.
+    const std::vector<Index>* trainable = weight.frozen() ? nullptr : weight.trainable_rows();
+    auto dW = weight.frozen() ? no_output
+              : trainable     ? head.weight().grad().masked_accumulator()
+                              : head.weight().grad().dense_accumulator();
     auto db = head.bias() && !head.bias()->frozen() ? head.bias()->grad().dense_accumulator() : no_output;
     MatrixRef<Scalar> dh_ref(dh), dW_ref(dW), db_ref(db);
     return detail::fused_head_loss_pass<Scalar, Id>(h, weight.value(), bias_of(head), targets, extras, &dh_ref, &dW_ref,
-                                                    &db_ref, options_, workspace_, where);
+                                                    &db_ref, options_, workspace_, where, nullptr, nullptr, trainable);
   }
 
   template <typename Id>

@@ -457,7 +457,8 @@ class LowPrecisionOutputProjection {
   }
 
   // h float [N, d], dlogits float [N, V] -> dh [N, d] = dlogits float(W) (written);
-  // weight_grad() += dlogits^T h (dense); bias_grad() += column sums of dlogits. A frozen W or bias
+  // weight_grad() += dlogits^T h (dense; with trainable rows, their rows only);
+  // bias_grad() += column sums of dlogits. A frozen W or bias
   // takes nothing (dh is still computed; a frozen W skips the dW product).
   // \throws shape_error on any mismatch, a bias whose length is no longer W's V included;
   // gradients (their dense flag too) and dh unchanged on throw.
@@ -468,7 +469,16 @@ class LowPrecisionOutputProjection {
     detail::check_shape(where, "dlogits", dlogits, h.rows(), vocab_size());
     detail::check_shape(where, "dh", dh, h.rows(), dim());
     if (bias_) detail::check_shape(where, "bias", bias_->value(), vocab_size(), 1);  // W or the bias resized alone
-    auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<float>>(nullptr, 0, dim()) : weight_->grad().dense_accumulator();
+    const auto* trainable = weight_->frozen() ? nullptr : weight_->trainable_rows();
+    auto dW = weight_->frozen() || trainable ? Eigen::Map<RowMatrix<float>>(nullptr, 0, dim())
+                                             : weight_->grad().dense_accumulator();
+    if (trainable) {
+      // A row mask: dW on the trainable rows only, before dh is written (dh may be h).
+      auto dW_rows = weight_->grad().masked_accumulator();
+      std::vector<float> gathered;
+      detail::add_masked_rows_dW<float>(h, dlogits.data(), dlogits.outerStride(), trainable->data(),
+                                        static_cast<Index>(trainable->size()), dW_rows.data(), dim(), gathered);
+    }
     auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator()
                                         : Eigen::Map<RowMatrix<float>>(nullptr, 0, 1);
     detail::output_projection_backward<Storage>(h, weight_value(), dlogits, dh, dW, db, workspace_, where);

@@ -140,6 +140,28 @@ void head_backward_chunked(const ConstMatrixRef<Scalar>& h,
                     NoEpilogue{}, tiles);
 }
 
+// h [N, d], dz [N, width] (row n at dz + n * ld), cols [k] (sorted, each in [0, width)) ->
+// dW_rows [k, d] (row i at dW_rows + i * ldW) += dz[:, cols]^T h: the head's dW on some of its rows
+// only -- a row mask's (Parameter::set_trainable_rows) -- from a gathered copy G [N, k] of those
+// columns of dz (in `gathered`), one product of k rows instead of width. Row i's sum over tokens
+// is the one a full dW product over the same N tokens would make for row cols[i]. Cost O(N k)
+// to gather, 2 N k d flops.
+template <typename Scalar, typename Backend = gemm::DefaultBackend>
+void add_masked_rows_dW(const ConstMatrixRef<Scalar>& h, const Scalar* dz, Index ld, const Index* cols, Index k,
+                        Scalar* dW_rows, Index ldW, std::vector<Scalar>& gathered) {
+  using namespace gemm;
+  const Index N = h.rows(), d = h.cols();
+  if (k == 0 || N == 0) return;
+  gathered.resize(static_cast<std::size_t>(N * k));
+  for (Index n = 0; n < N; ++n)
+    for (Index i = 0; i < k; ++i) gathered[static_cast<std::size_t>(n * k + i)] = dz[n * ld + cols[i]];
+  const Op<Scalar, Layout::col_major, Layout::row_major> op{
+      k, d, N, gathered.data(), k, h.data(), h.outerStride(), dW_rows, ldW};
+  run<Kernel::gemm, Backend>(op, per_thread_plan<Backend>(k, d, kHeadVocabChunk,
+                                                          Plan{Split::rows, kHeadVocabChunk, head_threaded(N, k, d)},
+                                                          true));
+}
+
 // logits [N, V] = h W^T + b for 1 <= N <= kDecodeMaxTokens in one pass over W (Kernel::decode), by
 // chunks of kDecodeVocabChunk rows of W. A logit's arithmetic does not depend on the chunking at
 // all, so this is bit-identical for any thread count too.
@@ -357,7 +379,8 @@ class OutputProjection {
   }
 
   // h [N, d], dlogits [N, V] -> dh [N, d] = dlogits W (written); weight().grad() += dlogits^T h
-  // (switches it to dense mode); bias grad += column sums of dlogits. A frozen W or bias takes
+  // (switches it to dense mode; with trainable rows, Parameter::set_trainable_rows, only their rows
+  // are computed and it stays sparse); bias grad += column sums of dlogits. A frozen W or bias takes
   // nothing (dh is still computed, for the layers below): a frozen W skips the dW GEMM, half the
   // flops, and its gradient stays as it was (sparse, nothing allocated).
   // \throws shape_error on any mismatch, a bias whose length is no longer W's V included (W or the
@@ -373,8 +396,17 @@ class OutputProjection {
     if (bias_) detail::check_shape(where, "bias", bias_->value(), vocab_size(), 1);
     // The V x d buffer first: if its allocation fails, the bias gradient is still untouched.
     const Eigen::Map<RowMatrix<Scalar>> none(nullptr, 0, 1);
-    auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, dim())
-                                : weight_->grad().dense_accumulator();
+    const Eigen::Map<RowMatrix<Scalar>> no_dW(nullptr, 0, dim());
+    const auto* trainable = weight_->frozen() ? nullptr : weight_->trainable_rows();
+    auto dW = weight_->frozen() || trainable ? no_dW : weight_->grad().dense_accumulator();
+    if (trainable) {
+      // A row mask: dW on the trainable rows only (k x d, never V x d), before dh is written (dh
+      // may be h).
+      auto dW_rows = weight_->grad().masked_accumulator();
+      std::vector<Scalar> gathered;
+      detail::add_masked_rows_dW<Scalar>(h, dlogits.data(), dlogits.outerStride(), trainable->data(),
+                                         static_cast<Index>(trainable->size()), dW_rows.data(), dim(), gathered);
+    }
     auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : none;
     detail::output_projection_backward<Scalar>(h, weight_->value(), dlogits, dh, dW, db, where);
   }
@@ -399,6 +431,10 @@ class OutputProjection {
     weight_->set_frozen(frozen);
     if (bias_) bias_->set_frozen(frozen);
   }
+  // ids [k] (strictly increasing, in [0, V)): only these rows of W train, their dW alone computed
+  // (Parameter::set_trainable_rows); tied, the embedding's too. The bias is not masked.
+  // \throws as Parameter::set_trainable_rows (nothing changed).
+  void set_trainable_rows(std::vector<Index> ids) { weight_->set_trainable_rows(std::move(ids)); }
 
  private:
   static void check_not_moved_from(const TokenEmbedding<Scalar>& embedding) {

@@ -13,7 +13,10 @@
 // which wrote all rows anyway.
 //
 // A parameter can be frozen (set_frozen(true), PyTorch's from_pretrained(freeze=True)): the layers
-// then accumulate no gradient into it and the optimizers leave it alone. It can also change its row
+// then accumulate no gradient into it and the optimizers leave it alone. Or only some of its rows
+// can be trainable (set_trainable_rows(ids)): the gradient then holds those rows only (a row mask,
+// honoured by the embedding's backward and the head's dW), and the optimizers keep state for them
+// only. It can also change its row
 // count in place (resize_rows), so every layer sharing it -- a tied embedding and head -- sees the
 // resized table.
 //
@@ -133,14 +136,19 @@ class RowGradient {
 
   // ---- accumulation, used by the layers' backward passes ----
 
+  // An id outside the row mask gets this slot from touch_rows: it has no row to add into.
+  static constexpr Index kNoSlot = -1;
+
   // ids [count], sorted and unique, each in [0, rows) -> slots [count]: marks the rows touched
   // (new rows start at zero) and writes where each one's values live, for slot_row().
   // With `fresh` [count] given, rows new to the gradient are NOT zeroed and fresh[j] = 1 marks
   // them: the caller must assign them before anything reads them (the embedding's backward
   // writes a new row's first token instead of adding it to zeros, saving a pass over k rows).
+  // With a row mask (set_row_mask), an id outside it is not touched: its slot is kNoSlot (and its
+  // fresh 0), and the caller drops its contribution.
   // Cost O((num_touched() + count) * cols) when new rows must be merged into the sorted block,
-  // O(count) in dense mode. \throws index_error if an id is outside [0, rows), value_error if
-  // the ids are not strictly increasing (nothing changed).
+  // O(count) in dense mode, plus O(count + mask) with a mask. \throws index_error if an id is
+  // outside [0, rows), value_error if the ids are not strictly increasing (nothing changed).
   void touch_rows(const Index* ids, Index count, Index* slots, unsigned char* fresh = nullptr) {
     for (Index j = 0; j < count; ++j) {
       if (ids[j] < 0 || ids[j] >= rows_) {
@@ -155,19 +163,85 @@ class RowGradient {
         throw value_error(message.str());
       }
     }
-    if (dense_mode_) {
-      for (Index j = 0; j < count; ++j) slots[j] = ids[j];  // a row's slot is its id
-      if (fresh) std::fill(fresh, fresh + count, static_cast<unsigned char>(0));
+    if (!masked_) {
+      touch_sorted(ids, count, slots, fresh);
       return;
     }
-    const bool merged = merge_sorted_ids(ids, count, /*zero_new_rows=*/fresh == nullptr);
-    // Both lists sorted: one forward walk finds each id's slot.
-    Index k = 0;
+    // The ids in the mask (both lists sorted: one forward walk), touched as a list of their own.
+    kept_ids_.clear();
+    kept_at_.clear();
+    std::size_t m = 0;
     for (Index j = 0; j < count; ++j) {
-      while (touched_[k] != ids[j]) ++k;
-      slots[j] = k;
-      if (fresh) fresh[j] = merged ? is_new_[static_cast<std::size_t>(k)] : 0;
+      while (m < mask_.size() && mask_[m] < ids[j]) ++m;
+      if (m < mask_.size() && mask_[m] == ids[j]) {
+        kept_ids_.push_back(ids[j]);
+        kept_at_.push_back(j);
+      } else {
+        slots[j] = kNoSlot;
+        if (fresh) fresh[j] = 0;
+      }
     }
+    const Index kept = static_cast<Index>(kept_ids_.size());
+    kept_slots_.resize(kept_ids_.size());
+    kept_fresh_.resize(kept_ids_.size());
+    touch_sorted(kept_ids_.data(), kept, kept_slots_.data(), fresh ? kept_fresh_.data() : nullptr);
+    for (Index i = 0; i < kept; ++i) {
+      const std::size_t u = static_cast<std::size_t>(i);
+      slots[kept_at_[u]] = kept_slots_[u];
+      if (fresh) fresh[kept_at_[u]] = kept_fresh_[u];
+    }
+  }
+
+  // ---- the row mask: only these rows may take a gradient (Parameter::set_trainable_rows) ----
+
+  // Whether a row mask is set, and its sorted ids (empty when none is set).
+  bool has_row_mask() const { return masked_; }
+  const std::vector<Index>& row_mask() const { return mask_; }
+
+  // ids [k], strictly increasing, each in [0, rows): from now on only these rows take a gradient.
+  // Clears the gradient (zero_grad) and frees a dense buffer: a masked gradient never turns dense,
+  // so a V x d buffer is never allocated again. \throws index_error for an id outside [0, rows),
+  // value_error for ids not strictly increasing (naming the index and value, `where` first;
+  // nothing changed).
+  void set_row_mask(std::vector<Index> ids, const char* where = "RowGradient::set_row_mask") {
+    for (std::size_t j = 0; j < ids.size(); ++j) {
+      if (ids[j] < 0 || ids[j] >= rows_) {
+        std::ostringstream message;
+        message << where << ": ids[" << j << "] = " << ids[j] << " outside [0, " << rows_ << ") (the rows)";
+        throw index_error(message.str());
+      }
+      if (j > 0 && ids[j] <= ids[j - 1]) {
+        std::ostringstream message;
+        message << where << ": ids must be strictly increasing, but ids[" << j << "] = " << ids[j] << " follows ids["
+                << j - 1 << "] = " << ids[j - 1];
+        throw value_error(message.str());
+      }
+    }
+    clear();
+    dense_ = RowMatrix<Scalar>();
+    mask_ = std::move(ids);
+    masked_ = true;
+  }
+  // Every row takes a gradient again. Clears the gradient.
+  void clear_row_mask() {
+    clear();
+    mask_.clear();
+    masked_ = false;
+  }
+
+  // With a row mask of k rows: touches every row of the mask (rows new to the gradient start at
+  // zero) and returns their gradients [k, cols], row i that of row_mask()[i], for a dense
+  // contribution restricted to the mask -- the head's dW on its trainable rows, dW_mask +=
+  // dlogits[:, mask]^T h. Cost O(k * cols) when rows are new, O(k) otherwise.
+  // \throws value_error if no row mask is set (nothing changed).
+  Eigen::Map<RowMatrix<Scalar>> masked_accumulator() {
+    if (!masked_) throw value_error("RowGradient::masked_accumulator: no row mask is set (see set_row_mask)");
+    const Index k = static_cast<Index>(mask_.size());
+    if (num_touched() != k) {
+      kept_slots_.resize(mask_.size());
+      touch_sorted(mask_.data(), k, kept_slots_.data(), nullptr);
+    }
+    return Eigen::Map<RowMatrix<Scalar>>(k == 0 ? nullptr : block_.data(), k, cols_);
   }
 
   // The gradient row living at `slot` (from touch_rows), [cols].
@@ -176,7 +250,13 @@ class RowGradient {
   // Switches to dense mode (marking every row) and returns the full [rows, cols] gradient for a
   // dense contribution to add into, e.g. dW += dlogits^T h. The first call allocates and zeroes
   // rows * cols values; later ones reuse the buffer.
+  // \throws value_error with a row mask (nothing changed): a masked gradient takes a dense
+  // contribution through masked_accumulator(), on its rows only.
   Eigen::Map<RowMatrix<Scalar>> dense_accumulator() {
+    if (masked_)
+      throw value_error(
+          "RowGradient::dense_accumulator: the gradient has a row mask (set_row_mask, "
+          "Parameter::set_trainable_rows); a dense contribution goes to its rows only, through masked_accumulator()");
     if (!dense_mode_) densify();
     return Eigen::Map<RowMatrix<Scalar>>(dense_.data(), rows_, cols_);
   }
@@ -199,6 +279,10 @@ class RowGradient {
   // row marked, O(rows * cols).
   RowGradient resized_copy(Index rows, Index keep) const {
     RowGradient out(rows, cols_);
+    // A row mask keeps its ids below keep (those at or beyond it are dropped rows; new rows are
+    // not in it).
+    out.masked_ = masked_;
+    out.mask_.assign(mask_.begin(), std::lower_bound(mask_.begin(), mask_.end(), keep));
     if (dense_mode_) {
       out.dense_.resize(rows, cols_);
       out.dense_.topRows(keep) = dense_.topRows(keep);
@@ -213,6 +297,23 @@ class RowGradient {
     out.touched_.assign(touched_.begin(), end);
     out.block_ = block_.topRows(k);
     return out;
+  }
+
+  // touch_rows without the checks and the mask: ids sorted, unique, in range.
+  void touch_sorted(const Index* ids, Index count, Index* slots, unsigned char* fresh) {
+    if (dense_mode_) {
+      for (Index j = 0; j < count; ++j) slots[j] = ids[j];  // a row's slot is its id
+      if (fresh) std::fill(fresh, fresh + count, static_cast<unsigned char>(0));
+      return;
+    }
+    const bool merged = merge_sorted_ids(ids, count, /*zero_new_rows=*/fresh == nullptr);
+    // Both lists sorted: one forward walk finds each id's slot.
+    Index k = 0;
+    for (Index j = 0; j < count; ++j) {
+      while (touched_[k] != ids[j]) ++k;
+      slots[j] = k;
+      if (fresh) fresh[j] = merged ? is_new_[static_cast<std::size_t>(k)] : 0;
+    }
   }
 
   void check_same_shape(const RowGradient& other) const {
@@ -233,6 +334,8 @@ class RowGradient {
     dense_.swap(other.dense_);
     std::swap(dense_mode_, other.dense_mode_);
     is_new_.swap(other.is_new_);
+    mask_.swap(other.mask_);
+    std::swap(masked_, other.masked_);
   }
 
   Index slot_of_touched(Index i) const { return dense_mode_ ? touched_[i] : i; }
@@ -294,6 +397,11 @@ class RowGradient {
   RowMatrix<Scalar> dense_;     // [rows, cols] once allocated; all zero whenever !dense_mode_
   bool dense_mode_ = false;
   std::vector<unsigned char> is_new_;  // scratch of merge_sorted_ids: block row w was just added
+  std::vector<Index> mask_;            // the row mask, sorted (set_row_mask)
+  bool masked_ = false;
+  // Scratch of touch_rows with a mask: the ids kept, their indices, slots and fresh flags.
+  std::vector<Index> kept_ids_, kept_at_, kept_slots_;
+  std::vector<unsigned char> kept_fresh_;
 };
 
 // What every parameter has, whatever its value's type: a name, a shape [rows, cols], the
@@ -327,6 +435,23 @@ class ParameterBase {
     if (frozen) zero_grad();
     frozen_ = frozen;
   }
+
+  // Trainable rows (PEFT's "trainable tokens": after resize_vocabulary, train only the new rows).
+  // ids [k], strictly increasing, each in [0, rows): only these rows take a gradient -- the
+  // embedding's backward drops the other tokens' rows, the head computes dW for these rows only
+  // (dW_mask += dlogits[:, ids]^T h, never a [V, d] buffer) -- and the optimizers keep state for
+  // these k rows only and leave every other row exactly as it is (no decay, no momentum). Tied, the
+  // embedding and the head share the mask (one Parameter). Clears the gradient. A mask set while an
+  // optimizer holds state for this parameter needs Optimizer::resize_state(*this) before its next
+  // step. \throws index_error for an id outside [0, rows), value_error for ids not strictly
+  // increasing (naming the index and value; nothing changed). Cost O(k).
+  void set_trainable_rows(std::vector<Index> ids) {
+    grad_.set_row_mask(std::move(ids), "Parameter::set_trainable_rows");
+  }
+  // Every row trainable again (the default). Clears the gradient.
+  void set_all_rows_trainable() { grad_.clear_row_mask(); }
+  // -> the trainable rows' ids, or nullptr when every row is trainable.
+  const std::vector<Index>* trainable_rows() const { return grad_.has_row_mask() ? &grad_.row_mask() : nullptr; }
 
  protected:
   // \pre rows, cols >= 1 (Parameter checks them first).

@@ -247,6 +247,7 @@ class LearnedPositionEmbedding {
     auto& dP = weight_->grad();
     dP.touch_rows(positions_.data(), T, slots_.data());
     for (Index t = 0; t < T; ++t) {
+      if (slots_[static_cast<std::size_t>(t)] == RowGradient<Scalar>::kNoSlot) continue;  // not a trainable row
       auto dP_row = dP.slot_row(slots_[static_cast<std::size_t>(t)]);
       for (Index b = 0; b < B; ++b) dP_row += dout.row(b * T + t);
     }
@@ -285,6 +286,7 @@ class LearnedPositionEmbedding {
     auto& dP = weight_->grad();
     dP.touch_rows(workspace_.unique_ids.data(), k, workspace_.slots.data());  // new rows start at zero
     for (std::size_t u = 0; u < static_cast<std::size_t>(k); ++u) {
+      if (workspace_.slots[u] == RowGradient<Scalar>::kNoSlot) continue;  // not a trainable row
       auto dP_row = dP.slot_row(workspace_.slots[u]);
       for (std::size_t i = workspace_.run_begin[u]; i < workspace_.run_begin[u + 1]; ++i)
         dP_row += dout.row(workspace_.order[i].second);

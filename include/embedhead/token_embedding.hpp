@@ -75,14 +75,16 @@ namespace detail {
 // for j in [0, count), the tokens of unique id ws.unique_ids[first + j] -- order[run_begin[first +
 // j] .. run_begin[first + j + 1]), in increasing n, since order is sorted by (id, n) -- are summed
 // times scale into the gradient row at ws.slots[j], assigned rather than added when ws.fresh[j]
-// (a row new to the gradient). Rows are independent: each thread sums whole runs, in that order, so
-// the result is the sequential loop's for any thread count. `first` lets the vocabulary-parallel
-// embedding pass the run of unique ids its shard owns.
+// (a row new to the gradient); a slot of RowGradient::kNoSlot (a row outside the gradient's row
+// mask, Parameter::set_trainable_rows) takes nothing. Rows are independent: each thread sums whole runs, in that order,
+// so the result is the sequential loop's for any thread count. `first` lets the vocabulary-parallel embedding pass the
+// run of unique ids its shard owns.
 template <typename Scalar>
 void add_token_runs(RowGradient<Scalar>& dE, const ScatterWorkspace& ws, std::size_t first, Index count,
                     const ConstMatrixRef<Scalar>& dout, Scalar scale) {
   parallel_ranges(count, kRowsPerThread, [&](Index lo, Index hi) {
     for (std::size_t j = static_cast<std::size_t>(lo); j < static_cast<std::size_t>(hi); ++j) {
+      if (ws.slots[j] == RowGradient<Scalar>::kNoSlot) continue;  // a row outside the mask: no gradient
       auto dE_row = dE.slot_row(ws.slots[j]);
       bool assign = ws.fresh[j] != 0;
       const std::size_t u = first + j;
@@ -218,6 +220,9 @@ class TokenEmbedding {
   // weight().frozen() / set_frozen(): see Parameter. Tied, this freezes the head's W as well.
   bool frozen() const { return weight_->frozen(); }
   void set_frozen(bool frozen) { weight_->set_frozen(frozen); }
+  // ids [k] (strictly increasing, in [0, V)): only these rows train (Parameter::set_trainable_rows);
+  // tied, the head's W too. \throws as Parameter::set_trainable_rows (nothing changed).
+  void set_trainable_rows(std::vector<Index> ids) { weight_->set_trainable_rows(std::move(ids)); }
 
  private:
   static void check_not_null(const std::shared_ptr<Parameter<Scalar>>& weight) {

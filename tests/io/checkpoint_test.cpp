@@ -923,3 +923,49 @@ TEST_CASE("checkpoint: read_optimizer_state reports buffers that disagree with t
                           Catch::Contains("parameter 0 ('E') is [3, 2]"));
   std::remove(path.c_str());
 }
+
+TEST_CASE("optimizer state: the state of a parameter's trainable rows only round-trips with its row ids",
+          "[checkpoint][trainable_rows]") {
+  auto p = std::make_shared<embedhead::Parameter<float>>(RowMatrix<float>(RowMatrix<float>::Random(10, 3)), "E");
+  const std::vector<Index> rows = {2, 3, 7};
+  p->set_trainable_rows(rows);
+  embedhead::AdamOptions adam;
+  adam.lr = 1e-2;
+  AdamW<float> optimizer(adam, {p});
+  std::vector<Index> slots(rows.size());
+  p->grad().touch_rows(rows.data(), 3, slots.data());
+  for (const Index s : slots) p->grad().slot_row(s).setConstant(0.5f);
+  optimizer.step();
+
+  const std::string path = temp_path("trainable_rows.safetensors");
+  SafetensorsWriter writer;
+  embedhead::add_optimizer_state(writer, optimizer.state());
+  writer.write(path);
+  const auto file = SafetensorsFile::open(path);
+  CHECK(file.metadata().at("optimizer.trainable_rows") == "[[2,3,7]]");
+  const auto read = embedhead::read_optimizer_state<float>(file);
+  REQUIRE(read.parameters[0].trainable_rows.has_value());
+  CHECK(*read.parameters[0].trainable_rows == rows);
+  CHECK(read.parameters[0].buffers.at("exp_avg").rows() == 3);
+  CHECK(read.parameters[0].buffers.at("exp_avg") == optimizer.state().parameters[0].buffers.at("exp_avg"));
+
+  // A parameter with the same rows loads it; one with every row trainable refuses it.
+  auto q = std::make_shared<embedhead::Parameter<float>>(10, 3, "E");
+  AdamW<float> resumed(adam, {q});
+  CHECK_THROWS_WITH(resumed.load_state(read),
+                    Catch::Matchers::Contains("has state for 3 trainable rows but every row (10) here"));
+  q->set_trainable_rows(rows);
+  resumed.load_state(read);
+  CHECK(resumed.state().parameters[0].buffers.at("exp_avg_sq") ==
+        optimizer.state().parameters[0].buffers.at("exp_avg_sq"));
+
+  // Malformed row ids: not increasing, or outside the parameter's rows.
+  for (const char* ids : {"[[3,2,7]]", "[[2,3,10]]"}) {
+    SafetensorsWriter bad;
+    embedhead::add_optimizer_state(bad, optimizer.state());
+    bad.set_metadata("optimizer.trainable_rows", ids);
+    bad.write(path);
+    CHECK_THROWS_AS(embedhead::read_optimizer_state<float>(SafetensorsFile::open(path)), format_error);
+  }
+  std::remove(path.c_str());
+}

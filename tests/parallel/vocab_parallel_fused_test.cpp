@@ -388,6 +388,24 @@ TEMPLATE_TEST_CASE("vocabulary-parallel fused loss: accumulation, frozen shards,
     CHECK(s.W_shard->grad().num_touched() == 0);
     CHECK(s.b_shard->grad().num_touched() == 0);
   }
+  SECTION("trainable rows on each shard: dW on those rows only; loss, dh and db unchanged") {
+    const std::vector<Index> rows = {0, 2, s.shard.rows() - 1};  // local ids of this rank's shard
+    s.W_shard->set_trainable_rows(rows);
+    s.b_shard->zero_grad();
+    RowMatrix<Scalar> dh(s.N, s.d);
+    const CrossEntropyResult r = loss.forward_backward_shard(comm, s.V, *s.W_shard, s.b_shard.get(), s.h, s.targets,
+                                                             dh);
+    CHECK(r.loss == once.result.loss);
+    CHECK(same_values(dh, once.dh));
+    CHECK(same_values(s.b_shard->grad().to_dense(), once.db));
+    CHECK_FALSE(s.W_shard->grad().is_dense());
+    REQUIRE(s.W_shard->grad().touched_rows() == rows);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const RowMatrix<Scalar> got = s.W_shard->grad().touched_row(static_cast<Index>(i));
+      const RowMatrix<Scalar> expected = once.dW.row(rows[i]);
+      CHECK(test_support::close(got, expected, test_support::tolerance<Scalar>()));
+    }
+  }
   SECTION("dh may be h") {
     RowMatrix<Scalar> h = s.h;
     s.W_shard->zero_grad();

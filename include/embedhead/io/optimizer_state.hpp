@@ -15,6 +15,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace embedhead {
 
@@ -24,8 +25,10 @@ namespace embedhead {
 // parameter's own step count; an entry without one is written with the state's step), and, when
 // some parameter has per-parameter scalars (LazyAdamW's running decay),
 // "optimizer.parameter_scalars" (a JSON list of one object {name: value} per parameter; doubles,
-// written to round-trip exactly). Buffers are stored in Scalar's own dtype, so a restore is exact.
-// The buffers are moved into the writer: pass optimizer.state() directly (no copy), or a named
+// written to round-trip exactly), and, when some parameter's state holds its trainable rows only
+// (Parameter::set_trainable_rows), "optimizer.trainable_rows" (a JSON list of, per parameter, null
+// or the sorted list of those rows' ids; the buffers are then [k, cols]). Buffers are stored in Scalar's own dtype, so
+// a restore is exact. The buffers are moved into the writer: pass optimizer.state() directly (no copy), or a named
 // state, which is copied once.
 // \throws value_error "add_optimizer_state: parameter <i>'s name '<name>' is not valid UTF-8 (at
 // byte <k>) ..." (a safetensors header is JSON), the same for the optimizer's kind
@@ -40,8 +43,8 @@ void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state
     detail::check_utf8(state.parameters[i].name, "add_optimizer_state: parameter " + std::to_string(i) + "'s name");
   SafetensorsWriter staged = writer;  // all or nothing: the entries are added to a copy, then swapped in
   nlohmann::json parameters = nlohmann::json::array(), steps = nlohmann::json::array();
-  nlohmann::json scalars = nlohmann::json::array();
-  bool any_scalars = false;
+  nlohmann::json scalars = nlohmann::json::array(), trainable = nlohmann::json::array();
+  bool any_scalars = false, any_trainable = false;
   for (std::size_t i = 0; i < state.parameters.size(); ++i) {
     auto& entry = state.parameters[i];
     parameters.push_back({entry.name, entry.rows, entry.cols});
@@ -56,6 +59,8 @@ void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state
     }
     any_scalars = any_scalars || !entry.scalars.empty();
     scalars.push_back(std::move(object));
+    any_trainable = any_trainable || entry.trainable_rows.has_value();
+    trainable.push_back(entry.trainable_rows ? nlohmann::json(*entry.trainable_rows) : nlohmann::json(nullptr));
     for (auto& [key, buffer] : entry.buffers)
       staged.add<Scalar>("optimizer." + std::to_string(i) + "." + key, std::move(buffer), dtype);
   }
@@ -64,6 +69,7 @@ void add_optimizer_state(SafetensorsWriter& writer, OptimizerState<Scalar> state
   staged.set_metadata("optimizer.parameters", parameters.dump());
   staged.set_metadata("optimizer.parameter_steps", steps.dump());
   if (any_scalars) staged.set_metadata("optimizer.parameter_scalars", scalars.dump());
+  if (any_trainable) staged.set_metadata("optimizer.trainable_rows", trainable.dump());
   writer = std::move(staged);
 }
 
@@ -120,6 +126,21 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
       fail("metadata 'optimizer.parameter_scalars' = '" + it->second + "' is not a list of " +
            std::to_string(parameters.size()) + " objects of numbers");
   }
+  // Each parameter's trainable rows, or null; absent when every state holds every row.
+  nlohmann::json trainable;
+  if (const auto it = metadata.find("optimizer.trainable_rows"); it != metadata.end()) {
+    trainable = nlohmann::json::parse(it->second, nullptr, false);
+    bool valid = trainable.is_array() && trainable.size() == parameters.size();
+    for (std::size_t i = 0; valid && i < trainable.size(); ++i) {
+      valid = trainable[i].is_null() || trainable[i].is_array();
+      for (std::size_t j = 0; valid && trainable[i].is_array() && j < trainable[i].size(); ++j)
+        valid = trainable[i][j].is_number_unsigned() &&
+                (j == 0 || trainable[i][j].get<std::uint64_t>() > trainable[i][j - 1].get<std::uint64_t>());
+    }
+    if (!valid)
+      fail("metadata 'optimizer.trainable_rows' is not a list of " + std::to_string(parameters.size()) +
+           " entries, each null or a strictly increasing list of row ids");
+  }
   for (std::size_t i = 0; i < parameters.size(); ++i) {
     const auto& p = parameters[i];
     if (!p.is_array() || p.size() != 3 || !p[0].is_string() || !p[1].is_number_unsigned() || !p[2].is_number_unsigned())
@@ -136,6 +157,19 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
     if (!scalars.is_null())
       for (auto item = scalars[i].begin(); item != scalars[i].end(); ++item)
         entry.scalars.emplace(item.key(), item.value().get<double>());
+    if (!trainable.is_null() && trainable[i].is_array()) {
+      std::vector<Index> ids;
+      ids.reserve(trainable[i].size());
+      for (const auto& id : trainable[i]) {
+        if (id.get<std::uint64_t>() >= static_cast<std::uint64_t>(entry.rows))
+          fail("metadata 'optimizer.trainable_rows' entry " + std::to_string(i) + " has the id " + id.dump() +
+               " outside [0, " + std::to_string(entry.rows) + ") (the parameter's rows)");
+        ids.push_back(static_cast<Index>(id.get<std::uint64_t>()));
+      }
+      entry.trainable_rows = std::move(ids);
+    }
+    // The buffers' rows: the trainable rows' count, or the parameter's rows.
+    const Index state_rows = entry.trainable_rows ? static_cast<Index>(entry.trainable_rows->size()) : entry.rows;
     const std::string prefix = "optimizer." + std::to_string(i) + ".";
     for (const auto& t : file.tensors()) {
       if (t.name.compare(0, prefix.size(), prefix) != 0) continue;
@@ -145,17 +179,18 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
       if (!is_convertible(t.dtype))
         fail("tensor '" + t.name + "' has dtype " + dtype_name(t.dtype) +
              "; optimizer buffers are F32, F64, F16 or BF16");
-      const bool matrix = t.shape.size() == 2 && t.shape[0] == static_cast<std::uint64_t>(entry.rows) &&
+      const bool matrix = t.shape.size() == 2 && t.shape[0] == static_cast<std::uint64_t>(state_rows) &&
                           t.shape[1] == static_cast<std::uint64_t>(entry.cols);
       const bool vector = entry.cols == 1 && t.shape.size() == 1 &&
-                          t.shape[0] == static_cast<std::uint64_t>(entry.rows);
-      const bool per_row = t.shape.size() == 2 && t.shape[0] == static_cast<std::uint64_t>(entry.rows) &&
+                          t.shape[0] == static_cast<std::uint64_t>(state_rows);
+      const bool per_row = t.shape.size() == 2 && t.shape[0] == static_cast<std::uint64_t>(state_rows) &&
                            t.shape[1] == 1;
       if (!matrix && !vector && !per_row)
         fail("tensor '" + t.name + "' is " + t.shape_string() + " but parameter " + std::to_string(i) + " ('" +
              entry.name + "') is [" + std::to_string(entry.rows) + ", " + std::to_string(entry.cols) +
-             "] in metadata 'optimizer.parameters'");
-      RowMatrix<Scalar> buffer(entry.rows, per_row && !matrix ? Index{1} : entry.cols);
+             "] in metadata 'optimizer.parameters'" +
+             (entry.trainable_rows ? " with " + std::to_string(state_rows) + " trainable rows" : std::string()));
+      RowMatrix<Scalar> buffer(state_rows, per_row && !matrix ? Index{1} : entry.cols);
       file.read<Scalar>(t, buffer);
       entry.buffers.emplace(key, std::move(buffer));
     }

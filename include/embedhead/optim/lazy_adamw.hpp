@@ -141,8 +141,16 @@ class LazyAdamW : public Optimizer<Scalar> {
           if (&q != &p || state.find("last_step") == state.end()) return;
           Buffers b = buffers(q, state);
           const Running now = running(scalars);
+          const std::vector<Index>* trainable = q.trainable_rows();
           for (Index i = 0; i < count; ++i) {
-            const auto r = static_cast<Index>(ids[i]);
+            // The state's row: the id itself, or with a row mask its place among the trainable
+            // rows (a row outside the mask never changes, so it never lags).
+            auto r = static_cast<Index>(ids[i]);
+            if (trainable) {
+              const auto it = std::lower_bound(trainable->begin(), trainable->end(), r);
+              if (it == trainable->end() || *it != r) continue;
+              r = static_cast<Index>(it - trainable->begin());
+            }
             if (static_cast<std::int64_t>(b.last(r, 0)) >= t) continue;
             bring_up_to_date(value.row(r), b, r, now, t, t);
             value.store(r);
@@ -333,7 +341,7 @@ class LazyAdamW : public Optimizer<Scalar> {
     if (state.find("last_step") == state.end()) return;  // never stepped: nothing lags
     Buffers b = buffers(p, state);
     const Running now = running(scalars);
-    for (Index r = 0; r < p.rows(); ++r) {
+    for (Index r = 0; r < b.last.rows(); ++r) {  // the state's rows: every row, or the trainable ones
       if (static_cast<std::int64_t>(b.last(r, 0)) >= t) continue;
       bring_up_to_date(value.row(r), b, r, now, t, t);
       value.store(r);

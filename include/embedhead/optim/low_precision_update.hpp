@@ -106,17 +106,24 @@ Storage round_stochastic(float x, double u) {
 
 }  // namespace detail
 
-// The rows of one parameter's value as an optimizer's update sees them: row(r) -> a float row to
-// update in place, store(r) writes it back (see the header). For a Scalar parameter row(r) is the
-// value's row itself and store(r) does nothing; for a low-precision one row(r) widens into a
-// scratch row (one row at a time: store(r) before the next row(r)) and store(r) rounds it.
+// The rows of one parameter's value as an optimizer's update sees them: row(i) -> a float row to
+// update in place, store(i) writes it back (see the header). For a Scalar parameter row(i) is the
+// value's row itself and store(i) does nothing; for a low-precision one row(i) widens into a
+// scratch row (one row at a time: store(i) before the next row(i)) and store(i) rounds it.
+// i numbers the rows as the optimizer state does: the value's row i, or with a row mask
+// (Parameter::set_trainable_rows) the i-th trainable row, trainable_rows()[i]. The Kahan
+// compensation is a state buffer (row i); a stochastic draw is keyed by the value's row.
 template <typename Scalar>
 class ValueRows {
  public:
   using Row = Eigen::Map<Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
 
   // A Scalar parameter, updated in place.
-  explicit ValueRows(Parameter<Scalar>& p) : cols_(p.cols()), full_(p.value().data()) {}
+  explicit ValueRows(Parameter<Scalar>& p)
+      : cols_(p.cols()),
+        ids_(p.trainable_rows() ? p.trainable_rows()->data() : nullptr),
+        count_(p.trainable_rows() ? static_cast<Index>(p.trainable_rows()->size()) : 0),
+        full_(p.value().data()) {}
   // A low-precision parameter written by `mode`; `stream` keyed for this parameter (stochastic),
   // t its step count for this write, `compensation` [rows, cols] (kahan), `scratch` >= cols.
   template <typename Storage>
@@ -124,6 +131,8 @@ class ValueRows {
             RowMatrix<Scalar>* compensation, Scalar* scratch)
       : cols_(p.cols()),
         rows_(p.rows()),
+        ids_(p.trainable_rows() ? p.trainable_rows()->data() : nullptr),
+        count_(p.trainable_rows() ? static_cast<Index>(p.trainable_rows()->size()) : 0),
         mode_(mode),
         stream_(stream),
         t_(t),
@@ -139,33 +148,52 @@ class ValueRows {
   // Whether the value is stored in a 16-bit type.
   bool low_precision() const { return full_ == nullptr; }
 
-  // -> row r [1, cols] in Scalar, to update in place; store(r) after.
-  Row row(Index r) {
+  // -> state row i (the value's row value_row(i)) [1, cols] in Scalar, to update in place;
+  // store(i) after.
+  Row row(Index i) {
+    const Index r = value_row(i);
+    // With a row mask the rows lie apart in the table: ask for the next one while this one is
+    // updated (the rows of a contiguous table are streamed by the hardware prefetcher).
+    if (ids_ && i + 1 < count_) prefetch(ids_[i + 1]);
     if (full_) return Row(full_ + r * cols_, cols_);
     if (bf16_)
-      widen(bf16_ + r * cols_, r);
+      widen(bf16_ + r * cols_, i);
     else
-      widen(fp16_ + r * cols_, r);
+      widen(fp16_ + r * cols_, i);
     return Row(scratch_, cols_);
   }
-  // Writes row r (as updated through row(r)) back to the storage.
-  void store(Index r) {
+  // Writes state row i (as updated through row(i)) back to the storage.
+  void store(Index i) {
     if (full_) return;
     if (bf16_)
-      narrow(bf16_ + r * cols_, r);
+      narrow(bf16_ + value_row(i) * cols_, i);
     else
-      narrow(fp16_ + r * cols_, r);
+      narrow(fp16_ + value_row(i) * cols_, i);
   }
+  // The value's row of state row i.
+  Index value_row(Index i) const { return ids_ ? ids_[i] : i; }
 
  private:
-  template <typename Storage>
-  void widen(const Storage* w, Index r) {
-    for (Index j = 0; j < cols_; ++j) scratch_[j] = static_cast<Scalar>(w[j]);
-    if (mode_ == LowPrecisionUpdate::kahan)
-      for (Index j = 0; j < cols_; ++j) scratch_[j] += (*compensation_)(r, j);
+  void prefetch(Index r) const {
+#if defined(__GNUC__) || defined(__clang__)
+    const char* bytes = full_   ? reinterpret_cast<const char*>(full_ + r * cols_)
+                        : bf16_ ? reinterpret_cast<const char*>(bf16_ + r * cols_)
+                                : reinterpret_cast<const char*>(fp16_ + r * cols_);
+    const Index length = cols_ * static_cast<Index>(full_ ? sizeof(Scalar) : 2);
+    for (Index offset = 0; offset < length; offset += 64) __builtin_prefetch(bytes + offset, 1);
+#else
+    (void)r;
+#endif
   }
   template <typename Storage>
-  void narrow(Storage* w, Index r) {
+  void widen(const Storage* w, Index i) {
+    for (Index j = 0; j < cols_; ++j) scratch_[j] = static_cast<Scalar>(w[j]);
+    if (mode_ == LowPrecisionUpdate::kahan)
+      for (Index j = 0; j < cols_; ++j) scratch_[j] += (*compensation_)(i, j);
+  }
+  template <typename Storage>
+  void narrow(Storage* w, Index i) {
+    const Index r = value_row(i);
     switch (mode_) {
       case LowPrecisionUpdate::nearest:
         for (Index j = 0; j < cols_; ++j) w[j] = Storage(static_cast<float>(scratch_[j]));
@@ -182,13 +210,15 @@ class ValueRows {
       case LowPrecisionUpdate::kahan:
         for (Index j = 0; j < cols_; ++j) {
           w[j] = Storage(static_cast<float>(scratch_[j]));
-          (*compensation_)(r, j) = scratch_[j] - static_cast<Scalar>(w[j]);
+          (*compensation_)(i, j) = scratch_[j] - static_cast<Scalar>(w[j]);
         }
         return;
     }
   }
 
   Index cols_ = 0, rows_ = 0;
+  const Index* ids_ = nullptr;  // a row mask's ids: state row i is the value's row ids_[i]
+  Index count_ = 0;             // and their count
   Scalar* full_ = nullptr;
   Eigen::bfloat16* bf16_ = nullptr;
   Eigen::half* fp16_ = nullptr;

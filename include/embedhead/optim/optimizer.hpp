@@ -39,6 +39,14 @@
 // value, state and t stay as they are -- and by clip_grad_norm. After a parameter's row count
 // changes (Parameter::resize_rows, resize_vocabulary), resize_state() makes its buffers follow.
 //
+// Trainable rows (Parameter::set_trainable_rows(ids), k of V rows): the state of such a parameter
+// holds those k rows only (each buffer [k, cols], row i that of ids[i]; "trainable_rows" in
+// state()), every update runs over them only -- the exact optimizers' "every row" is every
+// trainable row -- and the other rows stay exactly as they are: no decay, no momentum, no state.
+// So memory and step time scale with k, not V. A mask set or changed after the state was made
+// needs resize_state(p) (rows in both keep their state; new ones start fresh); step() refuses
+// until then.
+//
 // Low-precision parameters (Parameter<Eigen::bfloat16, float>, Parameter<Eigen::half, float>: the
 // bf16/fp16 layers' tables) are stepped like float ones: each row the update reads is widened to
 // float, updated by the same formulas with the state in float, and written back by the optimizer's
@@ -123,6 +131,9 @@ struct OptimizerState {
     std::map<std::string, RowMatrix<Scalar>> buffers;
     std::optional<std::int64_t> step = std::nullopt;  // this parameter's t, in [0, step]
     std::map<std::string, double> scalars = {};       // per-parameter scalars (LazyAdamW)
+    // The rows the buffers hold (Parameter::set_trainable_rows): each buffer is then [k, ...], row
+    // i that of trainable_rows[i]. Unset: every row.
+    std::optional<std::vector<Index>> trainable_rows = std::nullopt;
   };
   std::vector<Entry> parameters;
 };
@@ -154,29 +165,57 @@ void check_beta_in(const char* where, const char* what, double value) {
   throw value_error(message.str());
 }
 
-// Calls f(row, gradient row) for every row of the parameter; untouched rows get `zero` (a zero
-// row of length cols). O(rows * cols).
+// The rows an update visits are numbered as the state's rows: row r of the parameter without a
+// row mask, and with one (Parameter::set_trainable_rows) i, the i-th trainable row -- the index
+// into the state's [k, cols] buffers and into ValueRows, which maps it back to the value's row.
+
+// Calls f(state row, gradient row) for every row of the parameter (every trainable row with a
+// mask); untouched rows get `zero` (a zero row of length cols). O(rows * cols), O(k * cols).
 template <typename Scalar, typename F>
 void for_every_row(const RowGradient<Scalar>& g, const Scalar* zero, F&& f) {
   using ConstRow = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
   const auto& touched = g.touched_rows();
+  const bool masked = g.has_row_mask();
+  const Index count = masked ? static_cast<Index>(g.row_mask().size()) : g.rows();
   std::size_t next = 0;
-  for (Index r = 0; r < g.rows(); ++r) {
+  for (Index i = 0; i < count; ++i) {
+    const Index r = masked ? g.row_mask()[static_cast<std::size_t>(i)] : i;
     if (next < touched.size() && touched[next] == r) {
-      f(r, ConstRow(g.touched_row(static_cast<Index>(next)).data(), g.cols()));
+      f(i, ConstRow(g.touched_row(static_cast<Index>(next)).data(), g.cols()));
       ++next;
     } else {
-      f(r, ConstRow(zero, g.cols()));
+      f(i, ConstRow(zero, g.cols()));
     }
   }
 }
 
-// Calls f(row, gradient row) for the touched rows only. O(touched rows * cols).
+// Calls f(state row, gradient row) for the touched rows only. O(touched rows * cols) (plus O(k)
+// with a mask, to number them).
 template <typename Scalar, typename F>
 void for_touched_rows(const RowGradient<Scalar>& g, F&& f) {
   using ConstRow = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
-  for (Index i = 0; i < g.num_touched(); ++i)
-    f(g.touched_rows()[static_cast<std::size_t>(i)], ConstRow(g.touched_row(i).data(), g.cols()));
+  const auto& touched = g.touched_rows();
+  if (!g.has_row_mask()) {
+    for (Index i = 0; i < g.num_touched(); ++i)
+      f(touched[static_cast<std::size_t>(i)], ConstRow(g.touched_row(i).data(), g.cols()));
+    return;
+  }
+  const auto& mask = g.row_mask();  // touched rows are mask rows: one forward walk numbers them
+  std::size_t m = 0;
+  for (Index i = 0; i < g.num_touched(); ++i) {
+    while (mask[m] != touched[static_cast<std::size_t>(i)]) ++m;
+    f(static_cast<Index>(m), ConstRow(g.touched_row(i).data(), g.cols()));
+  }
+}
+
+// The rows an optimizer state holds: a row mask's ids, or every row (nullopt).
+using StateRows = std::optional<std::vector<Index>>;
+inline StateRows state_rows_of(const std::vector<Index>* trainable) {
+  return trainable ? StateRows(*trainable) : StateRows();
+}
+inline std::string describe_state_rows(const StateRows& rows, Index all) {
+  if (!rows) return "every row (" + std::to_string(all) + ")";
+  return std::to_string(rows->size()) + " trainable rows";
 }
 
 template <typename Scalar>
@@ -274,6 +313,9 @@ class Optimizer {
       if (steps_this_time(*slots_[s].base))
         check_step(slots_[s].group, lr_ * group.lr_multiplier, group.weight_decay, steps_[s] + 1);
     }
+    // A state made now holds the parameter's trainable rows (all rows without a mask).
+    for (std::size_t s = 0; s < slots_.size(); ++s)
+      if (state_[s].empty()) state_rows_[s] = detail::state_rows_of(slots_[s].base->trainable_rows());
     // The Kahan buffers this step writes, created before anything else changes.
     for (std::size_t s = 0; s < slots_.size(); ++s)
       if (steps_this_time(*slots_[s].base)) compensation_of(s);
@@ -287,14 +329,15 @@ class Optimizer {
     }
   }
 
-  // After p's row count changed (Parameter::resize_rows): resizes each of p's buffers to
-  // [p.rows(), its cols]. Rows below both the old and the new count keep their values bit for bit;
-  // new rows start from the buffer's initial value (0 for exp_avg, exp_avg_sq, momentum_buffer and
-  // RowWiseAdagrad's sum; initial_accumulator_value for Adagrad's sum), as if never updated. p's
-  // step count t is unchanged, so a new row's first Adam update is bias-corrected with the current
-  // t, as PyTorch's SparseAdam treats a row seen for the first time. A buffer not created yet
-  // stays absent. -> false, changing nothing, when p is not registered here. Strong guarantee (new
-  // buffers are built, then swapped in). Cost O(rows * cols) per buffer.
+  // After p's row count or its trainable rows changed (Parameter::resize_rows,
+  // Parameter::set_trainable_rows): resizes each of p's buffers to [p.rows(), its cols] (with a
+  // row mask, [k, its cols], each trainable row keeping its state if the old state held it). Rows below both the old
+  // and the new count keep their values bit for bit; new rows start from the buffer's initial value (0 for exp_avg,
+  // exp_avg_sq, momentum_buffer and RowWiseAdagrad's sum; initial_accumulator_value for Adagrad's sum), as if never
+  // updated. p's step count t is unchanged, so a new row's first Adam update is bias-corrected with the current t, as
+  // PyTorch's SparseAdam treats a row seen for the first time. A buffer not created yet stays absent. -> false,
+  // changing nothing, when p is not registered here. Strong guarantee (new buffers are built, then swapped in). Cost
+  // O(rows * cols) per buffer.
   bool resize_state(const ParameterBase<Scalar>& p);
 
   // zero_grad() of every registered parameter.
@@ -311,7 +354,8 @@ class Optimizer {
     s.step = step_;
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       const ParameterBase<Scalar>& p = *slots_[i].base;
-      s.parameters.push_back({p.name(), p.rows(), p.cols(), state_[i], steps_[i], scalars_[i]});
+      s.parameters.push_back({p.name(), p.rows(), p.cols(), state_[i], steps_[i], scalars_[i],
+                              state_[i].empty() ? detail::state_rows_of(p.trainable_rows()) : state_rows_[i]});
     }
     return s;
   }
@@ -352,6 +396,17 @@ class Optimizer {
                 << " outside [0, " << s.step << "] (the state's step)";
         throw value_error(message.str());
       }
+      // The state's rows must be the parameter's trainable rows now (set the same mask first).
+      const detail::StateRows here = detail::state_rows_of(p.trainable_rows());
+      if (!entry.buffers.empty() && entry.trainable_rows != here) {
+        std::ostringstream message;
+        message << where << "::load_state: parameter '" << entry.name << "' has state for "
+                << detail::describe_state_rows(entry.trainable_rows, entry.rows) << " but "
+                << detail::describe_state_rows(here, p.rows())
+                << " here, or other ids; set the same trainable rows (Parameter::set_trainable_rows) before load_state";
+        throw value_error(message.str());
+      }
+      const Index state_rows = here ? static_cast<Index>(here->size()) : p.rows();
       for (const auto& [key, buffer] : entry.buffers) {
         if (key == detail::kKahanBuffer &&
             !(slots_[i].low_precision() && low_precision_.mode == LowPrecisionUpdate::kahan)) {
@@ -372,7 +427,7 @@ class Optimizer {
                   << name_ << " does not use";
           throw value_error(message.str());
         }
-        detail::check_shape(where, (entry.name + "." + key).c_str(), buffer, p.rows(), cols_of(key, p.cols()));
+        detail::check_shape(where, (entry.name + "." + key).c_str(), buffer, state_rows, cols_of(key, p.cols()));
       }
       for (const auto& [key, value] : entry.scalars) {
         const auto names = scalar_names();
@@ -390,14 +445,19 @@ class Optimizer {
     steps.reserve(slots_.size());
     std::vector<std::map<std::string, double>> scalars;
     scalars.reserve(slots_.size());
-    for (const auto& entry : s.parameters) {
+    std::vector<detail::StateRows> state_rows;
+    state_rows.reserve(slots_.size());
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      const auto& entry = s.parameters[i];
       restored.push_back(entry.buffers);
       steps.push_back(entry.step.value_or(s.step));
       scalars.push_back(entry.scalars);
+      state_rows.push_back(detail::state_rows_of(slots_[i].base->trainable_rows()));
     }
     state_ = std::move(restored);
     steps_ = std::move(steps);
     scalars_ = std::move(scalars);
+    state_rows_ = std::move(state_rows);
     step_ = s.step;
   }
 
@@ -454,13 +514,18 @@ class Optimizer {
   }
 
   // The named buffer of p's state, created [rows, buffer_cols(key, cols)] filled with `initial`
-  // on first use.
+  // on first use (rows: p's trainable rows' count with a row mask, else p.rows()).
   RowMatrix<Scalar>& buffer(std::map<std::string, RowMatrix<Scalar>>& state, const char* key,
                             const ParameterBase<Scalar>& p, Scalar initial = Scalar(0)) const {
     auto it = state.find(key);
     if (it == state.end())
-      it = state.emplace(key, RowMatrix<Scalar>::Constant(p.rows(), cols_of(key, p.cols()), initial)).first;
+      it = state.emplace(key, RowMatrix<Scalar>::Constant(state_row_count(p), cols_of(key, p.cols()), initial)).first;
     return it->second;
+  }
+  // The rows p's state holds: its trainable rows' count (Parameter::set_trainable_rows), or p.rows().
+  static Index state_row_count(const ParameterBase<Scalar>& p) {
+    const auto* trainable = p.trainable_rows();
+    return trainable ? static_cast<Index>(trainable->size()) : p.rows();
   }
   // A zero row of p's width, for untouched rows in the exact optimizers.
   const Scalar* zero_row(Index cols) {
@@ -492,13 +557,28 @@ class Optimizer {
   const char* name_;
 
   // Throws shape_error, naming <name>::<call>, the parameter and the buffer, if a registered
-  // parameter's buffer is not of its [rows, buffer_cols]: it was resized without resize_state, and
-  // the update would read and write past the buffer. O(parameters * buffers).
+  // parameter's state holds other rows than its trainable rows now (set_trainable_rows changed
+  // them) or a buffer is not of its [rows, buffer_cols]: it was resized without resize_state, and
+  // the update would read and write past the buffer. O(parameters * (buffers + k)).
   void check_state(const char* call) const {
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       const ParameterBase<Scalar>& p = *slots_[i].base;
+      if (!state_[i].empty()) {
+        const auto* trainable = p.trainable_rows();
+        const bool same = trainable ? state_rows_[i] && *state_rows_[i] == *trainable : !state_rows_[i];
+        if (!same) {
+          std::ostringstream message;
+          message << name_ << "::" << call << ": parameter '" << p.name() << "' has "
+                  << detail::describe_state_rows(detail::state_rows_of(trainable), p.rows()) << " but its state holds "
+                  << detail::describe_state_rows(state_rows_[i], p.rows())
+                  << (trainable && state_rows_[i] ? " of other ids" : "")
+                  << "; call resize_state(parameter) after Parameter::set_trainable_rows";
+          throw shape_error(message.str());
+        }
+      }
+      const Index rows = state_row_count(p);
       for (const auto& [key, buffer] : state_[i]) {
-        if (buffer.rows() == p.rows() && buffer.cols() == cols_of(key, p.cols())) continue;
+        if (buffer.rows() == rows && buffer.cols() == cols_of(key, p.cols())) continue;
         std::ostringstream message;
         message << name_ << "::" << call << ": parameter '" << p.name() << "' is [" << p.rows() << ", " << p.cols()
                 << "] but its state '" << key << "' is [" << buffer.rows() << ", " << buffer.cols()
@@ -572,6 +652,7 @@ class Optimizer {
       state_.emplace_back();
       steps_.push_back(0);
       scalars_.emplace_back();
+      state_rows_.emplace_back();
     }
   }
 
@@ -624,6 +705,7 @@ class Optimizer {
   std::vector<std::map<std::string, RowMatrix<Scalar>>> state_;
   std::vector<std::int64_t> steps_;                     // each parameter's own t, by slot
   std::vector<std::map<std::string, double>> scalars_;  // each parameter's scalars, by slot
+  std::vector<detail::StateRows> state_rows_;           // the rows each slot's state holds
   std::vector<Scalar> zero_, scratch_;
   std::vector<Scalar> widened_;  // a low-precision row widened to Scalar (ValueRows)
 };
@@ -631,31 +713,68 @@ class Optimizer {
 namespace detail {
 
 // resize_state in two halves, as detail::RowResize for the values: the constructor builds p's
-// buffers at new_rows rows keeping rows [0, keep) (nothing changed; a parameter not registered
-// gives an empty, no-op resize), commit() swaps them in without throwing.
+// buffers for the rows `rows` of a parameter of new_rows rows -- a row mask's ids, or every row
+// (nullopt) -- keeping the state of each row below `keep` that the old state holds (nothing
+// changed; a parameter not registered gives an empty, no-op resize); commit() swaps them in
+// without throwing. The four-argument form (resize_vocabulary's, before the table's resize is
+// committed) takes p's row mask below keep, as RowResize keeps it.
 template <typename Scalar>
 class StateResize {
  public:
   StateResize(Optimizer<Scalar>& optimizer, const ParameterBase<Scalar>& p, Index new_rows, Index keep)
-      : optimizer_(&optimizer), slot_(optimizer.slot_of(&p)) {
+      : StateResize(optimizer, p, new_rows, keep, kept_mask(p, keep)) {}
+  StateResize(Optimizer<Scalar>& optimizer, const ParameterBase<Scalar>& p, Index new_rows, Index keep, StateRows rows)
+      : optimizer_(&optimizer), slot_(optimizer.slot_of(&p)), rows_(std::move(rows)) {
     if (slot_ < 0) return;
     const auto slot = static_cast<std::size_t>(slot_);
+    const StateRows& old_rows = optimizer.state_rows_[slot];
+    const Index count = rows_ ? static_cast<Index>(rows_->size()) : new_rows;
     for (const auto& [key, buffer] : optimizer.state_[slot]) {
-      const Index kept = std::min(keep, buffer.rows());
-      RowMatrix<Scalar> resized(new_rows, buffer.cols());
-      resized.topRows(kept) = buffer.topRows(kept);
-      optimizer.fill_rows(key, resized, kept, optimizer.scalars_[slot], optimizer.steps_[slot]);
+      RowMatrix<Scalar> resized(count, buffer.cols());
+      if (!rows_ && !old_rows) {  // every row before and after: rows [0, kept) keep their state
+        const Index kept = std::min(keep, buffer.rows());
+        resized.topRows(kept) = buffer.topRows(kept);
+        optimizer.fill_rows(key, resized, kept, optimizer.scalars_[slot], optimizer.steps_[slot]);
+      } else {
+        // Row by row: a row in the old state (and below keep) keeps it, any other starts fresh.
+        RowMatrix<Scalar> fresh(1, buffer.cols());
+        optimizer.fill_rows(key, fresh, 0, optimizer.scalars_[slot], optimizer.steps_[slot]);
+        for (Index i = 0; i < count; ++i) {
+          const Index id = rows_ ? (*rows_)[static_cast<std::size_t>(i)] : i;
+          const Index from = id < keep ? old_index(old_rows, buffer.rows(), id) : -1;
+          if (from >= 0)
+            resized.row(i) = buffer.row(from);
+          else
+            resized.row(i) = fresh.row(0);
+        }
+      }
       buffers_.emplace(key, std::move(resized));
     }
   }
   bool registered() const { return slot_ >= 0; }
   void commit() noexcept {
-    if (slot_ >= 0) optimizer_->state_[static_cast<std::size_t>(slot_)].swap(buffers_);
+    if (slot_ < 0) return;
+    optimizer_->state_[static_cast<std::size_t>(slot_)].swap(buffers_);
+    optimizer_->state_rows_[static_cast<std::size_t>(slot_)].swap(rows_);
   }
 
  private:
+  static StateRows kept_mask(const ParameterBase<Scalar>& p, Index keep) {
+    const auto* trainable = p.trainable_rows();
+    if (!trainable) return StateRows();
+    return StateRows(
+        std::vector<Index>(trainable->begin(), std::lower_bound(trainable->begin(), trainable->end(), keep)));
+  }
+  // Row id's index in a state holding `rows` (buffer_rows of them without a mask), or -1.
+  static Index old_index(const StateRows& rows, Index buffer_rows, Index id) {
+    if (!rows) return id < buffer_rows ? id : -1;
+    const auto it = std::lower_bound(rows->begin(), rows->end(), id);
+    return it != rows->end() && *it == id ? static_cast<Index>(it - rows->begin()) : -1;
+  }
+
   Optimizer<Scalar>* optimizer_;
   std::ptrdiff_t slot_;
+  StateRows rows_;
   std::map<std::string, RowMatrix<Scalar>> buffers_;
 };
 
@@ -665,10 +784,14 @@ template <typename Scalar>
 bool Optimizer<Scalar>::resize_state(const ParameterBase<Scalar>& p) {
   const std::ptrdiff_t slot = slot_of(&p);
   if (slot < 0) return false;
-  // Kept rows: those below the old row count, which every buffer of p still has.
-  Index old_rows = p.rows();
-  for (const auto& entry : state_[static_cast<std::size_t>(slot)]) old_rows = std::min(old_rows, entry.second.rows());
-  detail::StateResize<Scalar> staged(*this, p, p.rows(), old_rows);
+  const auto s = static_cast<std::size_t>(slot);
+  // Kept rows: without a mask before, those below the old row count, which every buffer of p still
+  // has; with one, every old row (its ids are below p's rows unless p shrank, and ids at or past
+  // p.rows() cannot be asked for).
+  Index keep = p.rows();
+  if (!state_rows_[s])
+    for (const auto& entry : state_[s]) keep = std::min(keep, entry.second.rows());
+  detail::StateResize<Scalar> staged(*this, p, p.rows(), keep, detail::state_rows_of(p.trainable_rows()));
   staged.commit();
   return true;
 }

@@ -108,14 +108,18 @@ inline void check_exchange_options(const char* where, const GradientExchangeOpti
   }
 }
 
-// The fields every rank must agree on for one parameter: shape, frozen flag, and the options
-// (so that automatic decides the same everywhere), folded into a fingerprint.
+// The fields every rank must agree on for one parameter: shape, frozen flag, row mask (trainable
+// rows), and the options (so that automatic decides the same everywhere), folded into a fingerprint.
 template <typename Scalar>
 std::uint64_t exchange_fingerprint(const ParameterBase<Scalar>& parameter, const GradientExchangeOptions& options,
                                    std::uint64_t hash) {
   std::int64_t fields[4] = {static_cast<std::int64_t>(parameter.rows()), static_cast<std::int64_t>(parameter.cols()),
                             parameter.frozen() ? 1 : 0, static_cast<std::int64_t>(options.mode)};
   hash = fingerprint_bytes(fields, sizeof(fields), hash);
+  const auto& mask = parameter.grad().row_mask();
+  const std::int64_t masked[2] = {parameter.grad().has_row_mask() ? 1 : 0, static_cast<std::int64_t>(mask.size())};
+  hash = fingerprint_bytes(masked, sizeof(masked), hash);
+  if (!mask.empty()) hash = fingerprint_bytes(mask.data(), mask.size() * sizeof(Index), hash);
   return fingerprint_bytes(&options.dense_threshold, sizeof(double), hash);
 }
 
@@ -151,9 +155,11 @@ GradientExchangeResult exchange_gradient(ParameterBase<Scalar>& parameter, Commu
   // The byte model, in double: K * (d * s + 8) against threshold * V * d * s.
   const double sparse_bytes = static_cast<double>(gathered) * static_cast<double>(row_bytes + 8);
   const double dense_bytes = static_cast<double>(V) * static_cast<double>(row_bytes);
-  const bool dense = any_dense || options.mode == GradientExchange::dense ||
-                     (options.mode == GradientExchange::automatic &&
-                      sparse_bytes > options.dense_threshold * dense_bytes);
+  // A gradient with a row mask (the same on every rank: the fingerprint) is never made dense: its
+  // rows are the mask's at most, and it has no [V, d] buffer.
+  const bool dense = !grad.has_row_mask() && (any_dense || options.mode == GradientExchange::dense ||
+                                              (options.mode == GradientExchange::automatic &&
+                                               sparse_bytes > options.dense_threshold * dense_bytes));
 
   if (dense) {
     // Densify (no-op if dense already), then sum the whole [V, d] buffer in place.
@@ -208,6 +214,7 @@ GradientExchangeResult exchange_gradient(ParameterBase<Scalar>& parameter, Commu
     Index u = 0;  // both lists sorted: one forward walk finds each id's place in the union
     for (Index j = 0; j < counts[static_cast<std::size_t>(r)]; ++j, ++at) {
       while (union_ids[static_cast<std::size_t>(u)] != ids[static_cast<std::size_t>(at)]) ++u;
+      if (slots[static_cast<std::size_t>(u)] == RowGradient<Scalar>::kNoSlot) continue;  // outside a row mask
       auto target = grad.slot_row(slots[static_cast<std::size_t>(u)]);
       if (written[static_cast<std::size_t>(u)]) {
         target += rows.row(at);

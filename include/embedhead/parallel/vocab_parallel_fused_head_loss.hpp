@@ -247,12 +247,15 @@ class VocabParallelFusedHeadLoss {
                                                                 extras, nullptr, nullptr, nullptr, options_, workspace_,
                                                                 where, &slice, &rows);
     OutputMap no_output(nullptr, 0, 1);
-    OutputMap dW = weight_grad->frozen() ? no_output : weight_grad->grad().dense_accumulator();
+    const std::vector<Index>* trainable = weight_grad->frozen() ? nullptr : weight_grad->trainable_rows();
+    OutputMap dW = weight_grad->frozen() ? no_output
+                   : trainable           ? weight_grad->grad().masked_accumulator()
+                                         : weight_grad->grad().dense_accumulator();
     OutputMap db = bias_grad && !bias_grad->frozen() ? bias_grad->grad().dense_accumulator() : no_output;
     MatrixRef<Scalar> dW_ref(dW), db_ref(db);
     return detail::fused_head_loss_pass<Scalar, std::int32_t>(h, weight_shard.value(), bias_of(bias_shard), counted,
                                                               extras, dh, &dW_ref, &db_ref, options_, workspace_, where,
-                                                              &slice, &rows);
+                                                              &slice, &rows, trainable);
   }
 
   static Eigen::Map<const RowMatrix<Scalar>> bias_of(const Parameter<Scalar>* bias_shard) {
@@ -343,12 +346,17 @@ class VocabParallelFusedHeadLoss {
                                                               extras, where);
     // Only now, with every rank's checks passed: dense_accumulator() switches the gradient to
     // dense mode, which must not happen for a call that throws.
+    // Trainable rows (a row mask on the shard, local ids): dW on those rows only.
     OutputMap no_output(nullptr, 0, 1);
-    OutputMap dW = weight_shard.frozen() ? no_output : weight_shard.grad().dense_accumulator();
+    const std::vector<Index>* trainable = weight_shard.frozen() ? nullptr : weight_shard.trainable_rows();
+    OutputMap dW = weight_shard.frozen() ? no_output
+                   : trainable           ? weight_shard.grad().masked_accumulator()
+                                         : weight_shard.grad().dense_accumulator();
     OutputMap db = bias_shard && !bias_shard->frozen() ? bias_shard->grad().dense_accumulator() : no_output;
     MatrixRef<Scalar> dW_ref(dW), db_ref(db);
     return detail::fused_head_loss_pass<Scalar, Id>(h, weight_shard.value(), bias_of(bias_shard), targets, extras, &dh,
-                                                    &dW_ref, &db_ref, options_, workspace_, where, &slice);
+                                                    &dW_ref, &db_ref, options_, workspace_, where, &slice, nullptr,
+                                                    trainable);
   }
 
   template <typename Id>

@@ -137,7 +137,15 @@ class VocabParallelOutputProjection {
         detail::fingerprint_values({V_, N, d}), "the shapes N, d and V");
     // The dense accumulators after every check: dense_accumulator() switches the gradient's mode.
     const Eigen::Map<RowMatrix<Scalar>> none(nullptr, 0, 1);
-    auto dW = weight_->frozen() ? Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, d) : weight_->grad().dense_accumulator();
+    const auto* trainable = weight_->frozen() ? nullptr : weight_->trainable_rows();
+    auto dW = weight_->frozen() || trainable ? Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, d)
+                                             : weight_->grad().dense_accumulator();
+    if (trainable) {  // a row mask on the shard (local ids): dW on those rows only, before dh
+      auto dW_rows = weight_->grad().masked_accumulator();
+      std::vector<Scalar> gathered;
+      detail::add_masked_rows_dW<Scalar>(h, dlocal_logits.data(), dlocal_logits.outerStride(), trainable->data(),
+                                         static_cast<Index>(trainable->size()), dW_rows.data(), d, gathered);
+    }
     auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : none;
     // dW (which reads h) is computed before dh is written, so dh may be h.
     detail::output_projection_backward<Scalar>(h, weight_->value(), dlocal_logits, dh, dW, db, where);
