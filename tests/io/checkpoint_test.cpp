@@ -491,6 +491,13 @@ TEST_CASE("checkpoint: optimizer state saved beside the model resumes training b
       .set_metadata("optimizer.parameters", "[]");
   bad.write(plain);
   CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(SafetensorsFile::open(plain)), Catch::Contains("'three'"));
+  for (const char* step : {" 3", "+3", ""}) {
+    bad.set_metadata("optimizer.step", step);
+    bad.write(plain);
+    CHECK_THROWS_WITH(embedhead::read_optimizer_state<float>(SafetensorsFile::open(plain)),
+                      Catch::Contains("metadata 'optimizer.step' = '" + std::string(step) +
+                                      "' is not a non-negative integer"));
+  }
   // The state of another optimizer kind is refused by load_state.
   embedhead::SGD<float> sgd({}, {embedding.weight_ptr(), head.weight_ptr()});
   CHECK_THROWS_AS(sgd.load_state(embedhead::read_optimizer_state<float>(file)), value_error);

@@ -75,6 +75,8 @@ TEST_CASE("update counts: malformed files are format errors naming what is wrong
   CHECK_THROWS_WITH(embedhead::read_update_counts(write(counts, "2x")),
                     Contains("metadata 'embedhead.update_counts.records' = '2x' is not a non-negative integer"));
   CHECK_THROWS_WITH(embedhead::read_update_counts(write(counts, "-1")), Contains("is not a non-negative integer"));
+  CHECK_THROWS_WITH(embedhead::read_update_counts(write(counts, " 2")), Contains("' 2' is not a non-negative integer"));
+  CHECK_THROWS_WITH(embedhead::read_update_counts(write(counts, "+2")), Contains("'+2' is not a non-negative integer"));
   CHECK_THROWS_WITH(embedhead::read_update_counts(write(counts, "1")),
                     Contains("has the count 2 at row 1, not an integer in [0, 1] (records)"));
   counts(2, 0) = 0.5;

@@ -707,6 +707,19 @@ TEMPLATE_TEST_CASE("LazyAdamW: every bad input is an error naming it, and nothin
   refuse([](Entry& e) { e.scalars.erase("decay_exponent"); },
          "has 5 of the 5 buffers and 1 of the 2 scalars (decay_mantissa, decay_exponent): all or none");
   refuse([](Entry& e) { e.buffers.erase("last_step"); }, "has 4 of the 5 buffers and 2 of the 2 scalars");
+  // A running decay above a row's stamp (the product only shrinks): D = P_t / P_l > 1.
+  refuse(
+      [](Entry& e) {
+        e.scalars.at("decay_mantissa") = 0.875;
+        e.scalars.at("decay_exponent") = 1;  // P_t = 1.75 > any stamp, each at most 1
+      },
+      "has the decay stamp decay_mantissa[0] x 2^decay_exponent[0] = ");
+  refuse(
+      [](Entry& e) {
+        e.scalars.at("decay_mantissa") = 0.875;
+        e.scalars.at("decay_exponent") = 1;
+      },
+      "below the running decay 0.875 x 2^1");
   refuse([](Entry& e) { e.scalars["momentum"] = 1; },
          "LazyAdamW::load_state: parameter 'E' has a scalar 'momentum' = 1 that LazyAdamW does not use");
   // A step count beyond what the Scalar holds exactly: refused at step, nothing changed.

@@ -9,6 +9,7 @@
 #include "../types.hpp"
 #include "safetensors.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -92,9 +93,13 @@ OptimizerState<Scalar> read_optimizer_state(const SafetensorsFile& file) {
   OptimizerState<Scalar> state;
   state.optimizer = metadata.at("optimizer");
   try {
+    // Digits only: std::stoll alone would take " 5" and "+5".
+    const std::string& step = metadata.at("optimizer.step");
+    if (step.empty() || !std::all_of(step.begin(), step.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      throw std::invalid_argument("step");
     std::size_t used = 0;
-    state.step = std::stoll(metadata.at("optimizer.step"), &used);
-    if (used != metadata.at("optimizer.step").size() || state.step < 0) throw std::invalid_argument("step");
+    state.step = std::stoll(step, &used);
+    if (used != step.size() || state.step < 0) throw std::invalid_argument("step");
   } catch (const std::exception&) {
     fail("metadata 'optimizer.step' = '" + metadata.at("optimizer.step") + "' is not a non-negative integer");
   }

@@ -12,6 +12,7 @@
 #include "../types.hpp"
 #include "safetensors.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <sstream>
@@ -56,8 +57,11 @@ inline RowUpdateCounter read_update_counts(const SafetensorsFile& file, const st
   if (it == metadata.end()) throw fail("no metadata '" + name + ".records'");
   std::int64_t records = -1;
   try {
+    // Digits only: std::stoll alone would take " 5" and "+5".
+    const bool digits = !it->second.empty() &&
+                        std::all_of(it->second.begin(), it->second.end(), [](char c) { return c >= '0' && c <= '9'; });
     std::size_t used = 0;
-    records = std::stoll(it->second, &used);
+    records = digits ? std::stoll(it->second, &used) : -1;
     if (used != it->second.size() || records < 0) records = -1;
   } catch (const std::exception&) {
     records = -1;

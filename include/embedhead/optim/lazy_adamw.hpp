@@ -236,11 +236,26 @@ class LazyAdamW : public Optimizer<Scalar> {
     const RowMatrix<Scalar>& last = entry.buffers.at("last_step");
     const RowMatrix<Scalar>& mantissa = entry.buffers.at("decay_mantissa");
     const RowMatrix<Scalar>& exponent = entry.buffers.at("decay_exponent");
+    const double now_mantissa = entry.scalars.at("decay_mantissa"), now_exponent = entry.scalars.at("decay_exponent");
+    // A row's stamp P_l is a product of fewer decays than the running one P_t: the catch-up's
+    // D = P_t / P_l (bring_up_to_date's) is at most 1, to the rounding of the stamp to Scalar.
+    const double slack = 1.0 + 4.0 * static_cast<double>(std::numeric_limits<Scalar>::epsilon());
     for (Index r = 0; r < last.rows(); ++r) {
       const std::string row = "[" + std::to_string(r) + "]";
       check("last_step" + row, static_cast<double>(last(r, 0)), 0.0, steps, true);
       check("decay_mantissa" + row, static_cast<double>(mantissa(r, 0)), 0.5, 1.0, false);
       check("decay_exponent" + row, static_cast<double>(exponent(r, 0)), -steps, 1.0, true);
+      const double shift = std::clamp(now_exponent - static_cast<double>(exponent(r, 0)), -2200.0, 2200.0);
+      const double D = std::ldexp(now_mantissa / static_cast<double>(mantissa(r, 0)), static_cast<int>(shift));
+      if (D > slack) {
+        std::ostringstream message;
+        message.precision(17);
+        message << "has the decay stamp decay_mantissa" << row << " x 2^decay_exponent" << row << " = "
+                << static_cast<double>(mantissa(r, 0)) << " x 2^" << static_cast<double>(exponent(r, 0))
+                << " below the running decay " << now_mantissa << " x 2^" << now_exponent
+                << " (a row's decays are a part of the parameter's: its catch-up would multiply by " << D << " > 1)";
+        fail(message.str());
+      }
     }
   }
 

@@ -675,10 +675,10 @@ class Optimizer {
   // Slot s's rows as its update reads and writes them, at its current step count.
   ValueRows<Scalar> value_rows(std::size_t s) {
     const Slot& slot = slots_[s];
-    if (slot.full) return ValueRows<Scalar>(*slot.full);
     if constexpr (!std::is_same_v<Scalar, float>) {
-      return ValueRows<Scalar>(*slot.full);  // unreachable: only float parameters have low-precision values
+      return ValueRows<Scalar>(*slot.full);  // only float parameters have low-precision values
     } else {
+      if (slot.full) return ValueRows<Scalar>(*slot.full);
       const Rng stream(Rng(low_precision_.seed).bits_at(static_cast<std::uint64_t>(s)));
       if (static_cast<Index>(widened_.size()) < slot.base->cols())
         widened_.resize(static_cast<std::size_t>(slot.base->cols()));
