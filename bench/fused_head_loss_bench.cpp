@@ -15,6 +15,12 @@
 //   FusedSweep/N/V/d/threads:T     the default fused step from 1k to 16k tokens and 32k to 262k
 //                                  rows, and Gemma's V = 256,000, d = 2048 (BM_FusedSweep); select
 //                                  with --benchmark_filter=FusedSweep, skip with -FusedSweep
+//   BreakEven/N/V/d/form:F         the default fused step (F = 1) against the unfused one (F = 0:
+//                                  output_projection_forward, cross_entropy_forward_backward in
+//                                  place, output_projection_backward) at small and awkward shapes
+//                                  (N < d, V ~ d, few tokens): where the fused loss would not pay
+//                                  (PyTorch: chunking pays when N >= d and V > d), its automatic
+//                                  plan must cost no more than the unfused step
 //
 // Counters: GFLOP/s over the GEMM flops each form does (unfused and token chunks 6 N V d,
 // vocab_blocks 8 N V d as it recomputes the logits, FusedEval 2 N V d), and extra_MB, the memory
@@ -35,6 +41,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
 
@@ -195,6 +202,33 @@ void BM_FusedSweep(benchmark::State& state) {
   state.counters["extra_MiB"] = bytes / (1 << 20);
 }
 
+// form 0: the unfused step on free functions; form 1: fused_head_loss_forward_backward with the
+// default options (automatic plan). Counters: GFLOP/s over 6 N V d, plan_tokens (the fused
+// step's token chunk; N: one chunk, the unfused computation itself; 0: vocabulary blocks).
+void BM_BreakEven(benchmark::State& state) {
+  const Index N = state.range(0), V = state.range(1), d = state.range(2);
+  const bool fused = state.range(3) != 0;
+  RowMatrix<float> h(N, d), W(V, d), dh(N, d), dW = RowMatrix<float>::Zero(V, d), no_bias(0, 1), no_db(0, 1);
+  RowMatrix<float> logits(fused ? 0 : N, V);
+  bench_support::fill_uniform(h, 21, 1.0);
+  bench_support::fill_uniform(W, 22, 0.02);
+  const IdMatrix<std::int32_t> targets = bench_support::random_ids(N, V, 23);
+  embedhead::FusedHeadLossWorkspace<float> ws;
+  auto step = [&] {
+    if (fused) return embedhead::fused_head_loss_forward_backward<float>(h, W, no_bias, targets, dh, dW, no_db, ws).loss;
+    embedhead::output_projection_forward<float>(h, W, no_bias, logits);
+    const double loss = embedhead::cross_entropy_forward_backward<float>(logits, targets, logits).loss;
+    embedhead::output_projection_backward<float>(h, W, logits, dh, dW, no_db);
+    return loss;
+  };
+  benchmark::DoNotOptimize(step());  // untimed: allocates the workspace
+  for (auto _ : state) benchmark::DoNotOptimize(step());
+  state.counters["GFLOP/s"] = benchmark::Counter(6.0 * N * V * d * static_cast<double>(state.iterations()) * 1e-9,
+                                                 benchmark::Counter::kIsRate);
+  state.counters["plan_tokens"] = static_cast<double>(
+      embedhead::detail::fused_token_chunk(embedhead::FusedHeadLossOptions{}, N, V, sizeof(float)));
+}
+
 void register_benchmarks() {
   check_fused_against_unfused();
   const std::vector<std::int64_t> threads = bench_support::thread_counts();
@@ -238,6 +272,21 @@ void register_benchmarks() {
   };
   for (const std::int64_t N : {1024, 4096, 16384}) sweep(N, kV, kD);
   for (const std::int64_t V : {32768, 131072, 262144}) sweep(4096, V, kD);
+  // Below and around the break-even shape, on the most threads: fused (1) beside unfused (0).
+  for (const auto& shape : std::vector<std::array<std::int64_t, 3>>{{16, 50257, 768},
+                                                                    {64, 4096, 256},
+                                                                    {64, 32768, 1024},
+                                                                    {512, 4096, 1024},
+                                                                    {512, 32768, 256},
+                                                                    {2048, 8192, 2048},
+                                                                    {2048, 32768, 1024}})
+    for (const std::int64_t form : {0, 1})
+      benchmark::RegisterBenchmark("BreakEven", BM_BreakEven)
+          ->Args({shape[0], shape[1], shape[2], form})
+          ->ArgNames({"N", "V", "d", "form"})
+          ->Unit(benchmark::kMillisecond)
+          ->MinTime(0.2)
+          ->UseRealTime();
   sweep(1024, 256000, 2048);  // Gemma's head
 }
 

@@ -472,15 +472,15 @@ class LowPrecisionOutputProjection {
     const auto* trainable = weight_->frozen() ? nullptr : weight_->trainable_rows();
     auto dW = weight_->frozen() || trainable ? Eigen::Map<RowMatrix<float>>(nullptr, 0, dim())
                                              : weight_->grad().dense_accumulator();
-    if (trainable) {
-      // A row mask: dW on the trainable rows only, before dh is written (dh may be h).
-      auto dW_rows = weight_->grad().masked_accumulator();
-      std::vector<float> gathered;
-      detail::add_masked_rows_dW<float>(h, dlogits.data(), dlogits.outerStride(), trainable->data(),
-                                        static_cast<Index>(trainable->size()), dW_rows.data(), dim(), gathered);
-    }
+    // A row mask: dW on the trainable rows only; every buffer allocated before a value changes.
+    std::vector<float> gathered;
+    if (trainable) gathered.reserve(static_cast<std::size_t>(h.rows()) * trainable->size());
+    auto dW_rows = trainable ? weight_->grad().masked_accumulator() : Eigen::Map<RowMatrix<float>>(nullptr, 0, dim());
     auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator()
                                         : Eigen::Map<RowMatrix<float>>(nullptr, 0, 1);
+    if (trainable)  // before dh is written: dh may be h
+      detail::add_masked_rows_dW<float>(h, dlogits.data(), dlogits.outerStride(), trainable->data(),
+                                        static_cast<Index>(trainable->size()), dW_rows.data(), dim(), gathered);
     detail::output_projection_backward<Storage>(h, weight_value(), dlogits, dh, dW, db, workspace_, where);
   }
   RowMatrix<float> backward(const ConstMatrixRef<float>& h, const ConstMatrixRef<float>& dlogits) {

@@ -399,15 +399,15 @@ class OutputProjection {
     const Eigen::Map<RowMatrix<Scalar>> no_dW(nullptr, 0, dim());
     const auto* trainable = weight_->frozen() ? nullptr : weight_->trainable_rows();
     auto dW = weight_->frozen() || trainable ? no_dW : weight_->grad().dense_accumulator();
-    if (trainable) {
-      // A row mask: dW on the trainable rows only (k x d, never V x d), before dh is written (dh
-      // may be h).
-      auto dW_rows = weight_->grad().masked_accumulator();
-      std::vector<Scalar> gathered;
+    // A row mask: dW on the trainable rows only (k x d, never V x d). Every buffer is allocated
+    // before a value changes: the gathered columns, the mask's rows, then the bias's gradient.
+    std::vector<Scalar> gathered;
+    if (trainable) gathered.reserve(static_cast<std::size_t>(h.rows()) * trainable->size());
+    auto dW_rows = trainable ? weight_->grad().masked_accumulator() : no_dW;
+    auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : none;
+    if (trainable)  // before dh is written: dh may be h
       detail::add_masked_rows_dW<Scalar>(h, dlogits.data(), dlogits.outerStride(), trainable->data(),
                                          static_cast<Index>(trainable->size()), dW_rows.data(), dim(), gathered);
-    }
-    auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : none;
     detail::output_projection_backward<Scalar>(h, weight_->value(), dlogits, dh, dW, db, where);
   }
   RowMatrix<Scalar> backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& dlogits) {

@@ -78,9 +78,10 @@ class RowGradient {
 
   // Assignment, copied or moved, keeps the shape: a gradient is [rows, cols] for life (a
   // Parameter's changes only through Parameter::resize_rows), as PyTorch refuses a .grad of
-  // another size. So a Parameter's gradient always has its value's shape, which the layers and
-  // optimizers rely on (a parameter's shape is its gradient's).
-  // \throws shape_error if other is not [rows, cols] (nothing changed).
+  // another size. It takes everything else from `other`, its row mask (set_row_mask) included:
+  // assigning to a Parameter's gradient sets its trainable rows to other's. So a Parameter's gradient always has its
+  // value's shape, which the layers and optimizers rely on (a parameter's shape is its gradient's). \throws shape_error
+  // if other is not [rows, cols] (nothing changed).
   RowGradient& operator=(const RowGradient& other) {
     if (this == &other) return *this;
     check_same_shape(other);

@@ -445,13 +445,152 @@ TEST_CASE("trainable rows: resize_vocabulary keeps the mask's rows below the kep
   std::vector<Index> slots(rows.size());
   embedding.weight().grad().touch_rows(rows.data(), 4, slots.data());
   for (Index s : slots) embedding.weight().grad().slot_row(s).setConstant(1.f);
+  for (Index s = 0; s < 4; ++s) embedding.weight().grad().slot_row(slots[s]) *= static_cast<float>(s + 1);
   optimizer.step();
+  const RowMatrix<float> m_before = optimizer.state().parameters[0].buffers.at("exp_avg");
   embedhead::resize_vocabulary<float>(embedding, nullptr, 8, {}, &optimizer);  // rows 8.. dropped: row 9 too
   REQUIRE(embedding.weight().trainable_rows() != nullptr);
   CHECK(*embedding.weight().trainable_rows() == std::vector<Index>{1, 4, 5});
   const auto state = optimizer.state();
-  CHECK(state.parameters[0].buffers.at("exp_avg").rows() == 3);
+  const RowMatrix<float>& m = state.parameters[0].buffers.at("exp_avg");
+  REQUIRE(m.rows() == 3);
+  CHECK(first_difference(m, RowMatrix<float>(m_before.topRows(3))).empty());  // rows 1, 4, 5 keep theirs
   embedding.weight().grad().touch_rows(rows.data(), 3, slots.data());
   optimizer.step();  // the state follows the mask: no resize_state needed
   CHECK(optimizer.step_count() == 2);
+}
+
+TEST_CASE("trainable rows: bf16 tables under each write-back mode step as the k-row table does",
+          "[trainable_rows][low_precision]") {
+  using BF16 = Parameter<Eigen::bfloat16, float>;
+  const Index V = 12, d = 3, k = static_cast<Index>(kMask.size());
+  const RowMatrix<float> start = random_matrix<float>(V, d, 71);
+  for (const auto mode : {embedhead::LowPrecisionUpdate::nearest, embedhead::LowPrecisionUpdate::stochastic,
+                          embedhead::LowPrecisionUpdate::kahan}) {
+    DYNAMIC_SECTION("mode " << embedhead::low_precision_update_name(mode)) {
+      // The masked V-row table; a k-row table of the mask's rows (nearest, kahan: the same bits);
+      // the unmasked V-row table touched on the mask's rows only (stochastic: its draws are keyed by
+      // the value's row, so the masked table's must be the unmasked one's).
+      auto big = std::make_shared<BF16>(RowMatrix<Eigen::bfloat16>(start.cast<Eigen::bfloat16>()), "big");
+      auto open = std::make_shared<BF16>(RowMatrix<Eigen::bfloat16>(start.cast<Eigen::bfloat16>()), "big");
+      auto small = std::make_shared<BF16>(
+          RowMatrix<Eigen::bfloat16>(rows_of(start.cast<double>(), kMask).cast<float>().cast<Eigen::bfloat16>()),
+          "small");
+      big->set_trainable_rows(kMask);
+      embedhead::AdamOptions adam;
+      adam.lr = 1e-3;  // updates below half an ulp of bf16: the modes differ
+      adam.weight_decay = 0;
+      embedhead::LazyAdam<float> on_big(adam), on_open(adam), on_small(adam);
+      on_big.add_group(std::vector<std::shared_ptr<BF16>>{big});
+      on_open.add_group(std::vector<std::shared_ptr<BF16>>{open});
+      on_small.add_group(std::vector<std::shared_ptr<BF16>>{small});
+      for (auto* o : {&on_big, &on_open, &on_small}) o->set_low_precision_update({mode, 5});
+      for (int s = 0; s < 4; ++s) {
+        const RowMatrix<double> G = random_matrix<double>(k, d, 200 + static_cast<std::uint64_t>(s));
+        for (auto* p : {big.get(), open.get(), small.get()}) {
+          p->zero_grad();
+          const std::vector<Index> ids = p == small.get() ? test_support::range(0, k) : kMask;
+          std::vector<Index> slots(ids.size());
+          p->grad().touch_rows(ids.data(), k, slots.data());
+          for (Index i = 0; i < k; ++i) p->grad().slot_row(slots[static_cast<std::size_t>(i)]) = G.row(i).cast<float>();
+        }
+        on_big.step();
+        on_open.step();
+        on_small.step();
+      }
+      const RowMatrix<float> got = big->value().cast<float>();
+      for (Index r = 0; r < V; ++r) {
+        const auto at = std::find(kMask.begin(), kMask.end(), r);
+        if (at == kMask.end()) {
+          CHECK(first_difference(got.row(r), RowMatrix<float>(start.cast<Eigen::bfloat16>().cast<float>()).row(r))
+                    .empty());
+          continue;
+        }
+        const Index i = static_cast<Index>(at - kMask.begin());
+        if (mode == embedhead::LowPrecisionUpdate::stochastic)
+          CHECK(first_difference(got.row(r), RowMatrix<float>(open->value().cast<float>()).row(r)).empty());
+        else
+          CHECK(first_difference(got.row(r), RowMatrix<float>(small->value().cast<float>()).row(i)).empty());
+      }
+      if (mode == embedhead::LowPrecisionUpdate::kahan) {
+        const auto state = on_big.state();
+        CHECK(state.parameters[0].buffers.at("kahan_compensation").rows() == k);
+        CHECK(first_difference(state.parameters[0].buffers.at("kahan_compensation"),
+                               on_small.state().parameters[0].buffers.at("kahan_compensation"))
+                  .empty());
+      }
+    }
+  }
+}
+
+TEST_CASE("trainable rows: LazyAdamW under kahan, caught up before its first step, then stepped",
+          "[trainable_rows][lazy_adamw][low_precision]") {
+  using BF16 = Parameter<Eigen::bfloat16, float>;
+  auto p = std::make_shared<BF16>(RowMatrix<Eigen::bfloat16>(random_matrix<float>(12, 3, 81).cast<Eigen::bfloat16>()),
+                                  "E");
+  p->set_trainable_rows(kMask);
+  embedhead::LazyAdamW<float> optimizer;
+  optimizer.add_group(std::vector<std::shared_ptr<BF16>>{p});
+  optimizer.set_low_precision_update({embedhead::LowPrecisionUpdate::kahan, 1});
+  optimizer.catch_up();  // creates the compensation buffer, for the mask's rows
+  const Index row = 4;
+  Index slot = 0;
+  p->grad().touch_rows(&row, 1, &slot);
+  p->grad().slot_row(slot).setConstant(0.5f);
+  optimizer.step();
+  CHECK(optimizer.step_count() == 1);
+  CHECK(optimizer.state().parameters[0].buffers.at("kahan_compensation").rows() == 4);
+}
+
+TEST_CASE("trainable rows: LazyAdamW's lagging rows keep their decay when they leave the trainable rows",
+          "[trainable_rows][lazy_adamw]") {
+  embedhead::AdamOptions adam;
+  adam.lr = 1e-2;
+  adam.beta1 = 0;
+  adam.weight_decay = 0.1;
+  auto p = std::make_shared<Parameter<double>>(RowMatrix<double>(RowMatrix<double>::Ones(3, 2)), "E");
+  embedhead::LazyAdamW<double> optimizer(adam, {p});
+  for (int s = 0; s < 3; ++s) {  // only row 0 is touched: rows 1 and 2 lag by three decays
+    p->zero_grad();
+    const Index row = 0;
+    Index slot = 0;
+    p->grad().touch_rows(&row, 1, &slot);
+    p->grad().slot_row(slot).setConstant(0.5);
+    optimizer.step();
+  }
+  p->set_trainable_rows({0, 2});
+  REQUIRE(optimizer.resize_state(*p));
+  // Dense AdamW (beta1 = 0, no gradient on rows 1 and 2: m = v = 0, no Adam move) multiplied both
+  // by (1 - lr wd)^3. Row 1 has left the state with it; row 2 stays in it, still lagging, and takes
+  // it on catch_up.
+  const double f = 1.0 - 1e-2 * 0.1, expected = f * f * f;
+  for (Index j = 0; j < 2; ++j) CHECK(std::fabs(p->value()(1, j) - expected) <= 1e-15);
+  CHECK(p->value().row(2).isOnes(0));
+  CHECK(optimizer.lagging_rows(*p) == 1);
+  optimizer.catch_up();
+  for (Index j = 0; j < 2; ++j) CHECK(std::fabs(p->value()(2, j) - expected) <= 1e-15);
+  CHECK(optimizer.lagging_rows(*p) == 0);
+}
+
+TEMPLATE_TEST_CASE("trainable rows: an empty mask trains nothing, through every path", "[trainable_rows]", float,
+                   double) {
+  using Scalar = TestType;
+  const Index V = 9, d = 4, N = 5;
+  TokenEmbedding<Scalar> embedding(V, d);
+  OutputProjection<Scalar> head(embedding);
+  embedding.set_trainable_rows({});
+  const RowMatrix<Scalar> before = embedding.weight().value();
+  const auto ids = random_ids<std::int32_t>(1, N, V, 91);
+  embedding.backward(ids, random_matrix<Scalar>(N, d, 92));
+  FusedHeadLoss<Scalar> loss;
+  RowMatrix<Scalar> dh(N, d);
+  loss.forward_backward(head, random_matrix<Scalar>(N, d, 93), ids, dh);
+  head.backward(random_matrix<Scalar>(N, d, 94), random_matrix<Scalar>(N, V, 95));
+  CHECK(embedding.weight().grad().num_touched() == 0);
+  embedhead::AdamW<Scalar> optimizer(embedhead::AdamOptions{}, embedding.parameters());
+  optimizer.set_skip_parameters_without_grad(false);
+  optimizer.step();
+  CHECK(first_difference(embedding.weight().value(), before).empty());
+  const auto state = optimizer.state();
+  for (const auto& [key, buffer] : state.parameters[0].buffers) CHECK(buffer.rows() == 0);
 }

@@ -52,7 +52,10 @@
 // State per parameter: m, v [V, d] ("exp_avg", "exp_avg_sq"); per row [V, 1] "last_step" (l, an
 // integer held exactly in Scalar), "decay_mantissa", "decay_exponent" (P_l); per parameter the
 // scalars "decay_mantissa", "decay_exponent" (P_t). resize_state: new rows are up to date at the
-// current t (l = t, P_l = P_t: no decay for steps before they existed, as dense AdamW's new rows).
+// current t (l = t, P_l = P_t: no decay for steps before they existed, as dense AdamW's new rows),
+// and a lagging row that leaves the state (a new row mask, Parameter::set_trainable_rows) is first
+// brought up to date, so it keeps the decays it was owed. With trainable rows the
+// per-row buffers are [k, ...] (optimizer.hpp).
 // Cost O(touched rows * d) per step; catch_up() O(V d). No threads: results do not depend on any
 // thread count.
 //
@@ -102,7 +105,8 @@ class LazyAdamW : public Optimizer<Scalar> {
   // Brings every row of every registered parameter (frozen ones too: this applies steps already
   // taken, it takes none) up to date with its parameter's step count, so each value is dense
   // AdamW's (beta1 = 0; see the header for beta1 > 0). Step counts unchanged. O(V d).
-  // \throws shape_error as step (a parameter resized without resize_state); nothing changes.
+  // \throws shape_error as step (a parameter resized, or its trainable rows changed, without
+  // resize_state); nothing changes.
   void catch_up() {
     this->check_state("catch_up");
     this->for_each_slot([&](ParameterBase<Scalar>& p, ValueRows<Scalar>& value, auto& state, auto& scalars,
@@ -256,6 +260,24 @@ class LazyAdamW : public Optimizer<Scalar> {
                 << " (a row's decays are a part of the parameter's: its catch-up would multiply by " << D << " > 1)";
         fail(message.str());
       }
+    }
+  }
+
+  // A lagging row that leaves the state (a new row mask) but stays in p's table is brought up to
+  // date first: it would otherwise lose its pending decay. Rows that stay keep their lag.
+  void before_resize_state(ParameterBase<Scalar>& p, ValueRows<Scalar>& value,
+                           std::map<std::string, RowMatrix<Scalar>>& state,
+                           const std::map<std::string, double>& scalars, std::int64_t t,
+                           const detail::StateRows& next) override {
+    if (state.find("last_step") == state.end()) return;  // never stepped: nothing lags
+    Buffers b = buffers(p, state);
+    const Running now = running(scalars);
+    for (Index r = 0; r < b.last.rows(); ++r) {
+      const Index row = value.value_row(r);
+      if (row >= p.rows() || static_cast<std::int64_t>(b.last(r, 0)) >= t) continue;  // dropped, or up to date
+      if (!next || std::binary_search(next->begin(), next->end(), row)) continue;     // stays in the state
+      bring_up_to_date(value.row(r), b, r, now, t, t);
+      value.store(r);
     }
   }
 

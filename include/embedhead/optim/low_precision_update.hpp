@@ -118,21 +118,19 @@ class ValueRows {
  public:
   using Row = Eigen::Map<Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
 
-  // A Scalar parameter, updated in place.
-  explicit ValueRows(Parameter<Scalar>& p)
-      : cols_(p.cols()),
-        ids_(p.trainable_rows() ? p.trainable_rows()->data() : nullptr),
-        count_(p.trainable_rows() ? static_cast<Index>(p.trainable_rows()->size()) : 0),
-        full_(p.value().data()) {}
+  // A Scalar parameter, updated in place. `ids`: the value rows of the state's rows (a row mask's
+  // ids), or null for every row.
+  explicit ValueRows(Parameter<Scalar>& p, const Index* ids = nullptr)
+      : cols_(p.cols()), ids_(ids), full_(p.value().data()) {}
   // A low-precision parameter written by `mode`; `stream` keyed for this parameter (stochastic),
-  // t its step count for this write, `compensation` [rows, cols] (kahan), `scratch` >= cols.
+  // t its step count for this write, `compensation` [state rows, cols] (kahan), `scratch` >= cols,
+  // `ids` as above.
   template <typename Storage>
   ValueRows(Parameter<Storage, Scalar>& p, LowPrecisionUpdate mode, const Rng& stream, std::int64_t t,
-            RowMatrix<Scalar>* compensation, Scalar* scratch)
+            RowMatrix<Scalar>* compensation, Scalar* scratch, const Index* ids = nullptr)
       : cols_(p.cols()),
         rows_(p.rows()),
-        ids_(p.trainable_rows() ? p.trainable_rows()->data() : nullptr),
-        count_(p.trainable_rows() ? static_cast<Index>(p.trainable_rows()->size()) : 0),
+        ids_(ids),
         mode_(mode),
         stream_(stream),
         t_(t),
@@ -152,9 +150,6 @@ class ValueRows {
   // store(i) after.
   Row row(Index i) {
     const Index r = value_row(i);
-    // With a row mask the rows lie apart in the table: ask for the next one while this one is
-    // updated (the rows of a contiguous table are streamed by the hardware prefetcher).
-    if (ids_ && i + 1 < count_) prefetch(ids_[i + 1]);
     if (full_) return Row(full_ + r * cols_, cols_);
     if (bf16_)
       widen(bf16_ + r * cols_, i);
@@ -174,17 +169,6 @@ class ValueRows {
   Index value_row(Index i) const { return ids_ ? ids_[i] : i; }
 
  private:
-  void prefetch(Index r) const {
-#if defined(__GNUC__) || defined(__clang__)
-    const char* bytes = full_   ? reinterpret_cast<const char*>(full_ + r * cols_)
-                        : bf16_ ? reinterpret_cast<const char*>(bf16_ + r * cols_)
-                                : reinterpret_cast<const char*>(fp16_ + r * cols_);
-    const Index length = cols_ * static_cast<Index>(full_ ? sizeof(Scalar) : 2);
-    for (Index offset = 0; offset < length; offset += 64) __builtin_prefetch(bytes + offset, 1);
-#else
-    (void)r;
-#endif
-  }
   template <typename Storage>
   void widen(const Storage* w, Index i) {
     for (Index j = 0; j < cols_; ++j) scratch_[j] = static_cast<Scalar>(w[j]);
@@ -218,7 +202,6 @@ class ValueRows {
 
   Index cols_ = 0, rows_ = 0;
   const Index* ids_ = nullptr;  // a row mask's ids: state row i is the value's row ids_[i]
-  Index count_ = 0;             // and their count
   Scalar* full_ = nullptr;
   Eigen::bfloat16* bf16_ = nullptr;
   Eigen::half* fp16_ = nullptr;

@@ -484,6 +484,15 @@ class Optimizer {
                              const std::map<std::string, double>& /*scalars*/, std::int64_t /*t*/) const {
     buffer.bottomRows(buffer.rows() - from).setConstant(static_cast<Scalar>(initial_buffer_value(key)));
   }
+  // Called by resize_state before p's buffers change, with `value` numbered as p's state still is
+  // (value.row(i): state row i, value.value_row(i) its row of p; one at or past p.rows() was dropped
+  // by Parameter::resize_rows) and `next`, the rows the state will hold (nullopt: every row of p):
+  // LazyAdamW brings the rows that leave the state but stay in p up to date here, so that they
+  // take their pending decay with them.
+  virtual void before_resize_state(ParameterBase<Scalar>& /*p*/, ValueRows<Scalar>& /*value*/,
+                                   std::map<std::string, RowMatrix<Scalar>>& /*state*/,
+                                   const std::map<std::string, double>& /*scalars*/, std::int64_t /*t*/,
+                                   const detail::StateRows& /*next*/) {}
   // The per-parameter scalars this optimizer keeps (Entry::scalars); load_state refuses others.
   virtual std::vector<std::string> scalar_names() const { return {}; }
   // Throws value_error if an entry load_state is given (of the right names and shapes; its own
@@ -670,22 +679,28 @@ class Optimizer {
   // Slot s's Kahan buffer, created (zero) if missing; null unless s is low precision under kahan.
   RowMatrix<Scalar>* compensation_of(std::size_t s) {
     if (!slots_[s].low_precision() || low_precision_.mode != LowPrecisionUpdate::kahan) return nullptr;
+    // A state made now holds the parameter's trainable rows.
+    if (state_[s].empty()) state_rows_[s] = detail::state_rows_of(slots_[s].base->trainable_rows());
     return &buffer(state_[s], detail::kKahanBuffer, *slots_[s].base);
   }
-  // Slot s's rows as its update reads and writes them, at its current step count.
-  ValueRows<Scalar> value_rows(std::size_t s) {
+  // Slot s's rows as its update reads and writes them, at its current step count, numbered as its
+  // state is (check_state has made sure the parameter's trainable rows are the state's), or as
+  // `rows` says (resize_state, before the state follows a new mask).
+  ValueRows<Scalar> value_rows(std::size_t s, const detail::StateRows* rows = nullptr) {
     const Slot& slot = slots_[s];
+    const std::vector<Index>* trainable = rows ? (*rows ? &**rows : nullptr) : slot.base->trainable_rows();
+    const Index* ids = trainable ? trainable->data() : nullptr;
     if constexpr (!std::is_same_v<Scalar, float>) {
-      return ValueRows<Scalar>(*slot.full);  // only float parameters have low-precision values
+      return ValueRows<Scalar>(*slot.full, ids);  // only float parameters have low-precision values
     } else {
-      if (slot.full) return ValueRows<Scalar>(*slot.full);
+      if (slot.full) return ValueRows<Scalar>(*slot.full, ids);
       const Rng stream(Rng(low_precision_.seed).bits_at(static_cast<std::uint64_t>(s)));
       if (static_cast<Index>(widened_.size()) < slot.base->cols())
         widened_.resize(static_cast<std::size_t>(slot.base->cols()));
       Scalar* scratch = widened_.data();
       if (slot.bf16)
-        return ValueRows<Scalar>(*slot.bf16, low_precision_.mode, stream, steps_[s], compensation_of(s), scratch);
-      return ValueRows<Scalar>(*slot.fp16, low_precision_.mode, stream, steps_[s], compensation_of(s), scratch);
+        return ValueRows<Scalar>(*slot.bf16, low_precision_.mode, stream, steps_[s], compensation_of(s), scratch, ids);
+      return ValueRows<Scalar>(*slot.fp16, low_precision_.mode, stream, steps_[s], compensation_of(s), scratch, ids);
     }
   }
 
@@ -785,13 +800,18 @@ bool Optimizer<Scalar>::resize_state(const ParameterBase<Scalar>& p) {
   const std::ptrdiff_t slot = slot_of(&p);
   if (slot < 0) return false;
   const auto s = static_cast<std::size_t>(slot);
+  const detail::StateRows next = detail::state_rows_of(p.trainable_rows());
+  if (!state_[s].empty()) {
+    ValueRows<Scalar> value = value_rows(s, &state_rows_[s]);  // numbered as the state still is
+    before_resize_state(*slots_[s].base, value, state_[s], scalars_[s], steps_[s], next);
+  }
   // Kept rows: without a mask before, those below the old row count, which every buffer of p still
   // has; with one, every old row (its ids are below p's rows unless p shrank, and ids at or past
   // p.rows() cannot be asked for).
   Index keep = p.rows();
   if (!state_rows_[s])
     for (const auto& entry : state_[s]) keep = std::min(keep, entry.second.rows());
-  detail::StateResize<Scalar> staged(*this, p, p.rows(), keep, detail::state_rows_of(p.trainable_rows()));
+  detail::StateResize<Scalar> staged(*this, p, p.rows(), keep, next);
   staged.commit();
   return true;
 }

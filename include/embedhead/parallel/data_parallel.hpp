@@ -15,7 +15,10 @@
 // sum_r k_r * (d * sizeof(S) + 8) bytes, exceed dense_threshold * V * d * sizeof(S). The default
 // threshold comes from bench/data_parallel_bench.cpp (bench/RESULTS.md, "Data-parallel gradient
 // exchange"). A gradient that is already dense on some rank (e.g. an untied head's dW, which
-// touches every row) always takes the dense path: its V rows would cost more sent sparsely.
+// touches every row) always takes the dense path: its V rows would cost more sent sparsely. A
+// gradient with a row mask (Parameter::set_trainable_rows; the same on every rank, checked by the
+// fingerprint) always takes the sparse path, whatever the mode, and reports dense = false: it has
+// no [V, d] buffer and at most its k rows to send.
 //
 //   embedding.backward(my_ids, dx);                     // each rank: its own part of the batch
 //   all_reduce_gradients(params, comm, {}, &workspace);  // E, W, b: each becomes the sum over ranks

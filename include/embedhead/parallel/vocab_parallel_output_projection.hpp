@@ -140,13 +140,14 @@ class VocabParallelOutputProjection {
     const auto* trainable = weight_->frozen() ? nullptr : weight_->trainable_rows();
     auto dW = weight_->frozen() || trainable ? Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, d)
                                              : weight_->grad().dense_accumulator();
-    if (trainable) {  // a row mask on the shard (local ids): dW on those rows only, before dh
-      auto dW_rows = weight_->grad().masked_accumulator();
-      std::vector<Scalar> gathered;
+    // A row mask on the shard (local ids): dW on those rows only; every buffer allocated first.
+    std::vector<Scalar> gathered;
+    if (trainable) gathered.reserve(static_cast<std::size_t>(N) * trainable->size());
+    auto dW_rows = trainable ? weight_->grad().masked_accumulator() : Eigen::Map<RowMatrix<Scalar>>(nullptr, 0, d);
+    auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : none;
+    if (trainable)
       detail::add_masked_rows_dW<Scalar>(h, dlocal_logits.data(), dlocal_logits.outerStride(), trainable->data(),
                                          static_cast<Index>(trainable->size()), dW_rows.data(), d, gathered);
-    }
-    auto db = bias_ && !bias_->frozen() ? bias_->grad().dense_accumulator() : none;
     // dW (which reads h) is computed before dh is written, so dh may be h.
     detail::output_projection_backward<Scalar>(h, weight_->value(), dlocal_logits, dh, dW, db, where);
     detail::all_reduce_sum_matrix<Scalar>(*comm_, dh);
