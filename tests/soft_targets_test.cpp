@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+using Catch::Matchers::Contains;
 using Catch::Matchers::WithinAbs;
 using Catch::Matchers::WithinRel;
 using embedhead::CrossEntropyOptions;
@@ -653,4 +654,96 @@ TEMPLATE_TEST_CASE("fused_head_loss_soft rejects bad targets and writes nothing"
                     where + "dh has shape [2, 4], expected [2, 3]");
   unchanged();
   CHECK((bad_dh.array() == Scalar(7)).all());
+}
+
+TEMPLATE_TEST_CASE("soft targets on the layer classes: CrossEntropyLoss and FusedHeadLoss equal the free functions",
+                   "[cross_entropy][fused_head_loss][soft]", float, double) {
+  using Scalar = TestType;
+  const Index N = 6, V = 11, d = 4, k = 3;
+  const RowMatrix<Scalar> h = random_matrix<Scalar>(N, d, 1801, 1.0);
+  const RandomSparse<Scalar> sparse = random_sparse<Scalar>(N, V, k, 1802);
+  const SparseTargets<Scalar> sparse_targets{sparse.ids, sparse.probs};
+  const RowMatrix<Scalar> dense = densify(sparse, V).template cast<Scalar>();
+  FusedHeadLossOptions options;
+  options.label_smoothing = 0.1;
+  options.vocab_block = 4;
+
+  SECTION("CrossEntropyLoss") {
+    const RowMatrix<Scalar> logits = random_matrix<Scalar>(N, V, 1803, 2.0);
+    const embedhead::CrossEntropyLoss<Scalar> loss(options);
+    RowMatrix<Scalar> d1(N, V), d2(N, V), d3(N, V), d4(N, V);
+    CHECK(loss.forward_soft(logits, dense).loss == embedhead::cross_entropy_soft<Scalar>(logits, dense, options).loss);
+    CHECK(loss.forward_soft(logits, sparse_targets).loss ==
+          embedhead::cross_entropy_soft<Scalar>(logits, sparse_targets, options).loss);
+    CHECK(loss.forward_backward_soft(logits, dense, d1).loss ==
+          embedhead::cross_entropy_soft_forward_backward<Scalar>(logits, dense, d2, options).loss);
+    CHECK(first_difference(d1, d2).empty());
+    CHECK(loss.forward_backward_soft(logits, sparse_targets, d3).loss ==
+          embedhead::cross_entropy_soft_forward_backward<Scalar>(logits, sparse_targets, d4, options).loss);
+    CHECK(first_difference(d3, d4).empty());
+  }
+  SECTION("FusedHeadLoss on a head with a bias, and with trainable rows") {
+    embedhead::OutputProjectionOptions head_options;
+    head_options.bias = true;
+    embedhead::OutputProjection<Scalar> head(V, d, head_options);
+    head.bias()->value() = random_matrix<Scalar>(V, 1, 1804, 0.5);
+    const RowMatrix<Scalar> W = head.weight().value(), b = head.bias()->value();
+    embedhead::FusedHeadLoss<Scalar> layer(options);
+    embedhead::FusedHeadLossWorkspace<Scalar> ws;
+    for (const bool use_sparse : {false, true}) {
+      CAPTURE(use_sparse);
+      head.zero_grad();
+      RowMatrix<Scalar> dh(N, d), dh_ref(N, d), dW_ref = RowMatrix<Scalar>::Zero(V, d),
+                                                db_ref = RowMatrix<Scalar>::Zero(V, 1);
+      const double got = use_sparse ? layer.forward_backward_soft(head, h, sparse_targets, dh).loss
+                                    : layer.forward_backward_soft(head, h, dense, dh).loss;
+      const double expected = use_sparse
+                                  ? embedhead::fused_head_loss_soft_forward_backward<Scalar>(h, W, b, sparse_targets,
+                                                                                             dh_ref, dW_ref, db_ref, ws,
+                                                                                             options)
+                                        .loss
+                                  : embedhead::fused_head_loss_soft_forward_backward<Scalar>(h, W, b, dense, dh_ref,
+                                                                                             dW_ref, db_ref, ws,
+                                                                                             options)
+                                        .loss;
+      CHECK(got == expected);
+      CHECK(first_difference(dh, dh_ref).empty());
+      CHECK(first_difference(head.weight().grad().to_dense(), dW_ref).empty());
+      CHECK(first_difference(head.bias()->grad().to_dense(), db_ref).empty());
+      CHECK((use_sparse ? layer.forward_soft(head, h, sparse_targets).loss : layer.forward_soft(head, h, dense).loss) ==
+            expected);
+    }
+    // Trainable rows: dW on those rows only, the same values to rounding.
+    const std::vector<Index> rows = {2, 7};
+    head.set_trainable_rows(rows);
+    head.bias()->zero_grad();
+    RowMatrix<Scalar> dh(N, d), dh_ref(N, d), dW_ref = RowMatrix<Scalar>::Zero(V, d),
+                                              db_ref = RowMatrix<Scalar>::Zero(V, 1);
+    layer.forward_backward_soft(head, h, dense, dh);
+    embedhead::fused_head_loss_soft_forward_backward<Scalar>(h, W, b, dense, dh_ref, dW_ref, db_ref, ws, options);
+    CHECK(first_difference(dh, dh_ref).empty());
+    REQUIRE(head.weight().grad().touched_rows() == rows);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const RowMatrix<Scalar> got = head.weight().grad().touched_row(static_cast<Index>(i));
+      const RowMatrix<Scalar> want = dW_ref.row(rows[i]);
+      CHECK(test_support::close(got, want, loss_tolerance<Scalar>()));
+    }
+    head.weight().set_all_rows_trainable();
+
+    // Bad targets: the error names the layer's call, and the gradients (their modes too) and dh are
+    // unchanged.
+    head.zero_grad();
+    RowMatrix<Scalar> bad = dense;
+    bad(1, 0) += Scalar(0.5);
+    RowMatrix<Scalar> dh_bad = RowMatrix<Scalar>::Constant(N, d, 7);
+    CHECK_THROWS_WITH(layer.forward_backward_soft(head, h, bad, dh_bad),
+                      Contains("FusedHeadLoss::forward_backward_soft: targets of row n=1 sum to"));
+    CHECK(head.weight().grad().num_touched() == 0);
+    CHECK_FALSE(head.weight().grad().is_dense());
+    CHECK_FALSE(head.bias()->grad().is_dense());
+    CHECK((dh_bad.array() == Scalar(7)).all());
+    CHECK_THROWS_WITH(layer.forward_backward_soft(head, h.leftCols(2), dense, dh_bad),
+                      Contains("FusedHeadLoss::forward_backward_soft: h has shape [6, 2]"));
+    CHECK_FALSE(head.weight().grad().is_dense());
+  }
 }

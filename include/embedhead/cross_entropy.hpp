@@ -663,6 +663,31 @@ class CrossEntropyLoss {
     });
   }
 
+  // Soft (probability) targets, as cross_entropy_soft[_forward_backward]: logits [N, V], targets
+  // [N, C] (or [N, V]) or SparseTargets [N, k] -> loss (and dlogits [N, V]).
+  CrossEntropyResult forward_soft(const ConstMatrixRef<Scalar>& logits, const ConstMatrixRef<Scalar>& targets) const {
+    return detail::soft_cross_entropy_pass<Scalar>(logits, detail::DenseSoftTargets<Scalar>{targets}, options_, nullptr,
+                                                   nullptr, "CrossEntropyLoss::forward_soft");
+  }
+  CrossEntropyResult forward_soft(const ConstMatrixRef<Scalar>& logits, const SparseTargets<Scalar>& targets) const {
+    return detail::visit_sparse_targets(targets, [&](const auto& sparse) {
+      return detail::soft_cross_entropy_pass<Scalar>(logits, sparse, options_, nullptr, nullptr,
+                                                     "CrossEntropyLoss::forward_soft");
+    });
+  }
+  CrossEntropyResult forward_backward_soft(const ConstMatrixRef<Scalar>& logits, const ConstMatrixRef<Scalar>& targets,
+                                           MatrixRef<Scalar> dlogits) const {
+    return detail::soft_cross_entropy_pass<Scalar>(logits, detail::DenseSoftTargets<Scalar>{targets}, options_,
+                                                   &dlogits, nullptr, "CrossEntropyLoss::forward_backward_soft");
+  }
+  CrossEntropyResult forward_backward_soft(const ConstMatrixRef<Scalar>& logits, const SparseTargets<Scalar>& targets,
+                                           MatrixRef<Scalar> dlogits) const {
+    return detail::visit_sparse_targets(targets, [&](const auto& sparse) {
+      return detail::soft_cross_entropy_pass<Scalar>(logits, sparse, options_, &dlogits, nullptr,
+                                                     "CrossEntropyLoss::forward_backward_soft");
+    });
+  }
+
  private:
   CrossEntropyOptions options_;
 };

@@ -79,6 +79,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -780,11 +781,21 @@ CrossEntropyResult fused_head_loss(const ConstMatrixRef<Scalar>& h, const ConstM
 
 namespace detail {
 
-template <typename Scalar, typename Checked>
+// Where a soft-target pass adds dW and db (each null or empty: none), and W's trainable rows (a row
+// mask: dW is then [k, d]), made by a callable once the targets are checked: a layer's
+// accumulators switch its gradients' modes, which must not happen for a call that then throws.
+template <typename Scalar>
+struct SoftGradients {
+  MatrixRef<Scalar>* dW = nullptr;
+  MatrixRef<Scalar>* db = nullptr;
+  const std::vector<Index>* dW_mask = nullptr;
+};
+
+template <typename Scalar, typename Checked, typename Gradients>
 CrossEntropyResult fused_soft_pass(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                    const ConstMatrixRef<Scalar>& bias, const Checked& checked,
-                                   const SoftTargetRows<Scalar>& soft, MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW,
-                                   MatrixRef<Scalar>* db, FusedHeadLossWorkspace<Scalar>& workspace,
+                                   const SoftTargetRows<Scalar>& soft, MatrixRef<Scalar>* dh,
+                                   const Gradients& gradients, FusedHeadLossWorkspace<Scalar>& workspace,
                                    const FusedHeadLossOptions& options, const FusedHeadLossExtras<Scalar>& extras,
                                    const char* where) {
   const Index N = h.rows(), V = W.rows();
@@ -796,26 +807,27 @@ CrossEntropyResult fused_soft_pass(const ConstMatrixRef<Scalar>& h, const ConstM
   // The class-index checks see N targets of class 0: every row counted, none out of range.
   const std::vector<std::int32_t> zeros(static_cast<std::size_t>(N), 0);
   const TypedTokenIds<std::int32_t> counted(zeros.data(), 1, N, N, 1);
-  return fused_head_loss_pass<Scalar, std::int32_t>(h, W, bias, counted, extras, dh, dW, db, options, workspace, where,
-                                                    nullptr, &rows);
+  const SoftGradients<Scalar> out = dh ? gradients() : SoftGradients<Scalar>{};
+  return fused_head_loss_pass<Scalar, std::int32_t>(h, W, bias, counted, extras, dh, out.dW, out.db, options, workspace,
+                                                    where, nullptr, &rows, out.dW_mask);
 }
 
-template <typename Scalar>
+template <typename Scalar, typename Gradients>
 CrossEntropyResult fused_soft_dense(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                     const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& targets,
-                                    MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                    MatrixRef<Scalar>* dh, const Gradients& gradients,
                                     FusedHeadLossWorkspace<Scalar>& workspace, const FusedHeadLossOptions& options,
                                     const FusedHeadLossExtras<Scalar>& extras, const char* where) {
   SoftTargetRows<Scalar> soft;
   soft.dense = &targets;
-  return fused_soft_pass(h, W, bias, DenseSoftTargets<Scalar>{targets}, soft, dh, dW, db, workspace, options, extras,
+  return fused_soft_pass(h, W, bias, DenseSoftTargets<Scalar>{targets}, soft, dh, gradients, workspace, options, extras,
                          where);
 }
 
-template <typename Scalar>
+template <typename Scalar, typename Gradients>
 CrossEntropyResult fused_soft_sparse(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                      const ConstMatrixRef<Scalar>& bias, const SparseTargets<Scalar>& targets,
-                                     MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                     MatrixRef<Scalar>* dh, const Gradients& gradients,
                                      FusedHeadLossWorkspace<Scalar>& workspace, const FusedHeadLossOptions& options,
                                      const FusedHeadLossExtras<Scalar>& extras, const char* where) {
   return targets.ids.visit([&](const auto& typed) {
@@ -831,7 +843,7 @@ CrossEntropyResult fused_soft_sparse(const ConstMatrixRef<Scalar>& h, const Cons
         for (Index i = 0; i < soft.k; ++i)
           soft.ids[static_cast<std::size_t>(n * soft.k + i)] = static_cast<Index>(typed(n, i));
     }
-    return fused_soft_pass(h, W, bias, checked, soft, dh, dW, db, workspace, options, extras, where);
+    return fused_soft_pass(h, W, bias, checked, soft, dh, gradients, workspace, options, extras, where);
   });
 }
 
@@ -845,7 +857,8 @@ CrossEntropyResult fused_head_loss_soft_forward_backward(
     const ConstMatrixRef<Scalar>& targets, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> db,
     FusedHeadLossWorkspace<Scalar>& workspace, const FusedHeadLossOptions& options = {},
     const FusedHeadLossExtras<Scalar>& extras = {}) {
-  return detail::fused_soft_dense<Scalar>(h, W, bias, targets, &dh, &dW, &db, workspace, options, extras,
+  const auto gradients = [&] { return detail::SoftGradients<Scalar>{&dW, &db}; };
+  return detail::fused_soft_dense<Scalar>(h, W, bias, targets, &dh, gradients, workspace, options, extras,
                                           "fused_head_loss_soft_forward_backward");
 }
 
@@ -856,7 +869,8 @@ CrossEntropyResult fused_head_loss_soft_forward_backward(
     const SparseTargets<Scalar>& targets, MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> db,
     FusedHeadLossWorkspace<Scalar>& workspace, const FusedHeadLossOptions& options = {},
     const FusedHeadLossExtras<Scalar>& extras = {}) {
-  return detail::fused_soft_sparse<Scalar>(h, W, bias, targets, &dh, &dW, &db, workspace, options, extras,
+  const auto gradients = [&] { return detail::SoftGradients<Scalar>{&dW, &db}; };
+  return detail::fused_soft_sparse<Scalar>(h, W, bias, targets, &dh, gradients, workspace, options, extras,
                                            "fused_head_loss_soft_forward_backward");
 }
 
@@ -867,7 +881,8 @@ CrossEntropyResult fused_head_loss_soft(const ConstMatrixRef<Scalar>& h, const C
                                         FusedHeadLossWorkspace<Scalar>& workspace,
                                         const FusedHeadLossOptions& options = {},
                                         const FusedHeadLossExtras<Scalar>& extras = {}) {
-  return detail::fused_soft_dense<Scalar>(h, W, bias, targets, nullptr, nullptr, nullptr, workspace, options, extras,
+  const auto none = [] { return detail::SoftGradients<Scalar>{}; };
+  return detail::fused_soft_dense<Scalar>(h, W, bias, targets, nullptr, none, workspace, options, extras,
                                           "fused_head_loss_soft");
 }
 
@@ -878,7 +893,8 @@ CrossEntropyResult fused_head_loss_soft(const ConstMatrixRef<Scalar>& h, const C
                                         FusedHeadLossWorkspace<Scalar>& workspace,
                                         const FusedHeadLossOptions& options = {},
                                         const FusedHeadLossExtras<Scalar>& extras = {}) {
-  return detail::fused_soft_sparse<Scalar>(h, W, bias, targets, nullptr, nullptr, nullptr, workspace, options, extras,
+  const auto none = [] { return detail::SoftGradients<Scalar>{}; };
+  return detail::fused_soft_sparse<Scalar>(h, W, bias, targets, nullptr, none, workspace, options, extras,
                                            "fused_head_loss_soft");
 }
 
@@ -974,7 +990,70 @@ class FusedHeadLoss {
     return targets.visit([&](const auto& typed) { return forward_impl(head, h, typed, extras); });
   }
 
+  // Soft (probability) targets, as fused_head_loss_soft_forward_backward: h [N, d], targets [N, C]
+  // (or [N, V]) or SparseTargets [N, k] -> loss; dh [N, d] written; the head's gradients += as
+  // forward_backward (a frozen W or bias takes nothing, trainable rows their dW only).
+  // \throws as fused_head_loss_soft_forward_backward; gradients, dh and extras unchanged on throw.
+  CrossEntropyResult forward_backward_soft(OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
+                                           const ConstMatrixRef<Scalar>& targets, MatrixRef<Scalar> dh,
+                                           const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return soft_impl(head, &head, h, targets, &dh, extras, "FusedHeadLoss::forward_backward_soft");
+  }
+  CrossEntropyResult forward_backward_soft(OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
+                                           const SparseTargets<Scalar>& targets, MatrixRef<Scalar> dh,
+                                           const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return soft_impl(head, &head, h, targets, &dh, extras, "FusedHeadLoss::forward_backward_soft");
+  }
+  // The same without a gradient (evaluation).
+  CrossEntropyResult forward_soft(const OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
+                                  const ConstMatrixRef<Scalar>& targets,
+                                  const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return soft_impl(head, nullptr, h, targets, nullptr, extras, "FusedHeadLoss::forward_soft");
+  }
+  CrossEntropyResult forward_soft(const OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
+                                  const SparseTargets<Scalar>& targets,
+                                  const FusedHeadLossExtras<Scalar>& extras = {}) {
+    return soft_impl(head, nullptr, h, targets, nullptr, extras, "FusedHeadLoss::forward_soft");
+  }
+
  private:
+  // Soft targets on a head (writable: the same head, to take the gradients, or null): every check
+  // of the pass first (its shapes and finite inputs here, the targets and options in
+  // fused_soft_pass), the head's accumulators only after them.
+  template <typename Targets>
+  CrossEntropyResult soft_impl(const OutputProjection<Scalar>& head, OutputProjection<Scalar>* writable,
+                               const ConstMatrixRef<Scalar>& h, const Targets& targets, MatrixRef<Scalar>* dh,
+                               const FusedHeadLossExtras<Scalar>& extras, const char* where) {
+    const Index N = h.rows(), V = head.vocab_size();
+    const Parameter<Scalar>& weight = head.weight();
+    const std::vector<std::int32_t> zeros(static_cast<std::size_t>(N), 0);
+    const TypedTokenIds<std::int32_t> counted(zeros.data(), 1, N, N, 1);
+    detail::check_fused_head_loss<Scalar, std::int32_t>(where, h, V, head.dim(), bias_of(head), counted, extras, dh,
+                                                        nullptr, nullptr, options_, V);
+    detail::check_finite_inputs<Scalar, Scalar, std::int32_t>(where, h, weight.value(), bias_of(head), counted,
+                                                              options_, V);
+    // The accumulators, made by the pass once the targets are checked (a const head: no gradient).
+    Eigen::Map<RowMatrix<Scalar>> no_output(nullptr, 0, 1);
+    std::optional<Eigen::Map<RowMatrix<Scalar>>> dW_map, db_map;
+    std::optional<MatrixRef<Scalar>> dW_ref, db_ref;
+    const auto gradients = [&] {
+      Parameter<Scalar>& W = writable->weight();
+      const std::vector<Index>* trainable = W.frozen() ? nullptr : W.trainable_rows();
+      dW_map.emplace(W.frozen() ? no_output : trainable ? W.grad().masked_accumulator() : W.grad().dense_accumulator());
+      Parameter<Scalar>* bias = writable->bias();
+      db_map.emplace(bias && !bias->frozen() ? bias->grad().dense_accumulator() : no_output);
+      dW_ref.emplace(*dW_map);
+      db_ref.emplace(*db_map);
+      return detail::SoftGradients<Scalar>{&*dW_ref, &*db_ref, trainable};
+    };
+    if constexpr (std::is_same_v<Targets, SparseTargets<Scalar>>)
+      return detail::fused_soft_sparse<Scalar>(h, weight.value(), bias_of(head), targets, dh, gradients, workspace_,
+                                               options_, extras, where);
+    else
+      return detail::fused_soft_dense<Scalar>(h, weight.value(), bias_of(head), targets, dh, gradients, workspace_,
+                                              options_, extras, where);
+  }
+
   static Eigen::Map<const RowMatrix<Scalar>> bias_of(const OutputProjection<Scalar>& head) {
     if (head.bias()) return head.bias()->value();
     return {nullptr, 0, 1};
