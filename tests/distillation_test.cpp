@@ -340,7 +340,7 @@ TEST_CASE("distillation: every row masked gives 0 and zero gradients", "[distill
   REQUIRE(dW.isZero(0));
 }
 
-TEMPLATE_TEST_CASE("distillation: bad input throws and changes nothing", "[distillation]", float, double) {
+TEMPLATE_TEST_CASE("distillation: bad input throws and changes nothing", "[distillation][errors]", float, double) {
   using Scalar = TestType;
   const Problem P;
   const RowMatrix<Scalar> h = cast<Scalar>(P.h), W = cast<Scalar>(P.W), hT = cast<Scalar>(P.hT),
