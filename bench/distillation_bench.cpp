@@ -7,9 +7,9 @@
 //                                  vocab_blocks (8 N V d flops), P = 1 automatic (here token
 //                                  chunks of all 512 tokens, 6 N V d)
 //   Distill/what:W/threads:T       W = 0 teacher head, forward KL (12 N V d); 1 teacher head,
-//                                  reverse KL (16 N V d); 2 cached dense log-probs, forward KL
+//                                  reverse KL (12 N V d); 2 cached dense log-probs, forward KL
 //                                  (6 N V d and reading [N, V]); 3 teacher head, forward KL with
-//                                  the teacher's gradients (20 N V d); all at T = 2
+//                                  the teacher's gradients (16 N V d); all at T = 2
 //
 // Counter extra_MiB: the workspace's buffers after the call (the logits blocks and their rows' sums).
 #include "bench_support.hpp"  // first: its pragma must precede every other include

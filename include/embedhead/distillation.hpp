@@ -23,16 +23,18 @@
 //
 // Passes over the vocabulary, vocab_block rows of W (and W_T) at a time, all counted tokens at once:
 //   1  both blocks of logits, each row's online max and sum of exponentials (SoftmaxRowStats,
-//      in double) -> lse(a), lse(b);
-//   2  both blocks again, each row's sums K (K_p, K_q), in double, block by block in order;
-//      for forward_kl without the teacher's gradient also dz = dL/ds, then dW += dz^T h, dh += dz W;
-//   3  (reverse_kl, jsd, or any teacher gradient) the gradient pass: both blocks again, dz from the
-//      sums of pass 2, dW += dz^T h, dh += dz W (and dW_T += dz_T^T h_T, dh_T += dz_T W_T).
+//      in double) -> lse(a), lse(b); for the KLs also, online beside the weighting distribution's
+//      statistics, X = sum_j exp(a_j - max) (a_j - b_j) (reverse; forward: a and b swapped), so
+//      that K = X / S - lse(a) + lse(b) is known after pass 1;
+//   2  both blocks again, each row's sums (K, or K_p and K_q), in double, block by block in order;
+//      for the KLs also dz = dL/ds (and dz_T = dL/du) from K, then dW += dz^T h, dh += dz W (and
+//      dW_T += dz_T^T h_T, dh_T += dz_T W_T); the loss is pass 2's K, not pass 1's X;
+//   3  (jsd with a gradient) the gradient pass: both blocks again, dz from the sums of pass 2.
 // Extra memory: two blocks of logits [N, vocab_block] (the student's and the teacher's) and a few
-// doubles per row. Cost in GEMMs (d_T = d): forward_kl loss and student gradient 12 N V d flops
-// (the student-only fused loss: 6 to 8 N V d); reverse_kl and jsd 16 N V d; with the teacher's
-// gradient 20 N V d. Cached log-probs replace the teacher's products by reading [N, V] (or [N, k]).
-//
+// doubles per row. Cost in GEMMs (d_T = d): the KLs' loss and student gradient 12 N V d flops
+// (the student-only fused loss: 6 N V d in token chunks, 8 in vocabulary blocks), jsd's 16 N V d;
+// the teacher's gradient adds 4 N V d. Cached log-probs replace the teacher's products by reading
+// [N, V] (or [N, k]); the loss alone is 4 N V d (teacher head) or 2 N V d (cached).
 // Cached log-probs: a dense row must be log-probabilities, |log sum_j exp(l_j)| <= 1e-3, without NaN
 // or +inf (-inf: probability 0). Top-k: the k classes of each row are the teacher's whole support,
 // renormalised over them (q = softmax(l_k / T) on the k ids, 0 elsewhere); their probabilities must
@@ -87,6 +89,7 @@ struct DistillationWorkspace {
   std::vector<Scalar> student, teacher;  // [N, vocab_block] each: a block of a and of b, then of dz
   std::vector<detail::SoftmaxRowStats> student_stats, teacher_stats;
   std::vector<double> lse_student, lse_teacher, sum_p, sum_q;  // per row
+  std::vector<double> cross;                                   // per row: X of pass 1, then K
   std::vector<Index> top_ids;                                  // a top-k row's ids, sorted (the check)
 };
 
@@ -177,6 +180,36 @@ void check_logprob_row(const char* where, const char* what, const Row& row, Inde
   }
 }
 
+// The online statistics of x [width] (SoftmaxRowStats: max, S) and beside them, at the same max,
+// X = sum_j exp(x_j - max) (x_j - y_j) (a term with exp 0 adds 0), rescaled as S when the max grows.
+// For the KLs' row sum K from pass 1: sum_j p_j (a_j - b_j) = X / S.
+template <typename Scalar>
+void accumulate_cross(SoftmaxRowStats& stats, double& X, const Scalar* x, const Scalar* y, Index width) {
+  using Lanes = SoftmaxLanes<Scalar>;
+  using D = SoftmaxLanes<double>;
+  const double block_max = static_cast<double>(row_max(x, width));
+  if (block_max > stats.max) {
+    if (X != 0.0) X *= std::exp(stats.max - block_max);
+    stats.rescale_to(block_max);
+  }
+  const Scalar minus_inf = -std::numeric_limits<Scalar>::infinity();
+  const Scalar shift = stats.max == -std::numeric_limits<double>::infinity() ? Scalar(0)
+                                                                             : static_cast<Scalar>(stats.max);
+  D sum = D::Zero(), cross = D::Zero();
+  for (Index j = 0; j < width; j += kSoftmaxLanes) {
+    const Index count = std::min(kSoftmaxLanes, width - j);
+    const Lanes sx = count == kSoftmaxLanes ? Lanes(Eigen::Map<const Lanes>(x + j))
+                                            : load_partial_lanes(x + j, count, minus_inf);
+    const Lanes sy = count == kSoftmaxLanes ? Lanes(Eigen::Map<const Lanes>(y + j))
+                                            : load_partial_lanes(y + j, count, Scalar(0));
+    const D e = exp_lanes<Scalar>(Lanes(sx - shift)).template cast<double>();
+    sum += e;
+    cross += (e > 0.0).select(e * (sx.template cast<double>() - sy.template cast<double>()), D::Zero());
+  }
+  stats.sum_exp += sum.sum();
+  X += cross.sum();
+}
+
 // One row's block of columns: a, b [width] (already divided by T), the row's lse of each. Adds the
 // row's sums (sum_p: K or K_p; sum_q: K_q) over the block when `sums`; writes dL/ds into ga and
 // dL/du into gb (each may be a or b itself, or null) with the coefficients ca, cb (w c / T, the
@@ -199,7 +232,10 @@ void distill_row_block(DistillKind kind, double beta, const Scalar* a, const Sca
                                             : load_partial_lanes(b + j, count, minus_inf);
     const D lp = sa.template cast<double>() - lse_a;
     const D lq = sb.template cast<double>() - lse_b;
-    const D p = exp_lanes<double>(lp), q = exp_lanes<double>(lq);
+    // p and q by Scalar's exp (in float 1e-7 relative, twice as fast as double's), the logs and
+    // the sums in double.
+    const D p = exp_lanes<Scalar>(Lanes(sa - static_cast<Scalar>(lse_a))).template cast<double>();
+    const D q = exp_lanes<Scalar>(Lanes(sb - static_cast<Scalar>(lse_b))).template cast<double>();
     D tp, tq, dp, dq;  // the row terms; dL/da, dL/db before their coefficients
     if (kind == DistillKind::fkl) {
       tp = (q > 0.0).select(q * (lq - lp), D::Zero());
@@ -335,6 +371,7 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
   ws.lse_teacher.assign(static_cast<std::size_t>(N), 0.0);
   ws.sum_p.assign(static_cast<std::size_t>(N), 0.0);
   ws.sum_q.assign(static_cast<std::size_t>(N), 0.0);
+  ws.cross.assign(static_cast<std::size_t>(N), 0.0);
   const Scalar inv_T = static_cast<Scalar>(1.0 / T);
   const Index k = teacher.topk ? teacher.topk->cols() : 0;
 
@@ -373,21 +410,36 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
     parallel_rows(N, [&](Index n) {
       if (!counted(n)) return;
       const std::size_t i = static_cast<std::size_t>(n);
-      ws.student_stats[i].accumulate(ws.student.data() + n * width, width, -1, terms);
-      ws.teacher_stats[i].accumulate(ws.teacher.data() + n * width, width, -1, terms);
+      const Scalar* a = ws.student.data() + n * width;
+      const Scalar* b = ws.teacher.data() + n * width;
+      // The KLs' X beside the statistics of the distribution that weights them (reverse: p's,
+      // forward: q's); jsd has none.
+      if (kind == DistillKind::rkl)
+        accumulate_cross(ws.student_stats[i], ws.cross[i], a, b, width);
+      else
+        ws.student_stats[i].accumulate(a, width, -1, terms);
+      if (kind == DistillKind::fkl)
+        accumulate_cross(ws.teacher_stats[i], ws.cross[i], b, a, width);
+      else
+        ws.teacher_stats[i].accumulate(b, width, -1, terms);
     });
   }
   for (Index n = 0; n < N; ++n) {
     const std::size_t i = static_cast<std::size_t>(n);
     ws.lse_student[i] = ws.student_stats[i].max + std::log(ws.student_stats[i].sum_exp);
     ws.lse_teacher[i] = ws.teacher_stats[i].max + std::log(ws.teacher_stats[i].sum_exp);
+    // K = X / S - lse + lse' (reverse: sum_j p_j (a_j - b_j) - lse(a) + lse(b); forward mirrored).
+    if (kind == DistillKind::rkl)
+      ws.cross[i] = ws.cross[i] / ws.student_stats[i].sum_exp - ws.lse_student[i] + ws.lse_teacher[i];
+    else if (kind == DistillKind::fkl)
+      ws.cross[i] = ws.cross[i] / ws.teacher_stats[i].sum_exp - ws.lse_teacher[i] + ws.lse_student[i];
   }
   // The gradient's coefficients on dL/da and dL/db, times 1/T for ds and du.
   const double c = scale * factor / T;
   const double ca = kind == DistillKind::jsd ? c * (1.0 - beta) : c;
   const double cb = kind == DistillKind::jsd ? c * beta : c;
-  // The gradient in pass 2 when it needs no row sum: forward_kl's student gradient alone.
-  const bool gradient_in_sums = gradient && kind == DistillKind::fkl && !teacher_dh;
+  // The gradient in pass 2 when its row sums are known from pass 1: both KLs.
+  const bool gradient_in_sums = gradient && kind != DistillKind::jsd;
   // One pass over the blocks: row sums (sums), gradients (grad) and their products.
   auto walk = [&](bool sums, bool grad) {
     for (Index v0 = 0; v0 < V; v0 += block) {
@@ -403,8 +455,8 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
           return;
         }
         distill_row_block(kind, beta, a, b, width, ws.lse_student[i], ws.lse_teacher[i], sums, &ws.sum_p[i],
-                          &ws.sum_q[i], grad ? a : nullptr, grad && teacher_dh ? b : nullptr, ca, cb, ws.sum_p[i],
-                          ws.sum_q[i]);
+                          &ws.sum_q[i], grad ? a : nullptr, grad && teacher_dh ? b : nullptr, ca, cb,
+                          kind == DistillKind::jsd ? ws.sum_p[i] : ws.cross[i], ws.sum_q[i]);
       });
       if (!grad) continue;
       distill_backward(ws.student.data(), N, width, h, W, v0, dh, want_dW ? dW : nullptr);
