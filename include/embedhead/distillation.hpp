@@ -34,7 +34,7 @@
 // doubles per row. Cost in GEMMs (d_T = d): the KLs' loss and student gradient 12 N V d flops
 // (the student-only fused loss: 6 N V d in token chunks, 8 in vocabulary blocks), jsd's 16 N V d;
 // the teacher's gradient adds 4 N V d. Cached log-probs replace the teacher's products by reading
-// [N, V] (or [N, k]); the loss alone is 4 N V d (teacher head) or 2 N V d (cached).
+// [N, V] (or [N, k]); the loss alone is 8 N V d (teacher head) or 4 N V d (cached).
 // Cached log-probs: a dense row must be log-probabilities, |log sum_j exp(l_j)| <= 1e-3, without NaN
 // or +inf (-inf: probability 0). Top-k: the k classes of each row are the teacher's whole support,
 // renormalised over them (q = softmax(l_k / T) on the k ids, 0 elsewhere); their probabilities must
@@ -181,7 +181,8 @@ void check_logprob_row(const char* where, const char* what, const Row& row, Inde
 }
 
 // The online statistics of x [width] (SoftmaxRowStats: max, S) and beside them, at the same max,
-// X = sum_j exp(x_j - max) (x_j - y_j) (a term with exp 0 adds 0), rescaled as S when the max grows.
+// X = sum_j exp(x_j - max) (x_j - y_j) (a term with exp 0 adds 0), rescaled as S when the max grows;
+// each term in Scalar (X only sets the gradient's K: the loss is pass 2's sum, in double).
 // For the KLs' row sum K from pass 1: sum_j p_j (a_j - b_j) = X / S.
 template <typename Scalar>
 void accumulate_cross(SoftmaxRowStats& stats, double& X, const Scalar* x, const Scalar* y, Index width) {
@@ -195,16 +196,27 @@ void accumulate_cross(SoftmaxRowStats& stats, double& X, const Scalar* x, const 
   const Scalar minus_inf = -std::numeric_limits<Scalar>::infinity();
   const Scalar shift = stats.max == -std::numeric_limits<double>::infinity() ? Scalar(0)
                                                                              : static_cast<Scalar>(stats.max);
+  // In Scalar over runs of kSoftmaxRun blocks, each run's lanes then added in double (as
+  // sum_exp_shifted).
   D sum = D::Zero(), cross = D::Zero();
+  Lanes part_sum = Lanes::Zero(), part_cross = Lanes::Zero();
+  Index run = 0;
   for (Index j = 0; j < width; j += kSoftmaxLanes) {
     const Index count = std::min(kSoftmaxLanes, width - j);
     const Lanes sx = count == kSoftmaxLanes ? Lanes(Eigen::Map<const Lanes>(x + j))
                                             : load_partial_lanes(x + j, count, minus_inf);
     const Lanes sy = count == kSoftmaxLanes ? Lanes(Eigen::Map<const Lanes>(y + j))
                                             : load_partial_lanes(y + j, count, Scalar(0));
-    const D e = exp_lanes<Scalar>(Lanes(sx - shift)).template cast<double>();
-    sum += e;
-    cross += (e > 0.0).select(e * (sx.template cast<double>() - sy.template cast<double>()), D::Zero());
+    const Lanes e = exp_lanes<Scalar>(Lanes(sx - shift));
+    part_sum += e;
+    part_cross += (e > Scalar(0)).select(e * (sx - sy), Lanes::Zero());
+    if (++run == kSoftmaxRun || j + kSoftmaxLanes >= width) {
+      sum += part_sum.template cast<double>();
+      cross += part_cross.template cast<double>();
+      part_sum.setZero();
+      part_cross.setZero();
+      run = 0;
+    }
   }
   stats.sum_exp += sum.sum();
   X += cross.sum();
