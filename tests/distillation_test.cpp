@@ -326,6 +326,47 @@ TEST_CASE("distillation: gradients against central differences in double", "[dis
   }
 }
 
+TEST_CASE("distillation: jsd at beta 0 and 1 is the KLs without T^2; top-k with k = V is dense; any block",
+          "[distillation]") {
+  const Problem P;
+  const RowMatrix<double> logq = log_softmax(P.u(), 1.0);
+  DistillationWorkspace<double> ws;
+  const double T = 1.7;
+  auto loss = [&](const DistillationOptions& o) {
+    return embedhead::distill_logprobs<double>(P.h, P.W, logq, ws, o).loss;
+  };
+  const double forward = loss(make_options(Divergence::forward_kl, T));
+  const double reverse = loss(make_options(Divergence::reverse_kl, T));
+  REQUIRE(std::abs(forward - reverse) > 1e-3);
+  REQUIRE_THAT(loss(make_options(Divergence::jsd, T, 0.0)), WithinRel(forward / (T * T), 1e-14));
+  REQUIRE_THAT(loss(make_options(Divergence::jsd, T, 1.0)), WithinRel(reverse / (T * T), 1e-14));
+  // Near the ends the jsd tends to 0, not to the KLs (TRL's special cases are discontinuous).
+  REQUIRE(loss(make_options(Divergence::jsd, T, 1e-9)) < 1e-6);
+  // Top-k with every class: the dense loss and gradients.
+  IdMatrix<std::int64_t> ids(P.N, P.V);
+  RowMatrix<double> top(P.N, P.V);
+  for (Index n = 0; n < P.N; ++n)
+    for (Index i = 0; i < P.V; ++i) ids(n, i) = (i * 5 + n) % P.V, top(n, i) = logq(n, (i * 5 + n) % P.V);
+  const DistillationOptions o = make_options(Divergence::forward_kl, T);
+  RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d), dh2(P.N, P.d),
+                                  dW2 = RowMatrix<double>::Zero(P.V, P.d);
+  const double dense = embedhead::distill_logprobs_forward_backward<double>(P.h, P.W, logq, dh, dW, ws, o).loss;
+  const double topk =
+      embedhead::distill_topk_forward_backward<double>(P.h, P.W, TeacherTopK<double>{ids, top}, dh2, dW2, ws, o).loss;
+  REQUIRE_THAT(topk, WithinRel(dense, 1e-12));
+  require_close(dh2, dh, 1e-11, 1e-14);
+  require_close(dW2, dW, 1e-11, 1e-14);
+  // The block size changes the order of the sums only.
+  for (const Index block : {Index(0), Index(1), Index(7), P.V, Index(1000)}) {
+    DistillationOptions b = make_options(Divergence::reverse_kl, T);
+    b.vocab_block = block;
+    RowMatrix<double> dh3(P.N, P.d), dW3 = RowMatrix<double>::Zero(P.V, P.d), none(0, 0);
+    const double r =
+        embedhead::distill_head_forward_backward<double>(P.h, P.W, P.hT, P.WT, dh3, dW3, none, none, ws, b).loss;
+    REQUIRE_THAT(r, WithinRel(naive_loss(P.s(), P.u(), {}, b), 1e-12));
+  }
+}
+
 TEST_CASE("distillation: every row masked gives 0 and zero gradients", "[distillation]") {
   const Problem P;
   const RowMatrix<double> mask = RowMatrix<double>::Zero(P.N, 1);
