@@ -315,7 +315,14 @@ void distill_logits(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Scalar
                                                                        x.outerStride(), Y.data() + v0 * Y.outerStride(),
                                                                        Y.outerStride(), out,
                                                                        width,           gemm::Init::zero};
-  gemm::run<gemm::Kernel::expression>(product, gemm::Plan{gemm::Split::cols, kFusedRowPiece, true});
+  // One piece of columns per thread on the packed kernel (whose results do not depend on the
+  // pieces): a block's few fixed pieces of kFusedRowPiece columns would leave a thread idle.
+  gemm::Plan plan{gemm::Split::cols, kFusedRowPiece, true};
+  if constexpr (gemm::DefaultBackend::any_chunking) {
+    const Index threads = chunk_threads(width, 64, true);
+    plan.chunk = ((width + threads - 1) / threads + 63) / 64 * 64;
+  }
+  gemm::run<gemm::Kernel::expression>(product, plan);
 }
 
 // dz [N, width] of W's rows [v0, v0 + width): dW[v0 ..) += dz^T x (dW may be null), dx += dz Y[v0 ..).
