@@ -8,8 +8,9 @@
 //                                  chunks of all 512 tokens, 6 N V d)
 //   Distill/what:W/threads:T       W = 0 teacher head, forward KL (12 N V d); 1 teacher head,
 //                                  reverse KL (12 N V d); 2 cached dense log-probs, forward KL
-//                                  (6 N V d and reading [N, V]); 3 teacher head, forward KL with
-//                                  the teacher's gradients (16 N V d); all at T = 2
+//                                  (8 N V d and reading [N, V]); 3 teacher head, forward KL with
+//                                  the teacher's gradients (16 N V d); all at T = 2; block: the
+//                                  vocab_block (0: automatic, here 704 rows)
 //
 // Counter extra_MiB: the workspace's buffers after the call (the logits blocks and their rows' sums).
 #include "bench_support.hpp"  // first: its pragma must precede every other include
@@ -80,6 +81,7 @@ void BM_Distill(benchmark::State& state) {
   const std::int64_t what = state.range(0);
   embedhead::DistillationOptions options;
   options.temperature = 2.0;
+  options.vocab_block = state.range(2);
   options.divergence = what == 1 ? embedhead::Divergence::reverse_kl : embedhead::Divergence::forward_kl;
   embedhead::DistillationWorkspace<float> ws;
   RowMatrix<float> none(0, 0);
@@ -108,11 +110,12 @@ void register_benchmarks() {
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     for (const std::int64_t what : {0, 1, 2, 3})
-      benchmark::RegisterBenchmark("Distill", BM_Distill)
-          ->Args({what, t})
-          ->ArgNames({"what", "threads"})
-          ->Unit(benchmark::kMillisecond)
-          ->UseRealTime();
+      for (const std::int64_t block : {0, 4096})
+        benchmark::RegisterBenchmark("Distill", BM_Distill)
+            ->Args({what, t, block})
+            ->ArgNames({"what", "threads", "block"})
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
   }
 }
 
