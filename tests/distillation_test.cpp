@@ -498,6 +498,11 @@ TEMPLATE_TEST_CASE("distillation: bad input throws and changes nothing", "[disti
     RowMatrix<Scalar> heavy = top;
     heavy(1, 0) = Scalar(std::log(0.9));  // 0.9 + 0.25 + 0.25 > 1
     REQUIRE_THROWS_WITH(run(ids, heavy, {}), Contains("teacher top-k log-probs at n=1 have log sum exp"));
+    REQUIRE_THROWS_WITH(run(ids, heavy, {}), Contains("outside (-inf, 0.001]"));
+    RowMatrix<Scalar> empty_row = top;
+    empty_row.row(6).setConstant(-std::numeric_limits<Scalar>::infinity());
+    REQUIRE_THROWS_WITH(run(ids, empty_row, {}),
+                        Contains("teacher top-k log-probs at n=6 have log sum exp = -inf outside (-inf, 0.001]"));
     heavy(1, 0) = std::numeric_limits<Scalar>::quiet_NaN();
     REQUIRE_THROWS_WITH(run(ids, heavy, {}), Contains("teacher top-k log-probs nan at n=1, column 0"));
     REQUIRE_THROWS_WITH(run(ids, top, make_options(Divergence::reverse_kl, 1.0)),

@@ -167,14 +167,16 @@ void check_logprob_row(const char* where, const char* what, const Row& row, Inde
   if (max > -std::numeric_limits<double>::infinity())
     for (Index j = 0; j < row.size(); ++j) sum += std::exp(static_cast<double>(row(j)) - max);
   const double lse = max + std::log(sum);
-  const bool bad = at_most ? !(lse <= kLogProbTolerance) : !(std::abs(lse) <= kLogProbTolerance);
+  // Top-k: at least one class of non-zero probability (a row of -inf has no distribution).
+  const bool bad = at_most ? !(lse <= kLogProbTolerance) || lse == -std::numeric_limits<double>::infinity()
+                           : !(std::abs(lse) <= kLogProbTolerance);
   if (bad) {
     std::ostringstream message;
-    message << where << ": " << what << " at n=" << n << " have log sum exp = " << lse << " outside [";
+    message << where << ": " << what << " at n=" << n << " have log sum exp = " << lse << " outside ";
     if (at_most)
-      message << "-inf";
+      message << "(-inf";
     else
-      message << -kLogProbTolerance;
+      message << "[" << -kLogProbTolerance;
     message << ", " << kLogProbTolerance << "] (rows must be log-probabilities)";
     throw value_error(message.str());
   }
