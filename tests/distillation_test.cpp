@@ -420,6 +420,13 @@ TEMPLATE_TEST_CASE("distillation: bad input throws and changes nothing", "[disti
     DistillationOptions o;
     o.temperature = -1;
     REQUIRE_THROWS_WITH(head(o, hT, WT), Contains("distill_head_forward_backward: temperature = -1 outside (0, inf)"));
+    if constexpr (std::is_same_v<Scalar, float>) {
+      o.temperature = 1e-39;  // 1 / T = 1e39 is inf in float
+      REQUIRE_THROWS_WITH(dense(o, logq), Contains("1 / temperature = 1e+39 outside (0, inf) in float"));
+      o.temperature = 1e39;
+      REQUIRE_THROWS_WITH(dense(o, logq), Contains("temperature = 1e+39 outside (0, inf) in float"));
+      unchanged();
+    }
   }
   SECTION("beta outside [0, 1] or NaN") {
     for (const double beta : {-0.1, 1.5, std::nan("")}) {

@@ -516,6 +516,9 @@ void check_distill_common(const char* where, const ConstMatrixRef<Scalar>& h, co
   if (extras.mask.size() != 0) check_shape(where, "mask", extras.mask, N, 1);
   if (extras.losses.size() != 0) check_shape(where, "losses", extras.losses, N, 1);
   check_distillation_options(where, options);
+  // The logits are divided by T in Scalar: T and 1 / T must both be finite and non-zero there.
+  check_in_scalar<Scalar>(where, "temperature", options.temperature, "(0, inf)");
+  check_in_scalar<Scalar>(where, "1 / temperature", 1.0 / options.temperature, "(0, inf)");
   check_mask(where, extras.mask);
 }
 
@@ -616,11 +619,12 @@ DistillationResult distill_topk_impl(const ConstMatrixRef<Scalar>& h, const Cons
 // Common arguments: h [N, d] and W [V, d] the student's, options (divergence, temperature, beta,
 // reduction, vocab_block), extras (mask [N, 1] in, losses [N, 1] out, each used when not empty).
 // Outputs: dh [N, d] written (masked rows 0), dW [V, d] += (skipped when empty).
-// \throws value_error for temperature <= 0, NaN or inf, beta outside [0, 1] or NaN (jsd), a
-// negative vocab_block, a mask value other than 0 or 1, a cached log-prob row that holds NaN or
-// +inf or does not normalise; shape_error for any shape that disagrees (the teacher's included);
-// and for top-k, shape_error for k outside [1, V], index_error for an id outside [0, V), value_error
-// for a repeated id or a divergence other than forward_kl. Nothing is written on throw.
+// \throws value_error for temperature <= 0, NaN or inf (or T or 1 / T out of Scalar's range),
+// beta outside [0, 1] or NaN (jsd), a negative vocab_block, a mask value other than 0 or 1, a
+// cached log-prob row that holds NaN or +inf or does not normalise; shape_error for any shape
+// that disagrees (the teacher's included); and for top-k, shape_error for k outside [1, V],
+// index_error for an id outside [0, V), value_error for a repeated id, a row of -inf or a
+// divergence other than forward_kl. Nothing is written on throw.
 // \pre no output aliases an input or another output.
 
 // h [N, d], W [V, d], h_T [N, d_T], W_T [V, d_T] -> loss; dh [N, d] written, dW [V, d] +=,
