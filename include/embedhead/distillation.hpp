@@ -35,6 +35,7 @@
 // (the student-only fused loss: 6 N V d in token chunks, 8 in vocabulary blocks), jsd's 16 N V d;
 // the teacher's gradient adds 4 N V d. Cached log-probs replace the teacher's products by reading
 // [N, V] (or [N, k]); the loss alone is 8 N V d (teacher head) or 4 N V d (cached).
+//
 // Cached log-probs: a dense row must be log-probabilities, |log sum_j exp(l_j)| <= 1e-3, without NaN
 // or +inf (-inf: probability 0). Top-k: the k classes of each row are the teacher's whole support,
 // renormalised over them (q = softmax(l_k / T) on the k ids, 0 elsewhere); their probabilities must
