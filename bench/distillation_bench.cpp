@@ -87,12 +87,14 @@ void BM_Distill(benchmark::State& state) {
   RowMatrix<float> none(0, 0);
   auto step = [&] {
     if (what == 2)
-      return embedhead::distill_logprobs_forward_backward<float>(p.h, p.W, p.logq, p.dh, p.dW, ws, options).loss;
-    if (what == 3)
-      return embedhead::distill_head_forward_backward<float>(p.h, p.W, p.hT, p.WT, p.dh, p.dW, p.dhT, p.dWT, ws,
-                                                             options)
+      return embedhead::distill_logprobs_forward_backward<float>(p.h, p.W, none, p.logq, p.dh, p.dW, none, ws, options)
           .loss;
-    return embedhead::distill_head_forward_backward<float>(p.h, p.W, p.hT, p.WT, p.dh, p.dW, none, none, ws, options)
+    if (what == 3)
+      return embedhead::distill_head_forward_backward<float>(p.h, p.W, none, p.hT, p.WT, none, p.dh, p.dW, none, p.dhT,
+                                                             p.dWT, none, ws, options)
+          .loss;
+    return embedhead::distill_head_forward_backward<float>(p.h, p.W, none, p.hT, p.WT, none, p.dh, p.dW, none, none,
+                                                           none, none, ws, options)
         .loss;
   };
   benchmark::DoNotOptimize(step());

@@ -107,6 +107,13 @@ Matrix central_differences(Matrix& x, const F& f, double step = 1e-5) {
   return g;
 }
 
+// An empty matrix: an absent bias or gradient.
+template <typename Scalar>
+RowMatrix<Scalar>& empty() {
+  static RowMatrix<Scalar> none(0, 0);
+  return none;
+}
+
 template <typename Scalar>
 RowMatrix<Scalar> cast(const Matrix& m) {
   return m.template cast<Scalar>();
@@ -153,6 +160,7 @@ std::string describe(const DistillationOptions& o) {
 struct Problem {
   Index N = 7, d = 5, dT = 4, V = 53;
   Matrix h, W, hT, WT;
+  Matrix b = Matrix(0, 1), bT = Matrix(0, 1);  // the biases, empty: none
   std::vector<int> mask{1, 1, 0, 1, 1, 0, 1};
   Problem() {
     h = random_matrix<double>(N, d, 11, 1.0);
@@ -160,8 +168,16 @@ struct Problem {
     hT = random_matrix<double>(N, dT, 13, 1.0);
     WT = random_matrix<double>(V, dT, 14, 2.0);
   }
-  Matrix s() const { return h * W.transpose(); }
-  Matrix u() const { return hT * WT.transpose(); }
+  Matrix s() const { return with_bias(h * W.transpose(), b); }
+  Matrix u() const { return with_bias(hT * WT.transpose(), bT); }
+  static Matrix with_bias(Matrix z, const Matrix& bias) {
+    if (bias.size() != 0) z.rowwise() += bias.col(0).transpose();
+    return z;
+  }
+  void add_biases() {
+    b = random_matrix<double>(V, 1, 15, 0.7);
+    bT = random_matrix<double>(V, 1, 16, 1.2);
+  }
   template <typename Scalar>
   RowMatrix<Scalar> mask_matrix() const {
     RowMatrix<Scalar> m(N, 1);
@@ -181,7 +197,8 @@ TEST_CASE("distillation: a worked example", "[distillation]") {
   DistillationWorkspace<double> ws;
   RowMatrix<double> dh(1, 1), dW = RowMatrix<double>::Zero(2, 1);
   SECTION("forward KL: 1/2 log(1/2 / p_0) + 1/2 log(1/2 / p_1); dz = p - q") {
-    const DistillationResult r = embedhead::distill_logprobs_forward_backward<double>(h, W, logq, dh, dW, ws);
+    const DistillationResult r = embedhead::distill_logprobs_forward_backward<double>(h, W, empty<double>(), logq, dh,
+                                                                                      dW, empty<double>(), ws);
     REQUIRE_THAT(r.loss, WithinRel(0.12011450695827758, 1e-14));
     REQUIRE(r.count == 1);
     REQUIRE_THAT(dh(0, 0), WithinRel(0.2310585786300049, 1e-13));  // dz W = dz_0
@@ -191,7 +208,8 @@ TEST_CASE("distillation: a worked example", "[distillation]") {
   SECTION("reverse KL: p_0 log(2 p_0) + p_1 log(2 p_1); dz = p (log p - log q - K)") {
     DistillationOptions o;
     o.divergence = Divergence::reverse_kl;
-    const DistillationResult r = embedhead::distill_logprobs_forward_backward<double>(h, W, logq, dh, dW, ws, o);
+    const DistillationResult r = embedhead::distill_logprobs_forward_backward<double>(h, W, empty<double>(), logq, dh,
+                                                                                      dW, empty<double>(), ws, o);
     REQUIRE_THAT(r.loss, WithinRel(0.11094407167172735, 1e-14));
     REQUIRE_THAT(dW(0, 0), WithinRel(0.19661193324148185, 1e-13));
     REQUIRE_THAT(dW(1, 0), WithinRel(-0.19661193324148188, 1e-13));
@@ -199,7 +217,7 @@ TEST_CASE("distillation: a worked example", "[distillation]") {
   SECTION("temperature 2 on forward KL: T^2 KL(q || softmax(s / 2))") {
     DistillationOptions o;
     o.temperature = 2.0;
-    const DistillationResult r = embedhead::distill_logprobs<double>(h, W, logq, ws, o);
+    const DistillationResult r = embedhead::distill_logprobs<double>(h, W, empty<double>(), logq, ws, o);
     const double p0 = 1 / (1 + std::exp(-0.5)), p1 = 1 - p0;
     REQUIRE_THAT(r.loss, WithinRel(4 * (0.5 * std::log(0.5 / p0) + 0.5 * std::log(0.5 / p1)), 1e-14));
   }
@@ -210,9 +228,10 @@ TEMPLATE_TEST_CASE("distillation: teacher head, dense and top-k log-probs agains
   using Scalar = TestType;
   const bool is_float = std::is_same_v<Scalar, float>;
   const double rel = is_float ? 2e-4 : 1e-10, abs = is_float ? 2e-5 : 1e-12;
-  const Problem P;
+  Problem P;
+  P.add_biases();
   const RowMatrix<Scalar> h = cast<Scalar>(P.h), W = cast<Scalar>(P.W), hT = cast<Scalar>(P.hT),
-                          WT = cast<Scalar>(P.WT);
+                          WT = cast<Scalar>(P.WT), b = cast<Scalar>(P.b), bT = cast<Scalar>(P.bT);
   // Cached teacher log-probs at T = 1 (the temperature applies to them as to logits).
   const Matrix teacher_logprobs = log_softmax(P.u(), 1.0);
   const RowMatrix<Scalar> logq = cast<Scalar>(teacher_logprobs);
@@ -227,25 +246,29 @@ TEMPLATE_TEST_CASE("distillation: teacher head, dense and top-k log-probs agains
       RowMatrix<Scalar> losses = RowMatrix<Scalar>::Constant(P.N, 1, Scalar(-7));
       const DistillationExtras<Scalar> extras{{mask.data(), P.N, 1}, {losses.data(), P.N, 1}};
       RowMatrix<Scalar> dh1(P.N, P.d), dW1 = RowMatrix<Scalar>::Zero(P.V, P.d), dhT(P.N, P.dT),
-                                       dWT = RowMatrix<Scalar>::Zero(P.V, P.dT);
-      const DistillationResult head = embedhead::distill_head_forward_backward<Scalar>(h, W, hT, WT, dh1, dW1, dhT, dWT,
-                                                                                       ws, o, extras);
+                                       dWT = RowMatrix<Scalar>::Zero(P.V, P.dT), db1 = RowMatrix<Scalar>::Zero(P.V, 1),
+                                       dbT = RowMatrix<Scalar>::Zero(P.V, 1);
+      const DistillationResult head = embedhead::distill_head_forward_backward<Scalar>(h, W, b, hT, WT, bT, dh1, dW1,
+                                                                                       db1, dhT, dWT, dbT, ws, o,
+                                                                                       extras);
       REQUIRE_THAT(head.loss, WithinRel(want, rel) || WithinAbs(want, abs));
       REQUIRE(head.count == 5);
       for (Index n = 0; n < P.N; ++n)
         REQUIRE_THAT(static_cast<double>(losses(n, 0)), WithinRel(rows[static_cast<std::size_t>(n)], rel) ||
                                                             WithinAbs(rows[static_cast<std::size_t>(n)], abs));
       // The loss alone is the same.
-      REQUIRE_THAT(embedhead::distill_head<Scalar>(h, W, hT, WT, ws, o, extras).loss,
+      REQUIRE_THAT(embedhead::distill_head<Scalar>(h, W, b, hT, WT, bT, ws, o, extras).loss,
                    WithinRel(head.loss, 1e-12) || WithinAbs(head.loss, 1e-15));
       // Cached dense log-probs: the same loss and student gradients.
-      RowMatrix<Scalar> dh2(P.N, P.d), dW2 = RowMatrix<Scalar>::Zero(P.V, P.d);
-      const DistillationResult dense = embedhead::distill_logprobs_forward_backward<Scalar>(h, W, logq, dh2, dW2, ws, o,
-                                                                                            extras);
+      RowMatrix<Scalar> dh2(P.N, P.d), dW2 = RowMatrix<Scalar>::Zero(P.V, P.d), db2 = RowMatrix<Scalar>::Zero(P.V, 1);
+      const DistillationResult dense = embedhead::distill_logprobs_forward_backward<Scalar>(h, W, b, logq, dh2, dW2,
+                                                                                            db2, ws, o, extras);
       REQUIRE_THAT(dense.loss, WithinRel(want, rel) || WithinAbs(want, abs));
       require_close(dh2, dh1, rel, abs);
       require_close(dW2, dW1, rel, abs);
-      REQUIRE_THAT(embedhead::distill_logprobs<Scalar>(h, W, logq, ws, o, extras).loss,
+      require_close(db2, db1, rel, abs);
+      REQUIRE(db1.norm() > 1e-3);
+      REQUIRE_THAT(embedhead::distill_logprobs<Scalar>(h, W, b, logq, ws, o, extras).loss,
                    WithinRel(dense.loss, 1e-12) || WithinAbs(dense.loss, 1e-15));
       // Masked rows: no loss, zero gradient (student and teacher).
       for (Index n : {2, 5}) {
@@ -274,14 +297,15 @@ TEMPLATE_TEST_CASE("distillation: teacher head, dense and top-k log-probs agains
       const double want = naive_loss(P.s(), u_top, P.mask, o);
       const DistillationExtras<Scalar> extras{{mask.data(), P.N, 1}};
       RowMatrix<Scalar> dh(P.N, P.d), dW = RowMatrix<Scalar>::Zero(P.V, P.d);
-      const DistillationResult r = embedhead::distill_topk_forward_backward<Scalar>(h, W, TeacherTopK<Scalar>{ids, top},
-                                                                                    dh, dW, ws, o, extras);
+      const DistillationResult r = embedhead::distill_topk_forward_backward<Scalar>(h, W, b,
+                                                                                    TeacherTopK<Scalar>{ids, top}, dh,
+                                                                                    dW, empty<Scalar>(), ws, o, extras);
       REQUIRE_THAT(r.loss, WithinRel(want, rel) || WithinAbs(want, abs));
       REQUIRE(r.loss > 0.01);  // the support is not the whole vocabulary: far from the dense loss's 0
       // The same as dense log-probs of the renormalised support (-inf elsewhere).
       const RowMatrix<Scalar> logq_top = cast<Scalar>(log_softmax(u_top, 1.0));
       RowMatrix<Scalar> dh2(P.N, P.d), dW2 = RowMatrix<Scalar>::Zero(P.V, P.d);
-      embedhead::distill_logprobs_forward_backward<Scalar>(h, W, logq_top, dh2, dW2, ws, o, extras);
+      embedhead::distill_logprobs_forward_backward<Scalar>(h, W, b, logq_top, dh2, dW2, empty<Scalar>(), ws, o, extras);
       require_close(dh, dh2, rel, abs);
       require_close(dW, dW2, rel, abs);
     }
@@ -296,15 +320,20 @@ TEST_CASE("distillation: gradients against central differences in double", "[dis
   P.W = random_matrix<double>(P.V, P.d, 22, 1.5);
   P.hT = random_matrix<double>(P.N, P.dT, 23, 1.0);
   P.WT = random_matrix<double>(P.V, P.dT, 24, 2.0);
+  P.add_biases();
   const RowMatrix<double> mask = P.mask_matrix<double>();
   const DistillationExtras<double> extras{{mask.data(), P.N, 1}};
   DistillationWorkspace<double> ws;
   for (const DistillationOptions& o : all_options()) {
     INFO(describe(o));
-    auto loss = [&] { return naive_loss(P.h * P.W.transpose(), P.hT * P.WT.transpose(), P.mask, o); };
+    auto loss = [&] { return naive_loss(P.s(), P.u(), P.mask, o); };
     RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d), dhT(P.N, P.dT),
-                                    dWT = RowMatrix<double>::Zero(P.V, P.dT);
-    embedhead::distill_head_forward_backward<double>(P.h, P.W, P.hT, P.WT, dh, dW, dhT, dWT, ws, o, extras);
+                                    dWT = RowMatrix<double>::Zero(P.V, P.dT), db = RowMatrix<double>::Zero(P.V, 1),
+                                    dbT = RowMatrix<double>::Zero(P.V, 1);
+    embedhead::distill_head_forward_backward<double>(P.h, P.W, P.b, P.hT, P.WT, P.bT, dh, dW, db, dhT, dWT, dbT, ws, o,
+                                                     extras);
+    require_close(db, central_differences(P.b, loss), 1e-7, 1e-9);
+    require_close(dbT, central_differences(P.bT, loss), 1e-7, 1e-9);
     require_close(dh, central_differences(P.h, loss), 1e-7, 1e-9);
     require_close(dW, central_differences(P.W, loss), 1e-7, 1e-9);
     require_close(dhT, central_differences(P.hT, loss), 1e-7, 1e-9);
@@ -312,16 +341,19 @@ TEST_CASE("distillation: gradients against central differences in double", "[dis
     REQUIRE(dhT.norm() > 1e-3);  // the teacher's gradient is not trivially 0
     // Without the teacher's gradients the student's are the same.
     RowMatrix<double> dh2(P.N, P.d), dW2 = RowMatrix<double>::Zero(P.V, P.d), none(0, 0);
-    embedhead::distill_head_forward_backward<double>(P.h, P.W, P.hT, P.WT, dh2, dW2, none, none, ws, o, extras);
+    embedhead::distill_head_forward_backward<double>(P.h, P.W, P.b, P.hT, P.WT, P.bT, dh2, dW2, none, none, none, none,
+                                                     ws, o, extras);
     require_close(dh2, dh, 1e-12, 1e-15);
     require_close(dW2, dW, 1e-12, 1e-15);
   }
   SECTION("dW accumulates") {
     const DistillationOptions o = make_options(Divergence::reverse_kl, 1.3);
     RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d), none(0, 0);
-    embedhead::distill_head_forward_backward<double>(P.h, P.W, P.hT, P.WT, dh, dW, none, none, ws, o, extras);
+    embedhead::distill_head_forward_backward<double>(P.h, P.W, empty<double>(), P.hT, P.WT, empty<double>(), dh, dW,
+                                                     empty<double>(), none, none, empty<double>(), ws, o, extras);
     RowMatrix<double> twice = dW;
-    embedhead::distill_head_forward_backward<double>(P.h, P.W, P.hT, P.WT, dh, twice, none, none, ws, o, extras);
+    embedhead::distill_head_forward_backward<double>(P.h, P.W, empty<double>(), P.hT, P.WT, empty<double>(), dh, twice,
+                                                     empty<double>(), none, none, empty<double>(), ws, o, extras);
     require_close(twice, 2 * dW, 1e-14, 1e-16);
   }
 }
@@ -333,7 +365,7 @@ TEST_CASE("distillation: jsd at beta 0 and 1 is the KLs without T^2; top-k with 
   DistillationWorkspace<double> ws;
   const double T = 1.7;
   auto loss = [&](const DistillationOptions& o) {
-    return embedhead::distill_logprobs<double>(P.h, P.W, logq, ws, o).loss;
+    return embedhead::distill_logprobs<double>(P.h, P.W, empty<double>(), logq, ws, o).loss;
   };
   const double forward = loss(make_options(Divergence::forward_kl, T));
   const double reverse = loss(make_options(Divergence::reverse_kl, T));
@@ -350,9 +382,13 @@ TEST_CASE("distillation: jsd at beta 0 and 1 is the KLs without T^2; top-k with 
   const DistillationOptions o = make_options(Divergence::forward_kl, T);
   RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d), dh2(P.N, P.d),
                                   dW2 = RowMatrix<double>::Zero(P.V, P.d);
-  const double dense = embedhead::distill_logprobs_forward_backward<double>(P.h, P.W, logq, dh, dW, ws, o).loss;
-  const double topk =
-      embedhead::distill_topk_forward_backward<double>(P.h, P.W, TeacherTopK<double>{ids, top}, dh2, dW2, ws, o).loss;
+  const double dense = embedhead::distill_logprobs_forward_backward<double>(P.h, P.W, empty<double>(), logq, dh, dW,
+                                                                            empty<double>(), ws, o)
+                           .loss;
+  const double topk = embedhead::distill_topk_forward_backward<double>(P.h, P.W, empty<double>(),
+                                                                       TeacherTopK<double>{ids, top}, dh2, dW2,
+                                                                       empty<double>(), ws, o)
+                          .loss;
   REQUIRE_THAT(topk, WithinRel(dense, 1e-12));
   require_close(dh2, dh, 1e-11, 1e-14);
   require_close(dW2, dW, 1e-11, 1e-14);
@@ -361,8 +397,10 @@ TEST_CASE("distillation: jsd at beta 0 and 1 is the KLs without T^2; top-k with 
     DistillationOptions b = make_options(Divergence::reverse_kl, T);
     b.vocab_block = block;
     RowMatrix<double> dh3(P.N, P.d), dW3 = RowMatrix<double>::Zero(P.V, P.d), none(0, 0);
-    const double r =
-        embedhead::distill_head_forward_backward<double>(P.h, P.W, P.hT, P.WT, dh3, dW3, none, none, ws, b).loss;
+    const double r = embedhead::distill_head_forward_backward<double>(P.h, P.W, empty<double>(), P.hT, P.WT,
+                                                                      empty<double>(), dh3, dW3, empty<double>(), none,
+                                                                      none, empty<double>(), ws, b)
+                         .loss;
     REQUIRE_THAT(r, WithinRel(naive_loss(P.s(), P.u(), {}, b), 1e-12));
   }
 }
@@ -374,7 +412,8 @@ TEST_CASE("distillation: every row masked gives 0 and zero gradients", "[distill
   RowMatrix<double> dh = RowMatrix<double>::Constant(P.N, P.d, 3.0), dW = RowMatrix<double>::Zero(P.V, P.d);
   const RowMatrix<double> logq = log_softmax(P.u(), 1.0);
   const DistillationResult r = embedhead::distill_logprobs_forward_backward<double>(
-      P.h, P.W, logq, dh, dW, ws, DistillationOptions{}, DistillationExtras<double>{{mask.data(), P.N, 1}});
+      P.h, P.W, empty<double>(), logq, dh, dW, empty<double>(), ws, DistillationOptions{},
+      DistillationExtras<double>{{mask.data(), P.N, 1}});
   REQUIRE(r.count == 0);
   REQUIRE(r.loss == 0);
   REQUIRE(dh.isZero(0));
@@ -403,10 +442,12 @@ TEMPLATE_TEST_CASE("distillation: bad input throws and changes nothing", "[disti
     REQUIRE((losses.array() == sentinel).all());
   };
   auto head = [&](const DistillationOptions& o, const RowMatrix<Scalar>& h_T, const RowMatrix<Scalar>& W_T) {
-    return embedhead::distill_head_forward_backward<Scalar>(h, W, h_T, W_T, dh, dW, dhT, dWT, ws, o, extras);
+    return embedhead::distill_head_forward_backward<Scalar>(h, W, empty<Scalar>(), h_T, W_T, empty<Scalar>(), dh, dW,
+                                                            empty<Scalar>(), dhT, dWT, empty<Scalar>(), ws, o, extras);
   };
   auto dense = [&](const DistillationOptions& o, const RowMatrix<Scalar>& q) {
-    return embedhead::distill_logprobs_forward_backward<Scalar>(h, W, q, dh, dW, ws, o, extras);
+    return embedhead::distill_logprobs_forward_backward<Scalar>(h, W, empty<Scalar>(), q, dh, dW, empty<Scalar>(), ws,
+                                                                o, extras);
   };
   SECTION("temperature <= 0, NaN or inf") {
     for (const double T : {0.0, -1.0, std::nan(""), double(INFINITY)}) {
@@ -446,16 +487,38 @@ TEMPLATE_TEST_CASE("distillation: bad input throws and changes nothing", "[disti
     const RowMatrix<Scalar> q_short = logq.leftCols(P.V - 1);
     REQUIRE_THROWS_WITH(dense(DistillationOptions{}, q_short), Contains("teacher log-probs has shape [7, 52]"));
     RowMatrix<Scalar> dWT_bad = RowMatrix<Scalar>::Zero(P.V, P.dT + 1);
-    REQUIRE_THROWS_WITH(embedhead::distill_head_forward_backward<Scalar>(h, W, hT, WT, dh, dW, dhT, dWT_bad, ws,
-                                                                         DistillationOptions{}, extras),
+    REQUIRE_THROWS_WITH(embedhead::distill_head_forward_backward<Scalar>(h, W, empty<Scalar>(), hT, WT, empty<Scalar>(),
+                                                                         dh, dW, empty<Scalar>(), dhT, dWT_bad,
+                                                                         empty<Scalar>(), ws, DistillationOptions{},
+                                                                         extras),
                         Contains("dW_T has shape"));
+    // Biases and their gradients: [V, 1].
+    const RowMatrix<Scalar> b_short = RowMatrix<Scalar>::Zero(P.V - 1, 1), b = RowMatrix<Scalar>::Zero(P.V, 1);
+    RowMatrix<Scalar> db_bad = RowMatrix<Scalar>::Zero(P.V, 2);
+    const DistillationOptions o;
+    REQUIRE_THROWS_WITH(embedhead::distill_head_forward_backward<Scalar>(h, W, b_short, hT, WT, b, dh, dW,
+                                                                         empty<Scalar>(), dhT, dWT, empty<Scalar>(), ws,
+                                                                         o, extras),
+                        Contains("distill_head_forward_backward: bias has shape [52, 1], expected [53, 1]"));
+    REQUIRE_THROWS_WITH(embedhead::distill_head_forward_backward<Scalar>(h, W, b, hT, WT, b_short, dh, dW,
+                                                                         empty<Scalar>(), dhT, dWT, empty<Scalar>(), ws,
+                                                                         o, extras),
+                        Contains("teacher bias_T has shape [52, 1], expected [53, 1]"));
+    REQUIRE_THROWS_WITH(embedhead::distill_head_forward_backward<Scalar>(h, W, b, hT, WT, b, dh, dW, empty<Scalar>(),
+                                                                         dhT, dWT, db_bad, ws, o, extras),
+                        Contains("db_T has shape [53, 2], expected [53, 1]"));
+    REQUIRE_THROWS_WITH(embedhead::distill_logprobs_forward_backward<Scalar>(h, W, b, logq, dh, dW, db_bad, ws, o,
+                                                                             extras),
+                        Contains("distill_logprobs_forward_backward: db has shape [53, 2], expected [53, 1]"));
+    REQUIRE((db_bad.array() == 0).all());
     unchanged();
   }
   SECTION("mask values other than 0 and 1") {
     RowMatrix<Scalar> mask = RowMatrix<Scalar>::Ones(P.N, 1);
     mask(3, 0) = Scalar(0.5);
     const DistillationExtras<Scalar> bad{{mask.data(), P.N, 1}, {losses.data(), P.N, 1}};
-    REQUIRE_THROWS_WITH(embedhead::distill_logprobs_forward_backward<Scalar>(h, W, logq, dh, dW, ws, {}, bad),
+    REQUIRE_THROWS_WITH(embedhead::distill_logprobs_forward_backward<Scalar>(h, W, empty<Scalar>(), logq, dh, dW,
+                                                                             empty<Scalar>(), ws, {}, bad),
                         Contains("mask 0.5 at n=3 outside {0, 1}"));
     unchanged();
   }
@@ -474,8 +537,9 @@ TEMPLATE_TEST_CASE("distillation: bad input throws and changes nothing", "[disti
     RowMatrix<Scalar> mask = RowMatrix<Scalar>::Ones(P.N, 1);
     mask(2, 0) = 0;
     RowMatrix<Scalar> dh2(P.N, P.d), dW2 = RowMatrix<Scalar>::Zero(P.V, P.d);
-    REQUIRE_NOTHROW(
-        embedhead::distill_logprobs_forward_backward<Scalar>(h, W, q, dh2, dW2, ws, {}, {{mask.data(), P.N, 1}}));
+    REQUIRE_NOTHROW(embedhead::distill_logprobs_forward_backward<Scalar>(h, W, empty<Scalar>(), q, dh2, dW2,
+                                                                         empty<Scalar>(), ws, {},
+                                                                         {{mask.data(), P.N, 1}}));
     REQUIRE(std::isfinite(dh2.norm()));
   }
   SECTION("top-k: k > V, ids out of range or repeated, bad log-probs, a divergence other than forward KL") {
@@ -485,9 +549,10 @@ TEMPLATE_TEST_CASE("distillation: bad input throws and changes nothing", "[disti
     for (Index n = 0; n < P.N; ++n)
       for (Index i = 0; i < k; ++i) ids(n, i) = n + 10 * i, top(n, i) = Scalar(std::log(0.25));
     auto run = [&](const IdMatrix<std::int64_t>& i, const RowMatrix<Scalar>& l, const DistillationOptions& o) {
-      return embedhead::distill_topk_forward_backward<Scalar>(h, W, TeacherTopK<Scalar>{i, l}, dh, dW, ws, o, extras);
+      return embedhead::distill_topk_forward_backward<Scalar>(h, W, empty<Scalar>(), TeacherTopK<Scalar>{i, l}, dh, dW,
+                                                              empty<Scalar>(), ws, o, extras);
     };
-    REQUIRE_NOTHROW(embedhead::distill_topk<Scalar>(h, W, TeacherTopK<Scalar>{ids, top}, ws));
+    REQUIRE_NOTHROW(embedhead::distill_topk<Scalar>(h, W, empty<Scalar>(), TeacherTopK<Scalar>{ids, top}, ws));
     IdMatrix<std::int64_t> bad = ids;
     bad(5, 1) = P.V;
     REQUIRE_THROWS_AS(run(bad, top, {}), embedhead::index_error);
@@ -519,7 +584,8 @@ TEMPLATE_TEST_CASE("distillation: bad input throws and changes nothing", "[disti
   }
   SECTION("student shapes and vocab_block") {
     RowMatrix<Scalar> dh_bad(P.N, P.d + 1);
-    REQUIRE_THROWS_WITH(embedhead::distill_logprobs_forward_backward<Scalar>(h, W, logq, dh_bad, dW, ws, {}, extras),
+    REQUIRE_THROWS_WITH(embedhead::distill_logprobs_forward_backward<Scalar>(h, W, empty<Scalar>(), logq, dh_bad, dW,
+                                                                             empty<Scalar>(), ws, {}, extras),
                         Contains("dh has shape"));
     DistillationOptions o;
     o.vocab_block = -1;

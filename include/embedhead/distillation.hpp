@@ -1,8 +1,8 @@
 // embedhead: distillation of the LM head against a teacher, fused over blocks of the vocabulary
 // so that neither model's [N, V] logits exist.
 //
-// Student logits s = h W^T [N, V]; the teacher is either a second head, u = h_T W_T^T (h_T [N,
-// d_T], W_T [V, d_T]), or cached teacher log-probabilities, dense [N, V] or top-k (ids and
+// Student logits s = h W^T (+ bias) [N, V]; the teacher is either a second head, u = h_T W_T^T (+ bias_T)
+// (h_T [N, d_T], W_T [V, d_T]), or cached teacher log-probabilities, dense [N, V] or top-k (ids and
 // log-probs [N, k]), used as u. Temperature T > 0 divides both:
 //   a = s / T,  b = u / T,  log p = a - lse(a),  log q = b - lse(b)     (q: the teacher)
 // One row's divergence (Divergence):
@@ -293,10 +293,12 @@ void distill_row_block(DistillKind kind, double beta, const Scalar* a, const Sca
 // The teacher as a second head: u = h_T W_T^T, with optional gradients.
 template <typename Scalar>
 struct HeadTeacher {
-  const ConstMatrixRef<Scalar>* h = nullptr;  // [N, d_T]
-  const ConstMatrixRef<Scalar>* W = nullptr;  // [V, d_T]
-  MatrixRef<Scalar>* dh = nullptr;            // [N, d_T] written, or null
-  MatrixRef<Scalar>* dW = nullptr;            // [V, d_T] +=, or null
+  const ConstMatrixRef<Scalar>* h = nullptr;     // [N, d_T]
+  const ConstMatrixRef<Scalar>* W = nullptr;     // [V, d_T]
+  const ConstMatrixRef<Scalar>* bias = nullptr;  // [V, 1] or empty
+  MatrixRef<Scalar>* dh = nullptr;               // [N, d_T] written, or null
+  MatrixRef<Scalar>* dW = nullptr;               // [V, d_T] +=, or null
+  MatrixRef<Scalar>* db = nullptr;               // [V, 1] +=, or null
 };
 
 // Which teacher: exactly one of head, dense, topk is set.
@@ -308,16 +310,22 @@ struct TeacherSource {
   std::vector<Index> topk_ids;                    // [N, k] ids as Index (checked)
 };
 
-// logits [N, width] (leading dimension width) = x [N, K] Y[v0, v0 + width)^T.
+// logits [N, width] (leading dimension width) = x [N, K] Y[v0, v0 + width)^T (+ bias[v0, v0 + width)).
 template <typename Scalar>
-void distill_logits(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Scalar>& Y, Index v0, Index width,
-                    Scalar* out) {
+void distill_logits(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Scalar>& Y,
+                    const ConstMatrixRef<Scalar>& bias, Index v0, Index width, Scalar* out) {
   using gemm::Layout;
   const gemm::Op<Scalar, Layout::row_major, Layout::col_major> product{x.rows(),        width,
                                                                        x.cols(),        x.data(),
                                                                        x.outerStride(), Y.data() + v0 * Y.outerStride(),
                                                                        Y.outerStride(), out,
                                                                        width,           gemm::Init::zero};
+  gemm::Op<Scalar, Layout::row_major, Layout::col_major> op = product;
+  if (bias.size() != 0) {
+    op.init = gemm::Init::bias;
+    op.bias = bias.data() + v0 * bias.outerStride();
+    op.bias_stride = bias.outerStride();
+  }
   // One piece of columns per thread on the packed kernel (whose results do not depend on the
   // pieces): a block's few fixed pieces of kFusedRowPiece columns would leave a thread idle.
   gemm::Plan plan{gemm::Split::cols, kFusedRowPiece, true};
@@ -325,15 +333,18 @@ void distill_logits(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Scalar
     const Index threads = chunk_threads(width, 64, true);
     plan.chunk = ((width + threads - 1) / threads + 63) / 64 * 64;
   }
-  gemm::run<gemm::Kernel::expression>(product, plan);
+  gemm::run<gemm::Kernel::expression>(op, plan);
 }
 
-// dz [N, width] of W's rows [v0, v0 + width): dW[v0 ..) += dz^T x (dW may be null), dx += dz Y[v0 ..).
+// dz [N, width] of W's rows [v0, v0 + width): dW[v0 ..) += dz^T x (dW may be null), db[v0 ..) +=
+// column sums of dz (db may be null), dx += dz Y[v0 ..).
 template <typename Scalar>
 void distill_backward(const Scalar* dz, Index N, Index width, const ConstMatrixRef<Scalar>& x,
-                      const ConstMatrixRef<Scalar>& Y, Index v0, MatrixRef<Scalar>* dx, MatrixRef<Scalar>* dY) {
+                      const ConstMatrixRef<Scalar>& Y, Index v0, MatrixRef<Scalar>* dx, MatrixRef<Scalar>* dY,
+                      MatrixRef<Scalar>* db) {
   using gemm::Layout;
   const Index d = x.cols();
+  if (db) add_column_sums(dz, width, N, width, db->col(0).segment(v0, width));
   if (dY) {
     const gemm::Op<Scalar, Layout::col_major, Layout::row_major> dW_product{
         width, d, N, dz, width, x.data(), x.outerStride(), dY->data() + v0 * dY->outerStride(), dY->outerStride()};
@@ -352,7 +363,8 @@ void distill_backward(const Scalar* dz, Index N, Index width, const ConstMatrixR
 // The pass (the top of this file). dh == nullptr: the loss alone. Every check has run.
 template <typename Scalar>
 DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                const TeacherSource<Scalar>& teacher, MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW,
+                                const ConstMatrixRef<Scalar>& bias, const TeacherSource<Scalar>& teacher,
+                                MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
                                 DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
                                 const DistillationExtras<Scalar>& extras) {
   const Index N = h.rows(), V = W.rows();
@@ -369,9 +381,11 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
   auto counted = [&](Index n) { return !masked || extras.mask(n, 0) != Scalar(0); };
   const bool gradient = dh != nullptr;
   const bool want_dW = gradient && dW && dW->size() != 0;
+  const bool want_db = gradient && db && db->size() != 0 && bias.size() != 0;
   const HeadTeacher<Scalar>* head = teacher.head;
   const bool teacher_dh = gradient && head && head->dh && head->dh->size() != 0;
   const bool teacher_dW = teacher_dh && head->dW && head->dW->size() != 0;
+  const bool teacher_db = teacher_dh && head->db && head->db->size() != 0 && head->bias->size() != 0;
 
   DistillationResult result;
   for (Index n = 0; n < N; ++n) result.count += counted(n) ? 1 : 0;
@@ -399,8 +413,8 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
 
   // Both blocks of columns [v0, v0 + width), divided by T, into ws.student / ws.teacher.
   auto blocks_of = [&](Index v0, Index width) {
-    distill_logits(h, W, v0, width, ws.student.data());
-    if (head) distill_logits(*head->h, *head->W, v0, width, ws.teacher.data());
+    distill_logits(h, W, bias, v0, width, ws.student.data());
+    if (head) distill_logits(*head->h, *head->W, *head->bias, v0, width, ws.teacher.data());
     parallel_rows(N, [&](Index n) {
       if (!counted(n)) return;
       Scalar* a = ws.student.data() + n * width;
@@ -481,10 +495,10 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
                           kind == DistillKind::jsd ? ws.sum_p[i] : ws.cross[i], ws.sum_q[i]);
       });
       if (!grad) continue;
-      distill_backward(ws.student.data(), N, width, h, W, v0, dh, want_dW ? dW : nullptr);
+      distill_backward(ws.student.data(), N, width, h, W, v0, dh, want_dW ? dW : nullptr, want_db ? db : nullptr);
       if (teacher_dh)
-        distill_backward(ws.teacher.data(), N, width, *head->h, *head->W, v0, head->dh,
-                         teacher_dW ? head->dW : nullptr);
+        distill_backward(ws.teacher.data(), N, width, *head->h, *head->W, v0, head->dh, teacher_dW ? head->dW : nullptr,
+                         teacher_db ? head->db : nullptr);
     }
   };
   walk(true, gradient_in_sums);
@@ -507,13 +521,16 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
 // Every check shared by the entry points, before anything is written.
 template <typename Scalar>
 void check_distill_common(const char* where, const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                          const MatrixRef<Scalar>* dh, const MatrixRef<Scalar>* dW, const DistillationOptions& options,
+                          const ConstMatrixRef<Scalar>& bias, const MatrixRef<Scalar>* dh, const MatrixRef<Scalar>* dW,
+                          const MatrixRef<Scalar>* db, const DistillationOptions& options,
                           const DistillationExtras<Scalar>& extras) {
   const Index N = h.rows(), V = W.rows(), d = W.cols();
   check_size(where, "V", V);
   check_shape(where, "h", h, N, d);
   if (dh) check_shape(where, "dh", *dh, N, d);
   if (dW && dW->size() != 0) check_shape(where, "dW", *dW, V, d);
+  if (bias.size() != 0) check_shape(where, "bias", bias, V, 1);
+  if (db && db->size() != 0) check_shape(where, "db", *db, V, 1);
   if (extras.mask.size() != 0) check_shape(where, "mask", extras.mask, N, 1);
   if (extras.losses.size() != 0) check_shape(where, "losses", extras.losses, N, 1);
   check_distillation_options(where, options);
@@ -530,46 +547,50 @@ bool distill_counted(const DistillationExtras<Scalar>& extras, Index n) {
 
 template <typename Scalar>
 DistillationResult distill_head_impl(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                     const ConstMatrixRef<Scalar>& h_T, const ConstMatrixRef<Scalar>& W_T,
-                                     MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* dh_T,
-                                     MatrixRef<Scalar>* dW_T, DistillationWorkspace<Scalar>& ws,
-                                     const DistillationOptions& options, const DistillationExtras<Scalar>& extras,
-                                     const char* where) {
+                                     const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& h_T,
+                                     const ConstMatrixRef<Scalar>& W_T, const ConstMatrixRef<Scalar>& bias_T,
+                                     MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                     MatrixRef<Scalar>* dh_T, MatrixRef<Scalar>* dW_T, MatrixRef<Scalar>* db_T,
+                                     DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
+                                     const DistillationExtras<Scalar>& extras, const char* where) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
-  check_distill_common(where, h, W, dh, dW, options, extras);
+  check_distill_common(where, h, W, bias, dh, dW, db, options, extras);
   check_shape(where, "teacher W_T", W_T, W.rows(), W_T.cols());
+  if (bias_T.size() != 0) check_shape(where, "teacher bias_T", bias_T, W.rows(), 1);
+  if (db_T && db_T->size() != 0) check_shape(where, "db_T", *db_T, W.rows(), 1);
   check_shape(where, "teacher h_T", h_T, h.rows(), W_T.cols());
   if (dh_T && dh_T->size() != 0) check_shape(where, "dh_T", *dh_T, h.rows(), W_T.cols());
   if (dW_T && dW_T->size() != 0) check_shape(where, "dW_T", *dW_T, W.rows(), W_T.cols());
-  HeadTeacher<Scalar> head{&h_T, &W_T, dh_T, dW_T};
+  HeadTeacher<Scalar> head{&h_T, &W_T, &bias_T, dh_T, dW_T, db_T};
   TeacherSource<Scalar> teacher;
   teacher.head = &head;
-  return distill_pass<Scalar>(h, W, teacher, dh, dW, ws, options, extras);
+  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
 }
 
 template <typename Scalar>
 DistillationResult distill_dense_impl(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                      const ConstMatrixRef<Scalar>& logprobs, MatrixRef<Scalar>* dh,
-                                      MatrixRef<Scalar>* dW, DistillationWorkspace<Scalar>& ws,
-                                      const DistillationOptions& options, const DistillationExtras<Scalar>& extras,
-                                      const char* where) {
+                                      const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& logprobs,
+                                      MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                      DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
+                                      const DistillationExtras<Scalar>& extras, const char* where) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
-  check_distill_common(where, h, W, dh, dW, options, extras);
+  check_distill_common(where, h, W, bias, dh, dW, db, options, extras);
   check_shape(where, "teacher log-probs", logprobs, h.rows(), W.rows());
   for (Index n = 0; n < h.rows(); ++n)
     if (distill_counted(extras, n)) check_logprob_row(where, "teacher log-probs", logprobs.row(n), n, false);
   TeacherSource<Scalar> teacher;
   teacher.dense = &logprobs;
-  return distill_pass<Scalar>(h, W, teacher, dh, dW, ws, options, extras);
+  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
 }
 
 template <typename Scalar>
 DistillationResult distill_topk_impl(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                     const TeacherTopK<Scalar>& top, MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW,
+                                     const ConstMatrixRef<Scalar>& bias, const TeacherTopK<Scalar>& top,
+                                     MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
                                      DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
                                      const DistillationExtras<Scalar>& extras, const char* where) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
-  check_distill_common(where, h, W, dh, dW, options, extras);
+  check_distill_common(where, h, W, bias, dh, dW, db, options, extras);
   const Index N = h.rows(), V = W.rows(), k = top.logprobs.cols();
   if (options.divergence != Divergence::forward_kl) {
     std::ostringstream message;
@@ -612,86 +633,90 @@ DistillationResult distill_topk_impl(const ConstMatrixRef<Scalar>& h, const Cons
       check_logprob_row(where, "teacher top-k log-probs", top.logprobs.row(n), n, true);
     }
   });
-  return distill_pass<Scalar>(h, W, teacher, dh, dW, ws, options, extras);
+  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
 }
 
 }  // namespace detail
 
-// Common arguments: h [N, d] and W [V, d] the student's, options (divergence, temperature, beta,
-// reduction, vocab_block), extras (mask [N, 1] in, losses [N, 1] out, each used when not empty).
-// Outputs: dh [N, d] written (masked rows 0), dW [V, d] += (skipped when empty).
-// \throws value_error for temperature <= 0, NaN or inf (or T or 1 / T out of Scalar's range),
-// beta outside [0, 1] or NaN (jsd), a negative vocab_block, a mask value other than 0 or 1, a
-// cached log-prob row that holds NaN or +inf or does not normalise; shape_error for any shape
-// that disagrees (the teacher's included); and for top-k, shape_error for k outside [1, V],
-// index_error for an id outside [0, V), value_error for a repeated id, a row of -inf or a
-// divergence other than forward_kl. Nothing is written on throw.
-// \pre no output aliases an input or another output.
+// Common arguments: h [N, d], W [V, d] and bias [V, 1] (empty: none) the student's, options (divergence, temperature,
+// beta, reduction, vocab_block), extras (mask [N, 1] in, losses [N, 1] out, each used when not empty). Outputs: dh [N,
+// d] written (masked rows 0), dW [V, d] += and db [V, 1] += (each skipped when empty; db also without a bias). \throws
+// value_error for temperature <= 0, NaN or inf (or T or 1 / T out of Scalar's range), beta outside [0, 1] or NaN (jsd),
+// a negative vocab_block, a mask value other than 0 or 1, a cached log-prob row that holds NaN or +inf or does not
+// normalise; shape_error for any shape that disagrees (the teacher's included); and for top-k, shape_error for k
+// outside [1, V], index_error for an id outside [0, V), value_error for a repeated id, a row of -inf or a divergence
+// other than forward_kl. Nothing is written on throw. \pre no output aliases an input or another output.
 
-// h [N, d], W [V, d], h_T [N, d_T], W_T [V, d_T] -> loss; dh [N, d] written, dW [V, d] +=,
-// dh_T [N, d_T] written and dW_T [V, d_T] += when not empty (dW_T needs dh_T).
+// h [N, d], W [V, d], bias [V, 1] or empty, h_T [N, d_T], W_T [V, d_T], bias_T [V, 1] or empty
+// -> loss; dh [N, d] written, dW [V, d] +=, db [V, 1] +=; dh_T [N, d_T] written, dW_T [V, d_T] +=,
+// db_T [V, 1] += when not empty (dW_T and db_T need dh_T).
 template <typename Scalar>
-DistillationResult distill_head_forward_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                                 const ConstMatrixRef<Scalar>& h_T, const ConstMatrixRef<Scalar>& W_T,
-                                                 MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> dh_T,
-                                                 MatrixRef<Scalar> dW_T, DistillationWorkspace<Scalar>& workspace,
-                                                 const DistillationOptions& options = {},
-                                                 const DistillationExtras<Scalar>& extras = {}) {
-  return detail::distill_head_impl<Scalar>(h, W, h_T, W_T, &dh, &dW, &dh_T, &dW_T, workspace, options, extras,
-                                           "distill_head_forward_backward");
+DistillationResult distill_head_forward_backward(
+    const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W, const ConstMatrixRef<Scalar>& bias,
+    const ConstMatrixRef<Scalar>& h_T, const ConstMatrixRef<Scalar>& W_T, const ConstMatrixRef<Scalar>& bias_T,
+    MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> db, MatrixRef<Scalar> dh_T, MatrixRef<Scalar> dW_T,
+    MatrixRef<Scalar> db_T, DistillationWorkspace<Scalar>& workspace, const DistillationOptions& options = {},
+    const DistillationExtras<Scalar>& extras = {}) {
+  return detail::distill_head_impl<Scalar>(h, W, bias, h_T, W_T, bias_T, &dh, &dW, &db, &dh_T, &dW_T, &db_T, workspace,
+                                           options, extras, "distill_head_forward_backward");
 }
 
-// h [N, d], W [V, d], h_T [N, d_T], W_T [V, d_T] -> the loss alone.
+// h [N, d], W [V, d], bias, h_T [N, d_T], W_T [V, d_T], bias_T -> the loss alone.
 template <typename Scalar>
 DistillationResult distill_head(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                const ConstMatrixRef<Scalar>& h_T, const ConstMatrixRef<Scalar>& W_T,
+                                const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& h_T,
+                                const ConstMatrixRef<Scalar>& W_T, const ConstMatrixRef<Scalar>& bias_T,
                                 DistillationWorkspace<Scalar>& workspace, const DistillationOptions& options = {},
                                 const DistillationExtras<Scalar>& extras = {}) {
-  return detail::distill_head_impl<Scalar>(h, W, h_T, W_T, nullptr, nullptr, nullptr, nullptr, workspace, options,
-                                           extras, "distill_head");
+  return detail::distill_head_impl<Scalar>(h, W, bias, h_T, W_T, bias_T, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                           nullptr, workspace, options, extras, "distill_head");
 }
 
-// h [N, d], W [V, d], teacher log-probs [N, V] -> loss; dh [N, d] written, dW [V, d] +=.
+// h [N, d], W [V, d], bias [V, 1] or empty, teacher log-probs [N, V] -> loss; dh [N, d] written,
+// dW [V, d] +=, db [V, 1] +=.
 template <typename Scalar>
 DistillationResult distill_logprobs_forward_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                                     const ConstMatrixRef<Scalar>& bias,
                                                      const ConstMatrixRef<Scalar>& teacher_logprobs,
-                                                     MatrixRef<Scalar> dh, MatrixRef<Scalar> dW,
+                                                     MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> db,
                                                      DistillationWorkspace<Scalar>& workspace,
                                                      const DistillationOptions& options = {},
                                                      const DistillationExtras<Scalar>& extras = {}) {
-  return detail::distill_dense_impl<Scalar>(h, W, teacher_logprobs, &dh, &dW, workspace, options, extras,
+  return detail::distill_dense_impl<Scalar>(h, W, bias, teacher_logprobs, &dh, &dW, &db, workspace, options, extras,
                                             "distill_logprobs_forward_backward");
 }
 
-// h [N, d], W [V, d], teacher log-probs [N, V] -> the loss alone.
+// h [N, d], W [V, d], bias, teacher log-probs [N, V] -> the loss alone.
 template <typename Scalar>
 DistillationResult distill_logprobs(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                    const ConstMatrixRef<Scalar>& teacher_logprobs,
+                                    const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& teacher_logprobs,
                                     DistillationWorkspace<Scalar>& workspace, const DistillationOptions& options = {},
                                     const DistillationExtras<Scalar>& extras = {}) {
-  return detail::distill_dense_impl<Scalar>(h, W, teacher_logprobs, nullptr, nullptr, workspace, options, extras,
-                                            "distill_logprobs");
+  return detail::distill_dense_impl<Scalar>(h, W, bias, teacher_logprobs, nullptr, nullptr, nullptr, workspace, options,
+                                            extras, "distill_logprobs");
 }
 
-// h [N, d], W [V, d], top-k {ids [N, k], log-probs [N, k]} -> loss (forward_kl over the
-// renormalised top-k support); dh [N, d] written, dW [V, d] +=.
+// h [N, d], W [V, d], bias, top-k {ids [N, k], log-probs [N, k]} -> loss (forward_kl over the
+// renormalised top-k support); dh [N, d] written, dW [V, d] +=, db [V, 1] +=.
 template <typename Scalar>
 DistillationResult distill_topk_forward_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                                 const TeacherTopK<Scalar>& teacher, MatrixRef<Scalar> dh,
-                                                 MatrixRef<Scalar> dW, DistillationWorkspace<Scalar>& workspace,
+                                                 const ConstMatrixRef<Scalar>& bias, const TeacherTopK<Scalar>& teacher,
+                                                 MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> db,
+                                                 DistillationWorkspace<Scalar>& workspace,
                                                  const DistillationOptions& options = {},
                                                  const DistillationExtras<Scalar>& extras = {}) {
-  return detail::distill_topk_impl<Scalar>(h, W, teacher, &dh, &dW, workspace, options, extras,
+  return detail::distill_topk_impl<Scalar>(h, W, bias, teacher, &dh, &dW, &db, workspace, options, extras,
                                            "distill_topk_forward_backward");
 }
 
-// h [N, d], W [V, d], top-k {ids [N, k], log-probs [N, k]} -> the loss alone.
+// h [N, d], W [V, d], bias, top-k {ids [N, k], log-probs [N, k]} -> the loss alone.
 template <typename Scalar>
 DistillationResult distill_topk(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
-                                const TeacherTopK<Scalar>& teacher, DistillationWorkspace<Scalar>& workspace,
-                                const DistillationOptions& options = {},
+                                const ConstMatrixRef<Scalar>& bias, const TeacherTopK<Scalar>& teacher,
+                                DistillationWorkspace<Scalar>& workspace, const DistillationOptions& options = {},
                                 const DistillationExtras<Scalar>& extras = {}) {
-  return detail::distill_topk_impl<Scalar>(h, W, teacher, nullptr, nullptr, workspace, options, extras, "distill_topk");
+  return detail::distill_topk_impl<Scalar>(h, W, bias, teacher, nullptr, nullptr, nullptr, workspace, options, extras,
+                                           "distill_topk");
 }
 
 }  // namespace embedhead
