@@ -24,6 +24,7 @@
 // The layers and the losses on the head; ALiBi's attention bias, RoPE's rotation kernels and scalings.
 #include "alibi.hpp"
 #include "cross_entropy.hpp"
+#include "distillation.hpp"
 #include "dropout.hpp"
 #include "fused_head_loss.hpp"
 #include "gemm_backend.hpp"

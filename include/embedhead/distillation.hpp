@@ -1,0 +1,724 @@
+// embedhead: distillation of the LM head against a teacher, fused over blocks of the vocabulary
+// so that neither model's [N, V] logits exist.
+//
+// Student logits s = h W^T (+ bias) [N, V]; the teacher is either a second head, u = h_T W_T^T (+ bias_T)
+// (h_T [N, d_T], W_T [V, d_T]), or cached teacher log-probabilities, dense [N, V] or top-k (ids and
+// log-probs [N, k]), used as u. Temperature T > 0 divides both:
+//   a = s / T,  b = u / T,  log p = a - lse(a),  log q = b - lse(b)     (q: the teacher)
+// One row's divergence (Divergence):
+//   forward_kl  L = T^2 sum_j q_j (log q_j - log p_j)                   (Hinton et al. 2015)
+//   reverse_kl  L = T^2 sum_j p_j (log p_j - log q_j)
+//   jsd         log m = logsumexp(log p + log(1 - beta), log q + log beta)
+//               L = beta KL(q || m) + (1 - beta) KL(p || m)             (TRL's generalized_jsd_loss)
+//               beta = 0 is KL(q || p) and beta = 1 is KL(p || q) exactly, as TRL special-cases them;
+//               no T^2 factor (TRL's), so jsd at beta = 0 is forward_kl / T^2.
+// Gradients, with the row's weight w (the reduction's scale: 1 / count for mean), c = T^2 for the
+// two KLs and 1 for jsd, dL/ds = (1/T) dL/da and dL/du = (1/T) dL/db:
+//   forward_kl  dL/da_j = w c (p_j - q_j),            dL/db_j = w c q_j (log q_j - log p_j - K)
+//   reverse_kl  dL/da_j = w c p_j (log p_j - log q_j - K),   dL/db_j = w c (q_j - p_j)
+//   jsd         dL/da_j = w (1 - beta) p_j (log p_j - log m_j - K_p)
+//               dL/db_j = w beta q_j (log q_j - log m_j - K_q)
+// with K the row's KL (without T^2), K_p = KL(p || m), K_q = KL(q || m). Terms of zero probability
+// add 0 (0 log 0 = 0); a class with q_j > 0 and p_j = 0 makes forward_kl +inf, as it is.
+//
+// Passes over the vocabulary, vocab_block rows of W (and W_T) at a time, all counted tokens at once:
+//   1  both blocks of logits, each row's online max and sum of exponentials (SoftmaxRowStats,
+//      in double) -> lse(a), lse(b); for the KLs also, online beside the weighting distribution's
+//      statistics, X = sum_j exp(a_j - max) (a_j - b_j) (reverse; forward: a and b swapped), so
+//      that K = X / S - lse(a) + lse(b) is known after pass 1;
+//   2  both blocks again, each row's sums (K, or K_p and K_q), in double, block by block in order;
+//      for the KLs also dz = dL/ds (and dz_T = dL/du) from K, then dW += dz^T h, dh += dz W (and
+//      dW_T += dz_T^T h_T, dh_T += dz_T W_T); the loss is pass 2's K, not pass 1's X;
+//   3  (jsd with a gradient) the gradient pass: both blocks again, dz from the sums of pass 2.
+// Extra memory: two blocks of logits [N, vocab_block] (the student's and the teacher's) and a few
+// doubles per row. Cost in GEMMs (d_T = d): the KLs' loss and student gradient 12 N V d flops
+// (the student-only fused loss: 6 N V d in token chunks, 8 in vocabulary blocks), jsd's 16 N V d;
+// the teacher's gradient adds 4 N V d. Cached log-probs replace the teacher's products by reading
+// [N, V] (or [N, k]); the loss alone is 8 N V d (teacher head) or 4 N V d (cached).
+//
+// Cached log-probs: a dense row must be log-probabilities, |log sum_j exp(l_j)| <= 1e-3, without NaN
+// or +inf (-inf: probability 0). Top-k: the k classes of each row are the teacher's whole support,
+// renormalised over them (q = softmax(l_k / T) on the k ids, 0 elsewhere); their probabilities must
+// sum to at most 1 (log sum <= 1e-3), the ids be distinct and in [0, V). Only forward_kl is defined
+// on a top-k support (reverse_kl and jsd would be infinite on the classes q leaves out).
+//
+// Masked tokens: extras.mask [N, 1] of 0 (masked) and 1 (counted), all counted when empty (a
+// labels array with ignore_index -100 is mask = labels != -100). A masked row adds no loss and gets
+// dh = 0 (and dh_T = 0); its cached log-probs are not read. Reduction: mean over the counted tokens
+// (TRL's batchmean over non-masked tokens), sum, or none (per-row losses into extras.losses, the
+// result's loss their sum).
+#ifndef EMBEDHEAD_DISTILLATION_HPP
+#define EMBEDHEAD_DISTILLATION_HPP
+
+#include "cross_entropy.hpp"
+#include "detail/checks.hpp"
+#include "detail/gemm.hpp"
+#include "detail/softmax.hpp"
+#include "errors.hpp"
+#include "fused_head_loss.hpp"
+#include "types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace embedhead {
+
+enum class Divergence { forward_kl, reverse_kl, jsd };
+
+struct DistillationOptions {
+  Divergence divergence = Divergence::forward_kl;
+  double temperature = 1.0;  // T in (0, inf)
+  double beta = 0.5;         // jsd's beta in [0, 1] (ignored by the KLs)
+  Reduction reduction = Reduction::mean;
+  Index vocab_block = 0;  // rows of W per block; 0: as FusedHeadLossOptions (V / 50 in [256, 4096])
+};
+
+struct DistillationResult {
+  double loss = 0;  // mean: sum / count (0 when nothing counts); sum, none: sum
+  double sum = 0;   // sum of the counted rows' L
+  Index count = 0;  // counted (unmasked) rows
+};
+
+// Buffers reused across calls; contents internal.
+template <typename Scalar>
+struct DistillationWorkspace {
+  std::vector<Scalar> student, teacher;  // [N, vocab_block] each: a block of a and of b, then of dz
+  std::vector<detail::SoftmaxRowStats> student_stats, teacher_stats;
+  std::vector<double> lse_student, lse_teacher, sum_p, sum_q;  // per row
+  std::vector<double> cross;                                   // per row: X of pass 1, then K
+  std::vector<Index> top_ids;                                  // a top-k row's ids, sorted (the check)
+};
+
+// Optional per-token input and output, each absent when empty, else [N, 1]:
+//   DistillationExtras<float> extras{{mask.data(), N, 1}, {losses.data(), N, 1}};
+template <typename Scalar>
+struct DistillationExtras {
+  Eigen::Map<const RowMatrix<Scalar>> mask{nullptr, 0, 1};  // in:  [N, 1] 1 counted, 0 masked
+  Eigen::Map<RowMatrix<Scalar>> losses{nullptr, 0, 1};      // out: [N, 1] each row's L (0 masked)
+};
+
+// Top-k cached teacher log-probs: ids [N, k] in [0, V), distinct in a row; logprobs [N, k].
+template <typename Scalar>
+struct TeacherTopK {
+  TokenIds ids;
+  ConstMatrixRef<Scalar> logprobs;
+};
+
+// Tolerance of a cached row's normalisation: |log sum_j exp(l_j)| <= kLogProbTolerance (top-k:
+// log sum <= kLogProbTolerance).
+constexpr double kLogProbTolerance = 1e-3;
+
+namespace detail {
+
+// forward / reverse / jsd with beta strictly inside (0, 1); jsd at 0 and 1 runs as fkl / rkl.
+enum class DistillKind { fkl, rkl, jsd };
+
+inline void check_distillation_options(const char* where, const DistillationOptions& options) {
+  const double T = options.temperature;
+  if (!(T > 0) || !std::isfinite(T)) {
+    std::ostringstream message;
+    message << where << ": temperature = " << T << " outside (0, inf)";
+    throw value_error(message.str());
+  }
+  if (options.divergence == Divergence::jsd && !(options.beta >= 0 && options.beta <= 1)) {
+    std::ostringstream message;
+    message << where << ": beta = " << options.beta << " outside [0, 1]";
+    throw value_error(message.str());
+  }
+  if (options.vocab_block < 0) {
+    std::ostringstream message;
+    message << where << ": vocab_block = " << options.vocab_block << " outside [0, inf) (0: automatic)";
+    throw value_error(message.str());
+  }
+}
+
+template <typename Mask>
+void check_mask(const char* where, const Mask& mask) {
+  for (Index n = 0; n < mask.rows(); ++n) {
+    const double m = static_cast<double>(mask(n, 0));
+    if (m != 0.0 && m != 1.0) {
+      std::ostringstream message;
+      message << where << ": mask " << m << " at n=" << n << " outside {0, 1}";
+      throw value_error(message.str());
+    }
+  }
+}
+
+// Throws value_error unless the k values of a row (stride 1 or not) hold no NaN nor +inf and
+// log sum exp is within kLogProbTolerance of 0 (at_most: only <= kLogProbTolerance, top-k).
+template <typename Row>
+void check_logprob_row(const char* where, const char* what, const Row& row, Index n, bool at_most) {
+  double max = -std::numeric_limits<double>::infinity();
+  for (Index j = 0; j < row.size(); ++j) {
+    const double l = static_cast<double>(row(j));
+    if (std::isnan(l) || l == std::numeric_limits<double>::infinity()) {
+      std::ostringstream message;
+      message << where << ": " << what << " " << l << " at n=" << n << ", column " << j
+              << " outside [-inf, 0] (log-probabilities)";
+      throw value_error(message.str());
+    }
+    max = std::max(max, l);
+  }
+  double sum = 0;
+  if (max > -std::numeric_limits<double>::infinity())
+    for (Index j = 0; j < row.size(); ++j) sum += std::exp(static_cast<double>(row(j)) - max);
+  const double lse = max + std::log(sum);
+  // Top-k: at least one class of non-zero probability (a row of -inf has no distribution).
+  const bool bad = at_most ? !(lse <= kLogProbTolerance) || lse == -std::numeric_limits<double>::infinity()
+                           : !(std::abs(lse) <= kLogProbTolerance);
+  if (bad) {
+    std::ostringstream message;
+    message << where << ": " << what << " at n=" << n << " have log sum exp = " << lse << " outside ";
+    if (at_most)
+      message << "(-inf";
+    else
+      message << "[" << -kLogProbTolerance;
+    message << ", " << kLogProbTolerance << "] (rows must be log-probabilities)";
+    throw value_error(message.str());
+  }
+}
+
+// The online statistics of x [width] (SoftmaxRowStats: max, S) and beside them, at the same max,
+// X = sum_j exp(x_j - max) (x_j - y_j) (a term with exp 0 adds 0), rescaled as S when the max grows;
+// each term in Scalar (X only sets the gradient's K: the loss is pass 2's sum, in double).
+// For the KLs' row sum K from pass 1: sum_j p_j (a_j - b_j) = X / S.
+template <typename Scalar>
+void accumulate_cross(SoftmaxRowStats& stats, double& X, const Scalar* x, const Scalar* y, Index width) {
+  using Lanes = SoftmaxLanes<Scalar>;
+  using D = SoftmaxLanes<double>;
+  const double block_max = static_cast<double>(row_max(x, width));
+  if (block_max > stats.max) {
+    if (X != 0.0) X *= std::exp(stats.max - block_max);
+    stats.rescale_to(block_max);
+  }
+  const Scalar minus_inf = -std::numeric_limits<Scalar>::infinity();
+  const Scalar shift = stats.max == -std::numeric_limits<double>::infinity() ? Scalar(0)
+                                                                             : static_cast<Scalar>(stats.max);
+  // In Scalar over runs of kSoftmaxRun blocks, each run's lanes then added in double (as
+  // sum_exp_shifted).
+  D sum = D::Zero(), cross = D::Zero();
+  Lanes part_sum = Lanes::Zero(), part_cross = Lanes::Zero();
+  Index run = 0;
+  for (Index j = 0; j < width; j += kSoftmaxLanes) {
+    const Index count = std::min(kSoftmaxLanes, width - j);
+    const Lanes sx = count == kSoftmaxLanes ? Lanes(Eigen::Map<const Lanes>(x + j))
+                                            : load_partial_lanes(x + j, count, minus_inf);
+    const Lanes sy = count == kSoftmaxLanes ? Lanes(Eigen::Map<const Lanes>(y + j))
+                                            : load_partial_lanes(y + j, count, Scalar(0));
+    const Lanes e = exp_lanes<Scalar>(Lanes(sx - shift));
+    part_sum += e;
+    part_cross += (e > Scalar(0)).select(e * (sx - sy), Lanes::Zero());
+    if (++run == kSoftmaxRun || j + kSoftmaxLanes >= width) {
+      sum += part_sum.template cast<double>();
+      cross += part_cross.template cast<double>();
+      part_sum.setZero();
+      part_cross.setZero();
+      run = 0;
+    }
+  }
+  stats.sum_exp += sum.sum();
+  X += cross.sum();
+}
+
+// One row's block of columns: a, b [width] (already divided by T), the row's lse of each. Adds the
+// row's sums (sum_p: K or K_p; sum_q: K_q) over the block when `sums`; writes dL/ds into ga and
+// dL/du into gb (each may be a or b itself, or null) with the coefficients ca, cb (w c / T, the
+// beta factors included) and the row's full sums kp, kq.
+template <typename Scalar>
+void distill_row_block(DistillKind kind, double beta, const Scalar* a, const Scalar* b, Index width, double lse_a,
+                       double lse_b, bool sums, double* sum_p, double* sum_q, Scalar* ga, Scalar* gb, double ca,
+                       double cb, double kp, double kq) {
+  using Lanes = SoftmaxLanes<Scalar>;
+  using D = SoftmaxLanes<double>;
+  const Scalar minus_inf = -std::numeric_limits<Scalar>::infinity();
+  const double log_beta = kind == DistillKind::jsd ? std::log(beta) : 0.0;
+  const double log_1mbeta = kind == DistillKind::jsd ? std::log1p(-beta) : 0.0;
+  D acc_p = D::Zero(), acc_q = D::Zero();
+  for (Index j = 0; j < width; j += kSoftmaxLanes) {
+    const Index count = std::min(kSoftmaxLanes, width - j);
+    const Lanes sa = count == kSoftmaxLanes ? Lanes(Eigen::Map<const Lanes>(a + j))
+                                            : load_partial_lanes(a + j, count, minus_inf);
+    const Lanes sb = count == kSoftmaxLanes ? Lanes(Eigen::Map<const Lanes>(b + j))
+                                            : load_partial_lanes(b + j, count, minus_inf);
+    const D lp = sa.template cast<double>() - lse_a;
+    const D lq = sb.template cast<double>() - lse_b;
+    // p and q by Scalar's exp (in float 1e-7 relative, twice as fast as double's), the logs and
+    // the sums in double.
+    const D p = exp_lanes<Scalar>(Lanes(sa - static_cast<Scalar>(lse_a))).template cast<double>();
+    const D q = exp_lanes<Scalar>(Lanes(sb - static_cast<Scalar>(lse_b))).template cast<double>();
+    D tp, tq, dp, dq;  // the row terms; dL/da, dL/db before their coefficients
+    if (kind == DistillKind::fkl) {
+      tp = (q > 0.0).select(q * (lq - lp), D::Zero());
+      tq = D::Zero();
+      dp = p - q;
+      dq = (q > 0.0).select(q * (lq - lp - kp), D::Zero());
+    } else if (kind == DistillKind::rkl) {
+      tp = (p > 0.0).select(p * (lp - lq), D::Zero());
+      tq = D::Zero();
+      dp = (p > 0.0).select(p * (lp - lq - kp), D::Zero());
+      dq = q - p;
+    } else {
+      const D x1 = lp + log_1mbeta, x2 = lq + log_beta;
+      const D hi = x1.max(x2), lo = x1.min(x2);
+      const D lm = hi + exp_lanes<double>(D(lo - hi)).log1p();
+      tp = (p > 0.0).select(p * (lp - lm), D::Zero());
+      tq = (q > 0.0).select(q * (lq - lm), D::Zero());
+      dp = (p > 0.0).select(p * (lp - lm - kp), D::Zero());
+      dq = (q > 0.0).select(q * (lq - lm - kq), D::Zero());
+    }
+    if (sums) {
+      acc_p += tp;
+      acc_q += tq;
+    }
+    if (ga) {
+      const Lanes g = (dp * ca).template cast<Scalar>();
+      std::copy_n(g.data(), count, ga + j);
+    }
+    if (gb) {
+      const Lanes g = (dq * cb).template cast<Scalar>();
+      std::copy_n(g.data(), count, gb + j);
+    }
+  }
+  if (sums) {
+    *sum_p += acc_p.sum();
+    *sum_q += acc_q.sum();
+  }
+}
+
+// The teacher as a second head: u = h_T W_T^T, with optional gradients.
+template <typename Scalar>
+struct HeadTeacher {
+  const ConstMatrixRef<Scalar>* h = nullptr;     // [N, d_T]
+  const ConstMatrixRef<Scalar>* W = nullptr;     // [V, d_T]
+  const ConstMatrixRef<Scalar>* bias = nullptr;  // [V, 1] or empty
+  MatrixRef<Scalar>* dh = nullptr;               // [N, d_T] written, or null
+  MatrixRef<Scalar>* dW = nullptr;               // [V, d_T] +=, or null
+  MatrixRef<Scalar>* db = nullptr;               // [V, 1] +=, or null
+};
+
+// Which teacher: exactly one of head, dense, topk is set.
+template <typename Scalar>
+struct TeacherSource {
+  const HeadTeacher<Scalar>* head = nullptr;
+  const ConstMatrixRef<Scalar>* dense = nullptr;  // [N, V] log-probs
+  const ConstMatrixRef<Scalar>* topk = nullptr;   // [N, k] log-probs
+  std::vector<Index> topk_ids;                    // [N, k] ids as Index (checked)
+};
+
+// logits [N, width] (leading dimension width) = x [N, K] Y[v0, v0 + width)^T (+ bias[v0, v0 + width)).
+template <typename Scalar>
+void distill_logits(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Scalar>& Y,
+                    const ConstMatrixRef<Scalar>& bias, Index v0, Index width, Scalar* out) {
+  using gemm::Layout;
+  const gemm::Op<Scalar, Layout::row_major, Layout::col_major> product{x.rows(),        width,
+                                                                       x.cols(),        x.data(),
+                                                                       x.outerStride(), Y.data() + v0 * Y.outerStride(),
+                                                                       Y.outerStride(), out,
+                                                                       width,           gemm::Init::zero};
+  gemm::Op<Scalar, Layout::row_major, Layout::col_major> op = product;
+  if (bias.size() != 0) {
+    op.init = gemm::Init::bias;
+    op.bias = bias.data() + v0 * bias.outerStride();
+    op.bias_stride = bias.outerStride();
+  }
+  // One piece of columns per thread on the packed kernel (whose results do not depend on the
+  // pieces): a block's few fixed pieces of kFusedRowPiece columns would leave a thread idle.
+  gemm::Plan plan{gemm::Split::cols, kFusedRowPiece, true};
+  if constexpr (gemm::DefaultBackend::any_chunking) {
+    const Index threads = chunk_threads(width, 64, true);
+    plan.chunk = ((width + threads - 1) / threads + 63) / 64 * 64;
+  }
+  gemm::run<gemm::Kernel::expression>(op, plan);
+}
+
+// dz [N, width] of W's rows [v0, v0 + width): dW[v0 ..) += dz^T x (dW may be null), db[v0 ..) +=
+// column sums of dz (db may be null), dx += dz Y[v0 ..).
+template <typename Scalar>
+void distill_backward(const Scalar* dz, Index N, Index width, const ConstMatrixRef<Scalar>& x,
+                      const ConstMatrixRef<Scalar>& Y, Index v0, MatrixRef<Scalar>* dx, MatrixRef<Scalar>* dY,
+                      MatrixRef<Scalar>* db) {
+  using gemm::Layout;
+  const Index d = x.cols();
+  if (db) add_column_sums(dz, width, N, width, db->col(0).segment(v0, width));
+  if (dY) {
+    const gemm::Op<Scalar, Layout::col_major, Layout::row_major> dW_product{
+        width, d, N, dz, width, x.data(), x.outerStride(), dY->data() + v0 * dY->outerStride(), dY->outerStride()};
+    gemm::run<gemm::Kernel::expression>(dW_product, gemm::per_thread_plan<gemm::DefaultBackend>(
+                                                        width, d, kFusedRowPiece,
+                                                        gemm::Plan{gemm::Split::rows, kFusedRowPiece, true}, true));
+  }
+  const gemm::Op<Scalar, Layout::row_major, Layout::row_major> dh_product{
+      N, d, width, dz, width, Y.data() + v0 * Y.outerStride(), Y.outerStride(), dx->data(), dx->outerStride()};
+  gemm::run<gemm::Kernel::expression>(dh_product,
+                                      gemm::per_thread_plan<gemm::DefaultBackend>(N, d, kHeadMinThreadRows,
+                                                                                  gemm::Plan{gemm::Split::cols,
+                                                                                             kFusedDimPiece, true}));
+}
+
+// The pass (the top of this file). dh == nullptr: the loss alone. Every check has run.
+template <typename Scalar>
+DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                const ConstMatrixRef<Scalar>& bias, const TeacherSource<Scalar>& teacher,
+                                MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
+                                const DistillationExtras<Scalar>& extras) {
+  const Index N = h.rows(), V = W.rows();
+  const double T = options.temperature;
+  DistillKind kind = DistillKind::fkl;
+  double factor = T * T;
+  if (options.divergence == Divergence::reverse_kl) kind = DistillKind::rkl;
+  if (options.divergence == Divergence::jsd) {
+    factor = 1.0;
+    kind = options.beta == 0.0 ? DistillKind::fkl : options.beta == 1.0 ? DistillKind::rkl : DistillKind::jsd;
+  }
+  const double beta = options.beta;
+  const bool masked = extras.mask.size() != 0;
+  auto counted = [&](Index n) { return !masked || extras.mask(n, 0) != Scalar(0); };
+  const bool gradient = dh != nullptr;
+  const bool want_dW = gradient && dW && dW->size() != 0;
+  const bool want_db = gradient && db && db->size() != 0 && bias.size() != 0;
+  const HeadTeacher<Scalar>* head = teacher.head;
+  const bool teacher_dh = gradient && head && head->dh && head->dh->size() != 0;
+  const bool teacher_dW = teacher_dh && head->dW && head->dW->size() != 0;
+  const bool teacher_db = teacher_dh && head->db && head->db->size() != 0 && head->bias->size() != 0;
+
+  DistillationResult result;
+  for (Index n = 0; n < N; ++n) result.count += counted(n) ? 1 : 0;
+  const double scale = options.reduction == Reduction::mean ? (result.count > 0 ? 1.0 / result.count : 0.0) : 1.0;
+  if (gradient) dh->setZero();
+  if (teacher_dh) head->dh->setZero();
+  if (extras.losses.size() != 0) {
+    Eigen::Map<RowMatrix<Scalar>> losses = extras.losses;
+    losses.setZero();
+  }
+  if (result.count == 0) return result;
+
+  const Index block = fused_vocab_block(options.vocab_block, V);
+  ws.student.resize(static_cast<std::size_t>(N * block));
+  ws.teacher.resize(static_cast<std::size_t>(N * block));
+  ws.student_stats.assign(static_cast<std::size_t>(N), SoftmaxRowStats{});
+  ws.teacher_stats.assign(static_cast<std::size_t>(N), SoftmaxRowStats{});
+  ws.lse_student.assign(static_cast<std::size_t>(N), 0.0);
+  ws.lse_teacher.assign(static_cast<std::size_t>(N), 0.0);
+  ws.sum_p.assign(static_cast<std::size_t>(N), 0.0);
+  ws.sum_q.assign(static_cast<std::size_t>(N), 0.0);
+  ws.cross.assign(static_cast<std::size_t>(N), 0.0);
+  const Scalar inv_T = static_cast<Scalar>(1.0 / T);
+  const Index k = teacher.topk ? teacher.topk->cols() : 0;
+
+  // Both blocks of columns [v0, v0 + width), divided by T, into ws.student / ws.teacher.
+  auto blocks_of = [&](Index v0, Index width) {
+    distill_logits(h, W, bias, v0, width, ws.student.data());
+    if (head) distill_logits(*head->h, *head->W, *head->bias, v0, width, ws.teacher.data());
+    parallel_rows(N, [&](Index n) {
+      if (!counted(n)) return;
+      Scalar* a = ws.student.data() + n * width;
+      Scalar* b = ws.teacher.data() + n * width;
+      if (teacher.dense) {
+        for (Index j = 0; j < width; ++j) b[j] = (*teacher.dense)(n, v0 + j);
+      } else if (teacher.topk) {
+        std::fill(b, b + width, -std::numeric_limits<Scalar>::infinity());
+        for (Index i = 0; i < k; ++i) {
+          const Index id = teacher.topk_ids[static_cast<std::size_t>(n * k + i)];
+          if (id >= v0 && id < v0 + width) b[id - v0] = (*teacher.topk)(n, i);
+        }
+      }
+      if (T != 1.0) {
+        Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(a, width) *= inv_T;
+        Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(b, width) *= inv_T;
+      }
+    });
+  };
+  // Pass 1: the statistics.
+  const SoftmaxTerms terms = [&] {
+    SoftmaxTerms t;
+    t.classes = V;
+    return t;
+  }();
+  for (Index v0 = 0; v0 < V; v0 += block) {
+    const Index width = std::min(block, V - v0);
+    blocks_of(v0, width);
+    parallel_rows(N, [&](Index n) {
+      if (!counted(n)) return;
+      const std::size_t i = static_cast<std::size_t>(n);
+      const Scalar* a = ws.student.data() + n * width;
+      const Scalar* b = ws.teacher.data() + n * width;
+      // The KLs' X beside the statistics of the distribution that weights them (reverse: p's,
+      // forward: q's); jsd has none.
+      if (kind == DistillKind::rkl)
+        accumulate_cross(ws.student_stats[i], ws.cross[i], a, b, width);
+      else
+        ws.student_stats[i].accumulate(a, width, -1, terms);
+      if (kind == DistillKind::fkl)
+        accumulate_cross(ws.teacher_stats[i], ws.cross[i], b, a, width);
+      else
+        ws.teacher_stats[i].accumulate(b, width, -1, terms);
+    });
+  }
+  for (Index n = 0; n < N; ++n) {
+    const std::size_t i = static_cast<std::size_t>(n);
+    ws.lse_student[i] = ws.student_stats[i].max + std::log(ws.student_stats[i].sum_exp);
+    ws.lse_teacher[i] = ws.teacher_stats[i].max + std::log(ws.teacher_stats[i].sum_exp);
+    // K = X / S - lse + lse' (reverse: sum_j p_j (a_j - b_j) - lse(a) + lse(b); forward mirrored).
+    if (kind == DistillKind::rkl)
+      ws.cross[i] = ws.cross[i] / ws.student_stats[i].sum_exp - ws.lse_student[i] + ws.lse_teacher[i];
+    else if (kind == DistillKind::fkl)
+      ws.cross[i] = ws.cross[i] / ws.teacher_stats[i].sum_exp - ws.lse_teacher[i] + ws.lse_student[i];
+  }
+  // The gradient's coefficients on dL/da and dL/db, times 1/T for ds and du.
+  const double c = scale * factor / T;
+  const double ca = kind == DistillKind::jsd ? c * (1.0 - beta) : c;
+  const double cb = kind == DistillKind::jsd ? c * beta : c;
+  // The gradient in pass 2 when its row sums are known from pass 1: both KLs.
+  const bool gradient_in_sums = gradient && kind != DistillKind::jsd;
+  // One pass over the blocks: row sums (sums), gradients (grad) and their products.
+  auto walk = [&](bool sums, bool grad) {
+    for (Index v0 = 0; v0 < V; v0 += block) {
+      const Index width = std::min(block, V - v0);
+      blocks_of(v0, width);
+      parallel_rows(N, [&](Index n) {
+        const std::size_t i = static_cast<std::size_t>(n);
+        Scalar* a = ws.student.data() + n * width;
+        Scalar* b = ws.teacher.data() + n * width;
+        if (!counted(n)) {
+          if (grad) std::fill(a, a + width, Scalar(0));
+          if (grad && teacher_dh) std::fill(b, b + width, Scalar(0));
+          return;
+        }
+        distill_row_block(kind, beta, a, b, width, ws.lse_student[i], ws.lse_teacher[i], sums, &ws.sum_p[i],
+                          &ws.sum_q[i], grad ? a : nullptr, grad && teacher_dh ? b : nullptr, ca, cb,
+                          kind == DistillKind::jsd ? ws.sum_p[i] : ws.cross[i], ws.sum_q[i]);
+      });
+      if (!grad) continue;
+      distill_backward(ws.student.data(), N, width, h, W, v0, dh, want_dW ? dW : nullptr, want_db ? db : nullptr);
+      if (teacher_dh)
+        distill_backward(ws.teacher.data(), N, width, *head->h, *head->W, v0, head->dh, teacher_dW ? head->dW : nullptr,
+                         teacher_db ? head->db : nullptr);
+    }
+  };
+  walk(true, gradient_in_sums);
+  for (Index n = 0; n < N; ++n) {
+    if (!counted(n)) continue;
+    const std::size_t i = static_cast<std::size_t>(n);
+    const double row = kind == DistillKind::jsd ? beta * ws.sum_q[i] + (1.0 - beta) * ws.sum_p[i]
+                                                : factor * ws.sum_p[i];
+    result.sum += row;
+    if (extras.losses.size() != 0) {
+      Eigen::Map<RowMatrix<Scalar>> losses = extras.losses;
+      losses(n, 0) = static_cast<Scalar>(row);
+    }
+  }
+  result.loss = options.reduction == Reduction::mean ? result.sum / static_cast<double>(result.count) : result.sum;
+  if (gradient && !gradient_in_sums) walk(false, true);
+  return result;
+}
+
+// Every check shared by the entry points, before anything is written.
+template <typename Scalar>
+void check_distill_common(const char* where, const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                          const ConstMatrixRef<Scalar>& bias, const MatrixRef<Scalar>* dh, const MatrixRef<Scalar>* dW,
+                          const MatrixRef<Scalar>* db, const DistillationOptions& options,
+                          const DistillationExtras<Scalar>& extras) {
+  const Index N = h.rows(), V = W.rows(), d = W.cols();
+  check_size(where, "V", V);
+  check_shape(where, "h", h, N, d);
+  if (dh) check_shape(where, "dh", *dh, N, d);
+  if (dW && dW->size() != 0) check_shape(where, "dW", *dW, V, d);
+  if (bias.size() != 0) check_shape(where, "bias", bias, V, 1);
+  if (db && db->size() != 0) check_shape(where, "db", *db, V, 1);
+  if (extras.mask.size() != 0) check_shape(where, "mask", extras.mask, N, 1);
+  if (extras.losses.size() != 0) check_shape(where, "losses", extras.losses, N, 1);
+  check_distillation_options(where, options);
+  // The logits are divided by T in Scalar: T and 1 / T must both be finite and non-zero there.
+  check_in_scalar<Scalar>(where, "temperature", options.temperature, "(0, inf)");
+  check_in_scalar<Scalar>(where, "1 / temperature", 1.0 / options.temperature, "(0, inf)");
+  check_mask(where, extras.mask);
+}
+
+template <typename Scalar>
+bool distill_counted(const DistillationExtras<Scalar>& extras, Index n) {
+  return extras.mask.size() == 0 || extras.mask(n, 0) != Scalar(0);
+}
+
+template <typename Scalar>
+DistillationResult distill_head_impl(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                     const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& h_T,
+                                     const ConstMatrixRef<Scalar>& W_T, const ConstMatrixRef<Scalar>& bias_T,
+                                     MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                     MatrixRef<Scalar>* dh_T, MatrixRef<Scalar>* dW_T, MatrixRef<Scalar>* db_T,
+                                     DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
+                                     const DistillationExtras<Scalar>& extras, const char* where) {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+  check_distill_common(where, h, W, bias, dh, dW, db, options, extras);
+  check_shape(where, "teacher W_T", W_T, W.rows(), W_T.cols());
+  if (bias_T.size() != 0) check_shape(where, "teacher bias_T", bias_T, W.rows(), 1);
+  if (db_T && db_T->size() != 0) check_shape(where, "db_T", *db_T, W.rows(), 1);
+  check_shape(where, "teacher h_T", h_T, h.rows(), W_T.cols());
+  if (dh_T && dh_T->size() != 0) check_shape(where, "dh_T", *dh_T, h.rows(), W_T.cols());
+  if (dW_T && dW_T->size() != 0) check_shape(where, "dW_T", *dW_T, W.rows(), W_T.cols());
+  HeadTeacher<Scalar> head{&h_T, &W_T, &bias_T, dh_T, dW_T, db_T};
+  TeacherSource<Scalar> teacher;
+  teacher.head = &head;
+  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
+}
+
+template <typename Scalar>
+DistillationResult distill_dense_impl(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                      const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& logprobs,
+                                      MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                      DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
+                                      const DistillationExtras<Scalar>& extras, const char* where) {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+  check_distill_common(where, h, W, bias, dh, dW, db, options, extras);
+  check_shape(where, "teacher log-probs", logprobs, h.rows(), W.rows());
+  for (Index n = 0; n < h.rows(); ++n)
+    if (distill_counted(extras, n)) check_logprob_row(where, "teacher log-probs", logprobs.row(n), n, false);
+  TeacherSource<Scalar> teacher;
+  teacher.dense = &logprobs;
+  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
+}
+
+template <typename Scalar>
+DistillationResult distill_topk_impl(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                     const ConstMatrixRef<Scalar>& bias, const TeacherTopK<Scalar>& top,
+                                     MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                     DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
+                                     const DistillationExtras<Scalar>& extras, const char* where) {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+  check_distill_common(where, h, W, bias, dh, dW, db, options, extras);
+  const Index N = h.rows(), V = W.rows(), k = top.logprobs.cols();
+  if (options.divergence != Divergence::forward_kl) {
+    std::ostringstream message;
+    message << where << ": divergence " << (options.divergence == Divergence::jsd ? "jsd" : "reverse_kl")
+            << " outside {forward_kl}: top-k teacher log-probs define forward KL only";
+    throw value_error(message.str());
+  }
+  if (k < 1 || k > V) {
+    std::ostringstream message;
+    message << where << ": k = " << k << " outside [1, " << V << "] (V = " << V << ")";
+    throw shape_error(message.str());
+  }
+  check_shape(where, "teacher top-k log-probs", top.logprobs, N, k);
+  if (top.ids.rows() != N || top.ids.cols() != k)
+    throw_shape(where, "teacher top-k ids", top.ids.rows(), top.ids.cols(), N, k);
+  TeacherSource<Scalar> teacher;
+  teacher.topk = &top.logprobs;
+  teacher.topk_ids.assign(static_cast<std::size_t>(N * k), 0);
+  top.ids.visit([&](const auto& typed) {
+    for (Index n = 0; n < N; ++n) {
+      if (!distill_counted(extras, n)) continue;
+      for (Index i = 0; i < k; ++i) {
+        const Index id = static_cast<Index>(typed(n, i));
+        if (id < 0 || id >= V) {
+          std::ostringstream message;
+          message << where << ": teacher top-k id " << id << " at n=" << n << ", column " << i << " outside [0, " << V
+                  << ")";
+          throw index_error(message.str());
+        }
+        teacher.topk_ids[static_cast<std::size_t>(n * k + i)] = id;
+      }
+      ws.top_ids.assign(teacher.topk_ids.begin() + n * k, teacher.topk_ids.begin() + (n + 1) * k);
+      std::sort(ws.top_ids.begin(), ws.top_ids.end());
+      const auto twice = std::adjacent_find(ws.top_ids.begin(), ws.top_ids.end());
+      if (twice != ws.top_ids.end()) {
+        std::ostringstream message;
+        message << where << ": teacher top-k id " << *twice << " repeated at n=" << n << " (ids must be distinct)";
+        throw value_error(message.str());
+      }
+      check_logprob_row(where, "teacher top-k log-probs", top.logprobs.row(n), n, true);
+    }
+  });
+  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
+}
+
+}  // namespace detail
+
+// Common arguments: h [N, d], W [V, d] and bias [V, 1] (empty: none) the student's, options (divergence, temperature,
+// beta, reduction, vocab_block), extras (mask [N, 1] in, losses [N, 1] out, each used when not empty). Outputs: dh [N,
+// d] written (masked rows 0), dW [V, d] += and db [V, 1] += (each skipped when empty; db also without a bias). \throws
+// value_error for temperature <= 0, NaN or inf (or T or 1 / T out of Scalar's range), beta outside [0, 1] or NaN (jsd),
+// a negative vocab_block, a mask value other than 0 or 1, a cached log-prob row that holds NaN or +inf or does not
+// normalise; shape_error for any shape that disagrees (the teacher's included); and for top-k, shape_error for k
+// outside [1, V], index_error for an id outside [0, V), value_error for a repeated id, a row of -inf or a divergence
+// other than forward_kl. Nothing is written on throw. \pre no output aliases an input or another output.
+
+// h [N, d], W [V, d], bias [V, 1] or empty, h_T [N, d_T], W_T [V, d_T], bias_T [V, 1] or empty
+// -> loss; dh [N, d] written, dW [V, d] +=, db [V, 1] +=; dh_T [N, d_T] written, dW_T [V, d_T] +=,
+// db_T [V, 1] += when not empty (dW_T and db_T need dh_T).
+template <typename Scalar>
+DistillationResult distill_head_forward_backward(
+    const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W, const ConstMatrixRef<Scalar>& bias,
+    const ConstMatrixRef<Scalar>& h_T, const ConstMatrixRef<Scalar>& W_T, const ConstMatrixRef<Scalar>& bias_T,
+    MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> db, MatrixRef<Scalar> dh_T, MatrixRef<Scalar> dW_T,
+    MatrixRef<Scalar> db_T, DistillationWorkspace<Scalar>& workspace, const DistillationOptions& options = {},
+    const DistillationExtras<Scalar>& extras = {}) {
+  return detail::distill_head_impl<Scalar>(h, W, bias, h_T, W_T, bias_T, &dh, &dW, &db, &dh_T, &dW_T, &db_T, workspace,
+                                           options, extras, "distill_head_forward_backward");
+}
+
+// h [N, d], W [V, d], bias, h_T [N, d_T], W_T [V, d_T], bias_T -> the loss alone.
+template <typename Scalar>
+DistillationResult distill_head(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& h_T,
+                                const ConstMatrixRef<Scalar>& W_T, const ConstMatrixRef<Scalar>& bias_T,
+                                DistillationWorkspace<Scalar>& workspace, const DistillationOptions& options = {},
+                                const DistillationExtras<Scalar>& extras = {}) {
+  return detail::distill_head_impl<Scalar>(h, W, bias, h_T, W_T, bias_T, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                           nullptr, workspace, options, extras, "distill_head");
+}
+
+// h [N, d], W [V, d], bias [V, 1] or empty, teacher log-probs [N, V] -> loss; dh [N, d] written,
+// dW [V, d] +=, db [V, 1] +=.
+template <typename Scalar>
+DistillationResult distill_logprobs_forward_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                                     const ConstMatrixRef<Scalar>& bias,
+                                                     const ConstMatrixRef<Scalar>& teacher_logprobs,
+                                                     MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> db,
+                                                     DistillationWorkspace<Scalar>& workspace,
+                                                     const DistillationOptions& options = {},
+                                                     const DistillationExtras<Scalar>& extras = {}) {
+  return detail::distill_dense_impl<Scalar>(h, W, bias, teacher_logprobs, &dh, &dW, &db, workspace, options, extras,
+                                            "distill_logprobs_forward_backward");
+}
+
+// h [N, d], W [V, d], bias, teacher log-probs [N, V] -> the loss alone.
+template <typename Scalar>
+DistillationResult distill_logprobs(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                    const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& teacher_logprobs,
+                                    DistillationWorkspace<Scalar>& workspace, const DistillationOptions& options = {},
+                                    const DistillationExtras<Scalar>& extras = {}) {
+  return detail::distill_dense_impl<Scalar>(h, W, bias, teacher_logprobs, nullptr, nullptr, nullptr, workspace, options,
+                                            extras, "distill_logprobs");
+}
+
+// h [N, d], W [V, d], bias, top-k {ids [N, k], log-probs [N, k]} -> loss (forward_kl over the
+// renormalised top-k support); dh [N, d] written, dW [V, d] +=, db [V, 1] +=.
+template <typename Scalar>
+DistillationResult distill_topk_forward_backward(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                                 const ConstMatrixRef<Scalar>& bias, const TeacherTopK<Scalar>& teacher,
+                                                 MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> db,
+                                                 DistillationWorkspace<Scalar>& workspace,
+                                                 const DistillationOptions& options = {},
+                                                 const DistillationExtras<Scalar>& extras = {}) {
+  return detail::distill_topk_impl<Scalar>(h, W, bias, teacher, &dh, &dW, &db, workspace, options, extras,
+                                           "distill_topk_forward_backward");
+}
+
+// h [N, d], W [V, d], bias, top-k {ids [N, k], log-probs [N, k]} -> the loss alone.
+template <typename Scalar>
+DistillationResult distill_topk(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                const ConstMatrixRef<Scalar>& bias, const TeacherTopK<Scalar>& teacher,
+                                DistillationWorkspace<Scalar>& workspace, const DistillationOptions& options = {},
+                                const DistillationExtras<Scalar>& extras = {}) {
+  return detail::distill_topk_impl<Scalar>(h, W, bias, teacher, nullptr, nullptr, nullptr, workspace, options, extras,
+                                           "distill_topk");
+}
+
+}  // namespace embedhead
+
+#endif  // EMBEDHEAD_DISTILLATION_HPP
