@@ -533,6 +533,33 @@ TEMPLATE_TEST_CASE("distillation: bad input throws and changes nothing", "[disti
     q(2, 7) = std::numeric_limits<Scalar>::infinity();
     REQUIRE_THROWS_WITH(dense({}, q), Contains("teacher log-probs inf at n=2, column 7"));
     unchanged();
+    // A class of probability 0 (-inf, the row renormalised): reverse KL and jsd at beta = 1 refuse
+    // it (+inf), forward KL and jsd below 1 take it.
+    q = logq;
+    q(2, 7) = -std::numeric_limits<Scalar>::infinity();
+    double mass = 0;
+    for (Index j = 0; j < P.V; ++j) mass += std::exp(static_cast<double>(q(2, j)));
+    q.row(2).array() -= static_cast<Scalar>(std::log(mass));
+    DistillationOptions reverse;
+    reverse.divergence = embedhead::Divergence::reverse_kl;
+    REQUIRE_THROWS_WITH(dense(reverse, q), Contains("teacher log-probs -inf at n=2, column 7: reverse_kl"));
+    DistillationOptions jsd_one;
+    jsd_one.divergence = embedhead::Divergence::jsd;
+    jsd_one.beta = 1.0;
+    REQUIRE_THROWS_WITH(dense(jsd_one, q), Contains("teacher log-probs -inf at n=2, column 7"));
+    unchanged();
+    {
+      RowMatrix<Scalar> dh3(P.N, P.d), dW3 = RowMatrix<Scalar>::Zero(P.V, P.d);
+      DistillationOptions jsd_half = jsd_one;
+      jsd_half.beta = 0.5;
+      for (const DistillationOptions& o : {DistillationOptions{}, jsd_half}) {
+        const auto r = embedhead::distill_logprobs_forward_backward<Scalar>(h, W, empty<Scalar>(), q, dh3, dW3,
+                                                                            empty<Scalar>(), ws, o);
+        REQUIRE(std::isfinite(r.loss));
+        REQUIRE(dh3.allFinite());
+        REQUIRE(dW3.allFinite());
+      }
+    }
     // A masked row is not read.
     RowMatrix<Scalar> mask = RowMatrix<Scalar>::Ones(P.N, 1);
     mask(2, 0) = 0;

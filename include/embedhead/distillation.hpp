@@ -37,10 +37,10 @@
 // [N, V] (or [N, k]); the loss alone is 8 N V d (teacher head) or 4 N V d (cached).
 //
 // Cached log-probs: a dense row must be log-probabilities, |log sum_j exp(l_j)| <= 1e-3, without NaN
-// or +inf (-inf: probability 0). Top-k: the k classes of each row are the teacher's whole support,
-// renormalised over them (q = softmax(l_k / T) on the k ids, 0 elsewhere); their probabilities must
-// sum to at most 1 (log sum <= 1e-3), the ids be distinct and in [0, V). Only forward_kl is defined
-// on a top-k support (reverse_kl and jsd would be infinite on the classes q leaves out).
+// or +inf (-inf: probability 0; refused for reverse_kl and jsd at beta = 1, which would be +inf). Top-k: the k classes
+// of each row are the teacher's whole support, renormalised over them (q = softmax(l_k / T) on the k ids, 0 elsewhere);
+// their probabilities must sum to at most 1 (log sum <= 1e-3), the ids be distinct and in [0, V). Only forward_kl is
+// defined on a top-k support (reverse_kl and jsd would be infinite on the classes q leaves out).
 //
 // Masked tokens: extras.mask [N, 1] of 0 (masked) and 1 (counted), all counted when empty (a
 // labels array with ignore_index -100 is mask = labels != -100). A masked row adds no loss and gets
@@ -578,6 +578,21 @@ DistillationResult distill_dense_impl(const ConstMatrixRef<Scalar>& h, const Con
   check_shape(where, "teacher log-probs", logprobs, h.rows(), W.rows());
   for (Index n = 0; n < h.rows(); ++n)
     if (distill_counted(extras, n)) check_logprob_row(where, "teacher log-probs", logprobs.row(n), n, false);
+  // KL(p || q) is +inf, and its gradient NaN, on a class the teacher gives probability 0: refused
+  // for reverse_kl (and jsd at beta = 1, which is reverse_kl), as on a top-k support.
+  const bool reverse = options.divergence == Divergence::reverse_kl ||
+                       (options.divergence == Divergence::jsd && options.beta == 1.0);
+  for (Index n = 0; reverse && n < h.rows(); ++n) {
+    if (!distill_counted(extras, n)) continue;
+    for (Index j = 0; j < logprobs.cols(); ++j) {
+      if (logprobs(n, j) != -std::numeric_limits<Scalar>::infinity()) continue;
+      std::ostringstream message;
+      message << where << ": teacher log-probs -inf at n=" << n << ", column " << j
+              << ": reverse_kl (and jsd at beta = 1) needs every class's probability above 0 (KL(p || q) is "
+                 "+inf where q = 0)";
+      throw value_error(message.str());
+    }
+  }
   TeacherSource<Scalar> teacher;
   teacher.dense = &logprobs;
   return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
