@@ -215,7 +215,8 @@ void BM_BreakEven(benchmark::State& state) {
   const IdMatrix<std::int32_t> targets = bench_support::random_ids(N, V, 23);
   embedhead::FusedHeadLossWorkspace<float> ws;
   auto step = [&] {
-    if (fused) return embedhead::fused_head_loss_forward_backward<float>(h, W, no_bias, targets, dh, dW, no_db, ws).loss;
+    if (fused)
+      return embedhead::fused_head_loss_forward_backward<float>(h, W, no_bias, targets, dh, dW, no_db, ws).loss;
     embedhead::output_projection_forward<float>(h, W, no_bias, logits);
     const double loss = embedhead::cross_entropy_forward_backward<float>(logits, targets, logits).loss;
     embedhead::output_projection_backward<float>(h, W, logits, dh, dW, no_db);
