@@ -47,6 +47,9 @@
 // dh = 0 (and dh_T = 0); its cached log-probs are not read. Reduction: mean over the counted tokens
 // (TRL's batchmean over non-masked tokens), sum, or none (per-row losses into extras.losses, the
 // result's loss their sum).
+//
+// Over a vocabulary shard (each rank W's rows [begin, end)): parallel/vocab_parallel_distillation.hpp, this pass with a
+// DistillSlice whose collectives combine the rows' statistics after pass 1, their sums after pass 2 and dh at the end.
 #ifndef EMBEDHEAD_DISTILLATION_HPP
 #define EMBEDHEAD_DISTILLATION_HPP
 
@@ -360,13 +363,30 @@ void distill_backward(const Scalar* dz, Index N, Index width, const ConstMatrixR
                                                                                              kFusedDimPiece, true}));
 }
 
+// distill_pass over one shard of the vocabulary (parallel/vocab_parallel_distillation.hpp implements it over a
+// Communicator): W (and the teacher's W_T) hold the global rows [begin, begin + W.rows()); a dense teacher's log-probs
+// are the whole [N, V] (column begin + j is the shard's column j) and top-k ids are global. Null: the whole head.
+template <typename Scalar>
+struct DistillSlice {
+  Index begin = 0;  // global row of W's row 0
+  explicit DistillSlice(Index begin_row) : begin(begin_row) {}
+  virtual ~DistillSlice() = default;
+  // After pass 1, ws.student_stats, ws.teacher_stats [N] and ws.cross [N] (X, beside the student's statistics for rkl,
+  // the teacher's for fkl, unused for jsd) over the local columns -> the same over all V columns.
+  virtual void combine_stats(DistillationWorkspace<Scalar>& ws, Index N, DistillKind kind) const = 0;
+  // After pass 2: ws.sum_p and ws.sum_q [N] over the local columns -> their sums over all V columns.
+  virtual void combine_sums(DistillationWorkspace<Scalar>& ws, Index N) const = 0;
+  // At the end: dh (dh_T), this rank's partial sum -> the sum over every rank.
+  virtual void sum_over_ranks(MatrixRef<Scalar>& dh) const = 0;
+};
+
 // The pass (the top of this file). dh == nullptr: the loss alone. Every check has run.
 template <typename Scalar>
 DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                 const ConstMatrixRef<Scalar>& bias, const TeacherSource<Scalar>& teacher,
                                 MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
                                 DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
-                                const DistillationExtras<Scalar>& extras) {
+                                const DistillationExtras<Scalar>& extras, const DistillSlice<Scalar>* slice = nullptr) {
   const Index N = h.rows(), V = W.rows();
   const double T = options.temperature;
   DistillKind kind = DistillKind::fkl;
@@ -410,6 +430,7 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
   ws.cross.assign(static_cast<std::size_t>(N), 0.0);
   const Scalar inv_T = static_cast<Scalar>(1.0 / T);
   const Index k = teacher.topk ? teacher.topk->cols() : 0;
+  const Index column0 = slice ? slice->begin : 0;  // the global column of W's row 0
 
   // Both blocks of columns [v0, v0 + width), divided by T, into ws.student / ws.teacher.
   auto blocks_of = [&](Index v0, Index width) {
@@ -420,11 +441,11 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
       Scalar* a = ws.student.data() + n * width;
       Scalar* b = ws.teacher.data() + n * width;
       if (teacher.dense) {
-        for (Index j = 0; j < width; ++j) b[j] = (*teacher.dense)(n, v0 + j);
+        for (Index j = 0; j < width; ++j) b[j] = (*teacher.dense)(n, column0 + v0 + j);
       } else if (teacher.topk) {
         std::fill(b, b + width, -std::numeric_limits<Scalar>::infinity());
         for (Index i = 0; i < k; ++i) {
-          const Index id = teacher.topk_ids[static_cast<std::size_t>(n * k + i)];
+          const Index id = teacher.topk_ids[static_cast<std::size_t>(n * k + i)] - column0;
           if (id >= v0 && id < v0 + width) b[id - v0] = (*teacher.topk)(n, i);
         }
       }
@@ -460,6 +481,7 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
         ws.teacher_stats[i].accumulate(b, width, -1, terms);
     });
   }
+  if (slice) slice->combine_stats(ws, N, kind);
   for (Index n = 0; n < N; ++n) {
     const std::size_t i = static_cast<std::size_t>(n);
     ws.lse_student[i] = ws.student_stats[i].max + std::log(ws.student_stats[i].sum_exp);
@@ -502,6 +524,7 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
     }
   };
   walk(true, gradient_in_sums);
+  if (slice) slice->combine_sums(ws, N);
   for (Index n = 0; n < N; ++n) {
     if (!counted(n)) continue;
     const std::size_t i = static_cast<std::size_t>(n);
@@ -515,6 +538,8 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
   }
   result.loss = options.reduction == Reduction::mean ? result.sum / static_cast<double>(result.count) : result.sum;
   if (gradient && !gradient_in_sums) walk(false, true);
+  if (slice && gradient) slice->sum_over_ranks(*dh);
+  if (slice && teacher_dh) slice->sum_over_ranks(*head->dh);
   return result;
 }
 
@@ -545,6 +570,33 @@ bool distill_counted(const DistillationExtras<Scalar>& extras, Index n) {
   return extras.mask.size() == 0 || extras.mask(n, 0) != Scalar(0);
 }
 
+// The teacher head's checks: W_T, bias_T, db_T and dW_T with W's rows (a shard's, vocabulary-parallel).
+template <typename Scalar>
+void check_distill_head_teacher(const char* where, const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                const ConstMatrixRef<Scalar>& h_T, const ConstMatrixRef<Scalar>& W_T,
+                                const ConstMatrixRef<Scalar>& bias_T, const MatrixRef<Scalar>* dh_T,
+                                const MatrixRef<Scalar>* dW_T, const MatrixRef<Scalar>* db_T) {
+  check_shape(where, "teacher W_T", W_T, W.rows(), W_T.cols());
+  if (bias_T.size() != 0) check_shape(where, "teacher bias_T", bias_T, W.rows(), 1);
+  if (db_T && db_T->size() != 0) check_shape(where, "db_T", *db_T, W.rows(), 1);
+  check_shape(where, "teacher h_T", h_T, h.rows(), W_T.cols());
+  if (dh_T && dh_T->size() != 0) check_shape(where, "dh_T", *dh_T, h.rows(), W_T.cols());
+  if (dW_T && dW_T->size() != 0) check_shape(where, "dW_T", *dW_T, W.rows(), W_T.cols());
+}
+
+// Dense cached log-probs [N, V] (V the whole vocabulary: W.rows(), or the global V of a shard): shape, each counted
+// row normalised, and no probability 0 for reverse_kl (or jsd at beta = 1).
+template <typename Scalar>
+void check_distill_dense(const char* where, Index N, Index V, const ConstMatrixRef<Scalar>& logprobs,
+                         const DistillationOptions& options, const DistillationExtras<Scalar>& extras);
+
+// Top-k cached log-probs over V classes (the global V of a shard): the divergence, k, the shapes, each counted row's
+// ids (in [0, V), distinct, into teacher.topk_ids) and log-probs.
+template <typename Scalar>
+void check_distill_topk(const char* where, Index N, Index V, const TeacherTopK<Scalar>& top,
+                        const DistillationOptions& options, const DistillationExtras<Scalar>& extras,
+                        TeacherSource<Scalar>& teacher, DistillationWorkspace<Scalar>& ws);
+
 template <typename Scalar>
 DistillationResult distill_head_impl(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                      const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& h_T,
@@ -555,12 +607,7 @@ DistillationResult distill_head_impl(const ConstMatrixRef<Scalar>& h, const Cons
                                      const DistillationExtras<Scalar>& extras, const char* where) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   check_distill_common(where, h, W, bias, dh, dW, db, options, extras);
-  check_shape(where, "teacher W_T", W_T, W.rows(), W_T.cols());
-  if (bias_T.size() != 0) check_shape(where, "teacher bias_T", bias_T, W.rows(), 1);
-  if (db_T && db_T->size() != 0) check_shape(where, "db_T", *db_T, W.rows(), 1);
-  check_shape(where, "teacher h_T", h_T, h.rows(), W_T.cols());
-  if (dh_T && dh_T->size() != 0) check_shape(where, "dh_T", *dh_T, h.rows(), W_T.cols());
-  if (dW_T && dW_T->size() != 0) check_shape(where, "dW_T", *dW_T, W.rows(), W_T.cols());
+  check_distill_head_teacher(where, h, W, h_T, W_T, bias_T, dh_T, dW_T, db_T);
   HeadTeacher<Scalar> head{&h_T, &W_T, &bias_T, dh_T, dW_T, db_T};
   TeacherSource<Scalar> teacher;
   teacher.head = &head;
@@ -575,14 +622,23 @@ DistillationResult distill_dense_impl(const ConstMatrixRef<Scalar>& h, const Con
                                       const DistillationExtras<Scalar>& extras, const char* where) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   check_distill_common(where, h, W, bias, dh, dW, db, options, extras);
-  check_shape(where, "teacher log-probs", logprobs, h.rows(), W.rows());
-  for (Index n = 0; n < h.rows(); ++n)
+  check_distill_dense(where, h.rows(), W.rows(), logprobs, options, extras);
+  TeacherSource<Scalar> teacher;
+  teacher.dense = &logprobs;
+  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
+}
+
+template <typename Scalar>
+void check_distill_dense(const char* where, Index N, Index V, const ConstMatrixRef<Scalar>& logprobs,
+                         const DistillationOptions& options, const DistillationExtras<Scalar>& extras) {
+  check_shape(where, "teacher log-probs", logprobs, N, V);
+  for (Index n = 0; n < N; ++n)
     if (distill_counted(extras, n)) check_logprob_row(where, "teacher log-probs", logprobs.row(n), n, false);
   // KL(p || q) is +inf, and its gradient NaN, on a class the teacher gives probability 0: refused
   // for reverse_kl (and jsd at beta = 1, which is reverse_kl), as on a top-k support.
   const bool reverse = options.divergence == Divergence::reverse_kl ||
                        (options.divergence == Divergence::jsd && options.beta == 1.0);
-  for (Index n = 0; reverse && n < h.rows(); ++n) {
+  for (Index n = 0; reverse && n < N; ++n) {
     if (!distill_counted(extras, n)) continue;
     for (Index j = 0; j < logprobs.cols(); ++j) {
       if (logprobs(n, j) != -std::numeric_limits<Scalar>::infinity()) continue;
@@ -593,9 +649,6 @@ DistillationResult distill_dense_impl(const ConstMatrixRef<Scalar>& h, const Con
       throw value_error(message.str());
     }
   }
-  TeacherSource<Scalar> teacher;
-  teacher.dense = &logprobs;
-  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
 }
 
 template <typename Scalar>
@@ -606,7 +659,16 @@ DistillationResult distill_topk_impl(const ConstMatrixRef<Scalar>& h, const Cons
                                      const DistillationExtras<Scalar>& extras, const char* where) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
   check_distill_common(where, h, W, bias, dh, dW, db, options, extras);
-  const Index N = h.rows(), V = W.rows(), k = top.logprobs.cols();
+  TeacherSource<Scalar> teacher;
+  check_distill_topk(where, h.rows(), W.rows(), top, options, extras, teacher, ws);
+  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
+}
+
+template <typename Scalar>
+void check_distill_topk(const char* where, Index N, Index V, const TeacherTopK<Scalar>& top,
+                        const DistillationOptions& options, const DistillationExtras<Scalar>& extras,
+                        TeacherSource<Scalar>& teacher, DistillationWorkspace<Scalar>& ws) {
+  const Index k = top.logprobs.cols();
   if (options.divergence != Divergence::forward_kl) {
     std::ostringstream message;
     message << where << ": divergence " << (options.divergence == Divergence::jsd ? "jsd" : "reverse_kl")
@@ -621,7 +683,6 @@ DistillationResult distill_topk_impl(const ConstMatrixRef<Scalar>& h, const Cons
   check_shape(where, "teacher top-k log-probs", top.logprobs, N, k);
   if (top.ids.rows() != N || top.ids.cols() != k)
     throw_shape(where, "teacher top-k ids", top.ids.rows(), top.ids.cols(), N, k);
-  TeacherSource<Scalar> teacher;
   teacher.topk = &top.logprobs;
   teacher.topk_ids.assign(static_cast<std::size_t>(N * k), 0);
   top.ids.visit([&](const auto& typed) {
@@ -648,7 +709,6 @@ DistillationResult distill_topk_impl(const ConstMatrixRef<Scalar>& h, const Cons
       check_logprob_row(where, "teacher top-k log-probs", top.logprobs.row(n), n, true);
     }
   });
-  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
 }
 
 }  // namespace detail

@@ -61,6 +61,7 @@
 #include "parallel/communicator.hpp"
 #include "parallel/data_parallel.hpp"
 #include "parallel/vocab_parallel_cross_entropy.hpp"
+#include "parallel/vocab_parallel_distillation.hpp"
 #include "parallel/vocab_parallel_embedding.hpp"
 #include "parallel/vocab_parallel_fused_head_loss.hpp"
 #include "parallel/vocab_parallel_output_projection.hpp"
