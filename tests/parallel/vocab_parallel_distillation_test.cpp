@@ -486,6 +486,42 @@ TEMPLATE_TEST_CASE("vocabulary-parallel distillation with top-k cached log-probs
              ws);
 }
 
+TEST_CASE("vocabulary-parallel distillation adds into the shards' gradients and writes dh",
+          "[vocab_parallel_distillation]") {
+  using Scalar = double;
+  const Setup<Scalar> s = make_setup<Scalar>(8, 6, 5, 131);
+  Communicator& comm = world();
+  const Index rows = s.shard.rows();
+  Case c = make_case(Teacher::head, Divergence::jsd, 0.3, 2.0, Reduction::mean, true, true, 8);
+  DistillationWorkspace<Scalar> ws;
+  const Outputs<Scalar> fresh = sharded(s, c, ws);
+  // From gradients holding earlier values, and dh, dh_T holding garbage: dW, db, dW_T, db_T add; dh, dh_T are written.
+  const RowMatrix<Scalar> start_W = random_matrix<Scalar>(rows, s.d, 5, 1.0),
+                          start_b = random_matrix<Scalar>(rows, 1, 6);
+  const RowMatrix<Scalar> start_W_T = random_matrix<Scalar>(rows, s.d_T, 7),
+                          start_b_T = random_matrix<Scalar>(rows, 1, 8);
+  RowMatrix<Scalar> dW = start_W, db = start_b, dW_T = start_W_T, db_T = start_b_T;
+  RowMatrix<Scalar> dh = RowMatrix<Scalar>::Constant(s.N, s.d, 3.0),
+                    dh_T = RowMatrix<Scalar>::Constant(s.N, s.d_T, 4.0);
+  RowMatrix<Scalar> losses(s.N, 1);
+  const RowMatrix<Scalar> mask = mask_matrix<Scalar>(c);
+  const DistillationExtras<Scalar> extras{{mask.data(), mask.rows(), 1}, {losses.data(), s.N, 1}};
+  const DistillationResult result = embedhead::vocab_parallel_distill_head_forward_backward<Scalar>(
+      comm, s.V, s.h, s.W_s, s.b_s, s.h_T, s.W_T_s, s.b_T_s, dh, dW, db, dh_T, dW_T, db_T, ws, c.options, extras);
+  CHECK(result.loss == fresh.result.loss);
+  CHECK(same_values(dh, fresh.dh));
+  CHECK(same_values(dh_T, fresh.dh_T));
+  CHECK(close(dW, RowMatrix<Scalar>(start_W + fresh.dW), 1e-15));
+  CHECK(close(db, RowMatrix<Scalar>(start_b + fresh.db), 1e-15));
+  CHECK(close(dW_T, RowMatrix<Scalar>(start_W_T + fresh.dW_T), 1e-15));
+  CHECK(close(db_T, RowMatrix<Scalar>(start_b_T + fresh.db_T), 1e-15));
+  // Masked rows (1 and 5) get dh = 0.
+  CHECK(dh.row(1).isZero(0));
+  CHECK(dh_T.row(5).isZero(0));
+  CHECK(losses(1, 0) == 0);
+  CHECK_FALSE(fresh.dh.isZero(0));
+}
+
 namespace {
 
 // Runs call(), which must throw E on every rank with the same message; returns it ("" if it did not throw E). The
@@ -630,6 +666,67 @@ TEST_CASE("vocabulary-parallel distillation: errors agreed on every rank, nothin
       CHECK_THAT(message, Contains("teacher log-probs") && Contains("53"));
       unchanged();
     }
+  }
+  SECTION("the loss alone on the last rank, the gradient on the others") {
+    if (R > 1) {
+      // Every rank throws value_error; the messages differ only in the function each rank called.
+      std::string message;
+      try {
+        if (last)
+          embedhead::vocab_parallel_distill_head<Scalar>(comm, s.V, s.h, s.W_s, s.b_s, s.h_T, s.W_T_s, s.b_T_s, ws, {},
+                                                         extras());
+        else
+          head({}, s.W_s, s.W_T_s)();
+      } catch (const embedhead::value_error& e) {
+        message = e.what();
+      }
+      CHECK_THAT(message, Contains(last ? "vocab_parallel_distill_head: ranks 0 and "
+                                        : "vocab_parallel_distill_head_forward_backward: ranks 0 and ") &&
+                              Contains("disagree on the call (loss or gradient)"));
+      unchanged();
+    }
+  }
+  SECTION("the teacher's gradient asked for on every rank but the last") {
+    RowMatrix<Scalar> no_dh_T(0, 0);
+    if (R > 1) {
+      const std::string message = agreed_error<embedhead::value_error>([&] {
+        embedhead::vocab_parallel_distill_head_forward_backward<Scalar>(comm, s.V, s.h, s.W_s, s.b_s, s.h_T, s.W_T_s,
+                                                                        s.b_T_s, dh, dW, db, last ? no_dh_T : dh_T,
+                                                                        last ? no_dh_T : dW_T, last ? no_dh_T : db_T,
+                                                                        ws, {}, extras());
+      });
+      CHECK_THAT(message, Contains("disagree"));
+      unchanged();
+    }
+  }
+  SECTION("a dense teacher with a zero-probability class for reverse_kl on the last rank") {
+    RowMatrix<Scalar> logprobs = s.logprobs;
+    if (last) {
+      // Class 0's probability moved to class 1: the row still normalises.
+      const double p0 = std::exp(static_cast<double>(logprobs(2, 0))),
+                   p1 = std::exp(static_cast<double>(logprobs(2, 1)));
+      logprobs(2, 1) = static_cast<Scalar>(std::log(p0 + p1));
+      logprobs(2, 0) = -std::numeric_limits<Scalar>::infinity();
+    }
+    DistillationOptions o;
+    o.divergence = Divergence::reverse_kl;
+    const std::string message = agreed_error<embedhead::value_error>([&] {
+      embedhead::vocab_parallel_distill_logprobs_forward_backward<Scalar>(comm, s.V, s.h, s.W_s, s.b_s, logprobs, dh,
+                                                                          dW, db, ws, o, extras());
+    });
+    CHECK_THAT(message, Contains("teacher log-probs -inf at n=2, column 0") && EndsWith(on_last_rank()));
+    unchanged();
+  }
+  SECTION("a top-k call with reverse_kl on the last rank") {
+    const TeacherTopK<Scalar> top{s.top_ids, s.top_logprobs};
+    DistillationOptions o;
+    if (last) o.divergence = Divergence::reverse_kl;
+    const std::string message = agreed_error<embedhead::value_error>([&] {
+      embedhead::vocab_parallel_distill_topk_forward_backward<Scalar>(comm, s.V, s.h, s.W_s, s.b_s, top, dh, dW, db, ws,
+                                                                      o, extras());
+    });
+    CHECK_THAT(message, Contains("divergence reverse_kl outside {forward_kl}") && EndsWith(on_last_rank()));
+    unchanged();
   }
   SECTION("a top-k id out of range on the last rank") {
     IdMatrix<std::int64_t> ids = s.top_ids;
