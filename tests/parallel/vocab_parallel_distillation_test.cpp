@@ -606,7 +606,7 @@ TEST_CASE("vocabulary-parallel distillation: errors agreed on every rank, nothin
     unchanged();
   }
   SECTION("a student shard of the wrong rows on the last rank") {
-    const RowMatrix<Scalar> W_bad = last ? RowMatrix<Scalar>(s.W.topRows(rows + 1)) : s.W_s;
+    const RowMatrix<Scalar> W_bad = last ? RowMatrix<Scalar>(RowMatrix<Scalar>::Zero(rows + 1, s.d)) : s.W_s;
     const std::string message = agreed_error<embedhead::shape_error>(head({}, W_bad, s.W_T_s));
     const std::string wider = std::to_string(embedhead::vocab_shard(53, R - 1, R).rows() + 1);
     CHECK_THAT(message, Contains("W_shard is [" + wider + ", 6], expected [" + last_rows + ", 6]") &&
@@ -614,7 +614,7 @@ TEST_CASE("vocabulary-parallel distillation: errors agreed on every rank, nothin
     unchanged();
   }
   SECTION("a teacher shard of the wrong width on the last rank") {
-    const RowMatrix<Scalar> W_T_bad = last ? RowMatrix<Scalar>(rows, s.d_T + 1) : s.W_T_s;
+    const RowMatrix<Scalar> W_T_bad = last ? RowMatrix<Scalar>(RowMatrix<Scalar>::Zero(rows, s.d_T + 1)) : s.W_T_s;
     const std::string message = agreed_error<embedhead::shape_error>(head({}, s.W_s, W_T_bad));
     CHECK_THAT(message, Contains("W_T_shard is [" + last_rows + ", 6], expected [" + last_rows + ", 5]") &&
                             EndsWith(on_last_rank()));
