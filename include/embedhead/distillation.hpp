@@ -95,6 +95,7 @@ struct DistillationWorkspace {
   std::vector<double> lse_student, lse_teacher, sum_p, sum_q;  // per row
   std::vector<double> cross;                                   // per row: X of pass 1, then K
   std::vector<Index> top_ids;                                  // a top-k row's ids, sorted (the check)
+  std::vector<double> reduced;                                 // vocabulary-parallel: the all-reduce buffer
 };
 
 // Optional per-token input and output, each absent when empty, else [N, 1]:

@@ -54,14 +54,13 @@ namespace detail {
 template <typename Scalar>
 struct CommunicatorDistillSlice final : DistillSlice<Scalar> {
   Communicator* comm;
-  std::vector<double>* buffer;
-  CommunicatorDistillSlice(Index begin, Communicator& communicator, std::vector<double>& reduced)
-      : DistillSlice<Scalar>(begin), comm(&communicator), buffer(&reduced) {}
+  CommunicatorDistillSlice(Index begin, Communicator& communicator)
+      : DistillSlice<Scalar>(begin), comm(&communicator) {}
 
   void combine_stats(DistillationWorkspace<Scalar>& ws, Index N, DistillKind kind) const override {
     if (N == 0) return;
     const std::size_t n = static_cast<std::size_t>(N);
-    std::vector<double>& b = *buffer;
+    std::vector<double>& b = ws.reduced;
     b.resize(3 * n);
     for (std::size_t i = 0; i < n; ++i) {
       b[i] = ws.student_stats[i].max;
@@ -94,7 +93,7 @@ struct CommunicatorDistillSlice final : DistillSlice<Scalar> {
   void combine_sums(DistillationWorkspace<Scalar>& ws, Index N) const override {
     if (N == 0) return;
     const std::size_t n = static_cast<std::size_t>(N);
-    std::vector<double>& b = *buffer;
+    std::vector<double>& b = ws.reduced;
     b.resize(2 * n);
     std::copy_n(ws.sum_p.data(), n, b.data());
     std::copy_n(ws.sum_q.data(), n, b.data() + n);
@@ -149,8 +148,7 @@ DistillationResult vocab_parallel_distill(
   hash = fingerprint_matrix<Scalar>(extras.mask, hash);
   check_on_every_rank(comm, where, checks, hash,
                       "the call (loss or gradient), shapes (N, d, d_T, V, bias), options, mask or teacher");
-  std::vector<double> reduced;
-  const CommunicatorDistillSlice<Scalar> slice(shard.begin, comm, reduced);
+  const CommunicatorDistillSlice<Scalar> slice(shard.begin, comm);
   return distill_pass<Scalar>(h, W_shard, bias_shard, teacher, dh, dW, db, ws, options, extras, &slice);
 }
 
