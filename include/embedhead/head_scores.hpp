@@ -103,16 +103,23 @@ struct RowTopK {
   void offer(const Scalar* s, Index width, std::int64_t first_id, Index k) {
     const std::size_t limit = 2 * static_cast<std::size_t>(k);
     if (kept.capacity() < limit) kept.reserve(limit);
-    // Once cut, a block whose max does not beat bound adds nothing (one vectorised pass).
-    if (cut && !(Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(s, width).maxCoeff() > bound)) return;
-    for (Index j = 0; j < width; ++j) {
-      if (!(s[j] > bound || (!cut && s[j] == bound))) continue;
-      kept.push_back({s[j], first_id + j});
-      if (kept.size() == limit) {
-        std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), better<Scalar>);
-        kept.resize(static_cast<std::size_t>(k));
-        bound = kept[static_cast<std::size_t>(k - 1)].value;
-        cut = true;
+    // Once cut, a block, then a piece of 64 values, whose max does not beat bound adds nothing
+    // (vectorised passes); only the pieces that may hold a candidate are compared value by value.
+    using Values = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+    if (cut && !(Values(s, width).maxCoeff() > bound)) return;
+    constexpr Index kPiece = 64;
+    for (Index j0 = 0; j0 < width; j0 += kPiece) {
+      const Index j1 = std::min(width, j0 + kPiece);
+      if (cut && !(Values(s + j0, j1 - j0).maxCoeff() > bound)) continue;
+      for (Index j = j0; j < j1; ++j) {
+        if (!(s[j] > bound || (!cut && s[j] == bound))) continue;
+        kept.push_back({s[j], first_id + j});
+        if (kept.size() == limit) {
+          std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), better<Scalar>);
+          kept.resize(static_cast<std::size_t>(k));
+          bound = kept[static_cast<std::size_t>(k - 1)].value;
+          cut = true;
+        }
       }
     }
   }
