@@ -9,6 +9,8 @@
 //   AdamWStepTrainableRows/V:…  exact AdamW on a table of V rows of which only the 2,000 touched
 //                      ones are trainable (Parameter::set_trainable_rows): state and work of
 //                      2,000 rows; compare with AdamWStep/V:2000, a table of those 2,000 rows
+//   AdamWRowsInPlace/V:…  the floor for that layout: the same arithmetic as a bare loop over the
+//                      same scattered rows of the V-row table (k-row moments), no optimizer
 //   …/cold:1           the same with the caches flushed before each step (a 256 MiB buffer written,
 //                      untimed), as in training, where forward and backward passes come between
 //                      steps: a 2,000-row table no longer stays in the last-level cache
@@ -187,6 +189,49 @@ void BM_AdamWStepTrainableRows(benchmark::State& state) {
            state.range(1) != 0);
 }
 
+// The floor for that layout: the same AdamW arithmetic written as a bare loop over the same
+// 2,000 scattered rows of the V-row table, with [k, d] moments and the gradient rows of the
+// RowGradient -- no optimizer, no bookkeeping. AdamWStepTrainableRows / this = what the library
+// adds over the memory traffic of updating k rows in place at V.
+void BM_AdamWRowsInPlace(benchmark::State& state) {
+  Table table(state.range(0));
+  table.set_gradient();
+  const bool cold = state.range(1) != 0;
+  RowMatrix<float> m = RowMatrix<float>::Zero(kTouched, kD), v = RowMatrix<float>::Zero(kTouched, kD);
+  const embedhead::RowGradient<float>& g = table.p->grad();
+  const float b1 = 0.9f, b2 = 0.999f, decay = 1.0f - 1e-3f * 0.01f;
+  std::int64_t t = 0;
+  auto step = [&] {
+    ++t;
+    const float step_size = static_cast<float>(1e-3 / (1.0 - std::pow(0.9, static_cast<double>(t))));
+    const float bias2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(0.999, static_cast<double>(t))));
+    using Row = Eigen::Map<Eigen::Array<float, 1, Eigen::Dynamic>>;
+    for (Index i = 0; i < kTouched; ++i) {
+      Row x(table.p->value().data() + table.rows[static_cast<std::size_t>(i)] * kD, kD);
+      const Eigen::Map<const Eigen::Array<float, 1, Eigen::Dynamic>> grad(g.touched_row(i).data(), kD);
+      Row mi(m.data() + i * kD, kD), vi(v.data() + i * kD, kD);
+      mi = b1 * mi + (1.0f - b1) * grad;
+      vi = b2 * vi + (1.0f - b2) * grad.square();
+      x = x * decay - step_size * mi / (vi.sqrt() / bias2_sqrt + 1e-8f);
+    }
+  };
+  step();
+  for (auto _ : state) {
+    if (cold) {
+      state.PauseTiming();
+      flush_caches();
+      state.ResumeTiming();
+    }
+    step();
+    benchmark::ClobberMemory();
+  }
+  state.counters["rows_per_s"] = benchmark::Counter(kTouched * static_cast<double>(state.iterations()),
+                                                    benchmark::Counter::kIsRate);
+  state.counters["GB/s"] = benchmark::Counter(kTouched * kRowBytes * 7 * static_cast<double>(state.iterations()) * 1e-9,
+                                              benchmark::Counter::kIsRate);
+  state.counters["state_MiB"] = 2.0 * kTouched * kD * sizeof(float) / (1024.0 * 1024.0);
+}
+
 void register_benchmarks() {
   check_lazy_adam();
   check_rowwise_adagrad();
@@ -208,6 +253,12 @@ void register_benchmarks() {
           ->ArgNames({"V", "cold"})
           ->Unit(benchmark::kMicrosecond);
   }
+  for (const std::int64_t V : {32768, 262144})
+    for (const std::int64_t cold : {0, 1})
+      benchmark::RegisterBenchmark("AdamWRowsInPlace", BM_AdamWRowsInPlace)
+          ->Args({V, cold})
+          ->ArgNames({"V", "cold"})
+          ->Unit(benchmark::kMicrosecond);
   // The cost of the k = 2,000 rows alone: a table of just those rows, every one touched.
   for (const std::int64_t cold : {0, 1})
     benchmark::RegisterBenchmark("AdamWStep", BM_AdamWStep)

@@ -186,6 +186,77 @@ struct Problem {
   }
 };
 
+// dL/ds and dL/du [N, V] of naive_loss, in double over the full logits, written from the gradient
+// formulas of distillation.hpp's header (dL/da, dL/db with the row's weight w, divided by T).
+struct LogitGradients {
+  Matrix ds, du;
+};
+
+LogitGradients naive_logit_gradients(const Matrix& s, const Matrix& u, const std::vector<int>& mask,
+                                     const DistillationOptions& o) {
+  const double T = o.temperature, beta = o.beta;
+  const Index N = s.rows(), V = s.cols();
+  const Matrix lp = log_softmax(s, T), lq = log_softmax(u, T);
+  auto counted = [&](Index n) { return mask.empty() || mask[static_cast<std::size_t>(n)] != 0; };
+  Index count = 0;
+  for (Index n = 0; n < N; ++n) count += counted(n) ? 1 : 0;
+  const double w = o.reduction == Reduction::mean ? (count ? 1.0 / static_cast<double>(count) : 0.0) : 1.0;
+  const bool jsd = o.divergence == Divergence::jsd;
+  const bool forward = o.divergence == Divergence::forward_kl || (jsd && beta == 0);
+  const bool reverse = o.divergence == Divergence::reverse_kl || (jsd && beta == 1);
+  const double c = jsd ? 1.0 : T * T;
+  LogitGradients g{Matrix::Zero(N, V), Matrix::Zero(N, V)};
+  for (Index n = 0; n < N; ++n) {
+    if (!counted(n)) continue;
+    Matrix lm(1, V);
+    for (Index j = 0; j < V; ++j) lm(0, j) = std::log(beta * std::exp(lq(n, j)) + (1 - beta) * std::exp(lp(n, j)));
+    const Matrix lpn = lp.row(n), lqn = lq.row(n);
+    const double K = forward ? kl_row(lq, lp, n) : reverse ? kl_row(lp, lq, n) : 0.0;
+    const double Kp = kl_row(lpn, lm, 0), Kq = kl_row(lqn, lm, 0);
+    for (Index j = 0; j < V; ++j) {
+      const double p = std::exp(lp(n, j)), q = std::exp(lq(n, j));
+      double da = 0, db = 0;
+      if (forward) {
+        da = w * c * (p - q);
+        if (q > 0) db = w * c * q * (lq(n, j) - lp(n, j) - K);
+      } else if (reverse) {
+        if (p > 0) da = w * c * p * (lp(n, j) - lq(n, j) - K);
+        db = w * c * (q - p);
+      } else {
+        if (p > 0) da = w * (1 - beta) * p * (lp(n, j) - lm(0, j) - Kp);
+        if (q > 0) db = w * beta * q * (lq(n, j) - lm(0, j) - Kq);
+      }
+      g.ds(n, j) = da / T;
+      g.du(n, j) = db / T;
+    }
+  }
+  return g;
+}
+
+// The naive gradients of the head parameters: z = x Y^T + bias, dz -> dx = dz Y, dY = dz^T x,
+// dbias = column sums of dz.
+struct HeadGradients {
+  Matrix dx, dY, dbias;
+};
+
+HeadGradients head_gradients(const Matrix& dz, const Matrix& x, const Matrix& Y) {
+  return {dz * Y, dz.transpose() * x, dz.colwise().sum().transpose()};
+}
+
+// Every entry of got within factor * (the largest |entry| of want) of want: a bound scaled to the
+// gradient's magnitude. want must not be (nearly) zero, else the check would be vacuous.
+template <typename A>
+void require_close_scaled(const A& got, const Matrix& want, double factor) {
+  const double scale = want.cwiseAbs().maxCoeff();
+  REQUIRE(scale > 1e-4);
+  require_close(got, want, 0.0, factor * scale);
+}
+
+// x rounded to float and back: the inputs a float computation sees, for its double reference.
+Matrix float_rounded(const Matrix& x) { return x.cast<float>().cast<double>(); }
+
+const char* reduction_name(Reduction r) { return r == Reduction::mean ? "mean" : r == Reduction::sum ? "sum" : "none"; }
+
 }  // namespace
 
 TEST_CASE("distillation: a worked example", "[distillation]") {
@@ -618,5 +689,288 @@ TEMPLATE_TEST_CASE("distillation: bad input throws and changes nothing", "[disti
     o.vocab_block = -1;
     REQUIRE_THROWS_WITH(dense(o, logq), Contains("vocab_block = -1 outside [0, inf)"));
     unchanged();
+  }
+}
+
+TEST_CASE("distillation: sum and none reductions against central differences in double", "[distillation]") {
+  // The teacher-head path: every gradient (student and teacher) against central differences of
+  // the naive loss, which for sum and none is the sum of the counted rows' losses (weight 1, not
+  // 1 / count: with 4 counted rows a mean-scaled gradient would be 4 times too small).
+  Problem P;
+  P.N = 5, P.d = 4, P.dT = 3, P.V = 29;
+  P.mask = {1, 1, 0, 1, 1};
+  P.h = random_matrix<double>(P.N, P.d, 31, 1.0);
+  P.W = random_matrix<double>(P.V, P.d, 32, 1.5);
+  P.hT = random_matrix<double>(P.N, P.dT, 33, 1.0);
+  P.WT = random_matrix<double>(P.V, P.dT, 34, 2.0);
+  P.add_biases();
+  const RowMatrix<double> mask = P.mask_matrix<double>();
+  DistillationWorkspace<double> ws;
+  const std::vector<DistillationOptions> options = {make_options(Divergence::forward_kl, 1.8),
+                                                    make_options(Divergence::reverse_kl, 0.6),
+                                                    make_options(Divergence::jsd, 1.5, 0.0),
+                                                    make_options(Divergence::jsd, 2.0, 0.4),
+                                                    make_options(Divergence::jsd, 0.8, 1.0)};
+  for (const Reduction reduction : {Reduction::sum, Reduction::none}) {
+    for (DistillationOptions o : options) {
+      o.reduction = reduction;
+      INFO(describe(o) << " reduction " << reduction_name(reduction));
+      std::vector<double> rows;
+      const double want = naive_loss(P.s(), P.u(), P.mask, o, &rows);
+      RowMatrix<double> losses = RowMatrix<double>::Constant(P.N, 1, -7.0);
+      // Per-row losses requested with reduction none only (sum: the mask alone).
+      const DistillationExtras<double> extras = reduction == Reduction::none
+                                                    ? DistillationExtras<double>{{mask.data(), P.N, 1},
+                                                                                 {losses.data(), P.N, 1}}
+                                                    : DistillationExtras<double>{{mask.data(), P.N, 1}};
+      RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d), db = RowMatrix<double>::Zero(P.V, 1),
+                                      dhT(P.N, P.dT), dWT = RowMatrix<double>::Zero(P.V, P.dT),
+                                      dbT = RowMatrix<double>::Zero(P.V, 1);
+      const DistillationResult r = embedhead::distill_head_forward_backward<double>(P.h, P.W, P.b, P.hT, P.WT, P.bT, dh,
+                                                                                    dW, db, dhT, dWT, dbT, ws, o,
+                                                                                    extras);
+      REQUIRE(r.count == 4);
+      REQUIRE(want > 1e-3);
+      REQUIRE_THAT(r.loss, WithinRel(want, 1e-12));
+      REQUIRE_THAT(r.sum, WithinRel(want, 1e-12));
+      if (reduction == Reduction::none) {
+        // Each row's loss is the naive row's (0 masked), and the loss is their sum.
+        double total = 0;
+        for (Index n = 0; n < P.N; ++n) {
+          INFO("row " << n);
+          const double row = rows[static_cast<std::size_t>(n)];
+          REQUIRE_THAT(losses(n, 0), WithinRel(row, 1e-12) || WithinAbs(row, 1e-15));
+          total += losses(n, 0);
+        }
+        REQUIRE(losses(2, 0) == 0.0);
+        REQUIRE(rows[0] > 1e-4);
+        REQUIRE_THAT(r.loss, WithinRel(total, 1e-12));
+      }
+      auto loss = [&] { return naive_loss(P.s(), P.u(), P.mask, o); };
+      const Matrix fd_h = central_differences(P.h, loss), fd_W = central_differences(P.W, loss),
+                   fd_b = central_differences(P.b, loss), fd_hT = central_differences(P.hT, loss),
+                   fd_WT = central_differences(P.WT, loss), fd_bT = central_differences(P.bT, loss);
+      require_close(dh, fd_h, 1e-7, 1e-9);
+      require_close(dW, fd_W, 1e-7, 1e-9);
+      require_close(db, fd_b, 1e-7, 1e-9);
+      require_close(dhT, fd_hT, 1e-7, 1e-9);
+      require_close(dWT, fd_WT, 1e-7, 1e-9);
+      require_close(dbT, fd_bT, 1e-7, 1e-9);
+      REQUIRE(dW.norm() > 1e-3);
+      REQUIRE(dhT.norm() > 1e-3);
+      REQUIRE(dh.row(2).isZero(0));  // the masked row
+      REQUIRE(dhT.row(2).isZero(0));
+      // The analytic naive gradients (the float test's reference) agree with the differences too.
+      const LogitGradients z = naive_logit_gradients(P.s(), P.u(), P.mask, o);
+      const HeadGradients student = head_gradients(z.ds, P.h, P.W), teacher = head_gradients(z.du, P.hT, P.WT);
+      require_close(student.dx, fd_h, 1e-7, 1e-9);
+      require_close(student.dY, fd_W, 1e-7, 1e-9);
+      require_close(student.dbias, fd_b, 1e-7, 1e-9);
+      require_close(teacher.dx, fd_hT, 1e-7, 1e-9);
+      require_close(teacher.dY, fd_WT, 1e-7, 1e-9);
+      require_close(teacher.dbias, fd_bT, 1e-7, 1e-9);
+    }
+  }
+}
+
+TEST_CASE("distillation: cached dense and top-k log-probs, student gradients against central differences in double",
+          "[distillation]") {
+  Problem P;
+  P.N = 5, P.d = 4, P.dT = 3, P.V = 31;
+  P.mask = {1, 1, 1, 0, 1};
+  P.h = random_matrix<double>(P.N, P.d, 41, 1.0);
+  P.W = random_matrix<double>(P.V, P.d, 42, 1.5);
+  P.hT = random_matrix<double>(P.N, P.dT, 43, 1.0);
+  P.WT = random_matrix<double>(P.V, P.dT, 44, 2.0);
+  P.add_biases();
+  const RowMatrix<double> mask = P.mask_matrix<double>();
+  DistillationWorkspace<double> ws;
+  // Cached log-probs [N, V]; a second set with a class of probability 0 in row 1 (the row
+  // renormalised), taken by forward KL and jsd below beta = 1.
+  const Matrix logq = log_softmax(P.u(), 1.0);
+  Matrix logq_zero = logq;
+  logq_zero(1, 4) = -INFINITY;
+  logq_zero = log_softmax(logq_zero, 1.0);
+  REQUIRE(std::isinf(logq_zero(1, 4)));
+  auto check = [&](const DistillationOptions& o, const DistillationResult& r, const Matrix& u,
+                   const RowMatrix<double>& losses, const RowMatrix<double>& dh, const RowMatrix<double>& dW,
+                   const RowMatrix<double>& db) {
+    std::vector<double> rows;
+    const double want = naive_loss(P.s(), u, P.mask, o, &rows);
+    REQUIRE(r.count == 4);
+    REQUIRE(want > 1e-3);
+    REQUIRE_THAT(r.loss, WithinRel(want, 1e-12));
+    if (o.reduction == Reduction::none)
+      for (Index n = 0; n < P.N; ++n) {
+        INFO("row " << n);
+        const double row = rows[static_cast<std::size_t>(n)];
+        REQUIRE_THAT(losses(n, 0), WithinRel(row, 1e-12) || WithinAbs(row, 1e-15));
+      }
+    auto loss = [&] { return naive_loss(P.s(), u, P.mask, o); };
+    require_close(dh, central_differences(P.h, loss), 1e-7, 1e-9);
+    require_close(dW, central_differences(P.W, loss), 1e-7, 1e-9);
+    require_close(db, central_differences(P.b, loss), 1e-7, 1e-9);
+    REQUIRE(dW.norm() > 1e-3);
+    REQUIRE(db.norm() > 1e-4);
+    REQUIRE(dh.row(3).isZero(0));
+  };
+  struct Case {
+    DistillationOptions options;
+    const Matrix* teacher;
+  };
+  for (const Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none}) {
+    SECTION(std::string("dense log-probs, reduction ") + reduction_name(reduction)) {
+      for (Case c :
+           {Case{make_options(Divergence::forward_kl, 2.2), &logq},
+            Case{make_options(Divergence::reverse_kl, 0.7), &logq},
+            Case{make_options(Divergence::jsd, 1.4, 0.0), &logq}, Case{make_options(Divergence::jsd, 1.9, 0.4), &logq},
+            Case{make_options(Divergence::jsd, 0.9, 1.0), &logq},
+            Case{make_options(Divergence::forward_kl, 1.3), &logq_zero},
+            Case{make_options(Divergence::jsd, 1.6, 0.4), &logq_zero}}) {
+        DistillationOptions& o = c.options;
+        o.reduction = reduction;
+        INFO(describe(o) << (c.teacher == &logq_zero ? " with a class of probability 0" : ""));
+        RowMatrix<double> losses = RowMatrix<double>::Constant(P.N, 1, -7.0);
+        const DistillationExtras<double> extras{{mask.data(), P.N, 1}, {losses.data(), P.N, 1}};
+        RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d), db = RowMatrix<double>::Zero(P.V, 1);
+        const DistillationResult r = embedhead::distill_logprobs_forward_backward<double>(P.h, P.W, P.b, *c.teacher, dh,
+                                                                                          dW, db, ws, o, extras);
+        check(o, r, *c.teacher, losses, dh, dW, db);
+      }
+    }
+    SECTION(std::string("top-k log-probs, reduction ") + reduction_name(reduction)) {
+      // q = softmax(l_k / T) on the k ids, 0 elsewhere: the naive loss of teacher logits l_k on the
+      // ids and -inf elsewhere. The k log-probs sum to less than 1 (renormalised by the definition).
+      const Index k = 5;
+      IdMatrix<std::int64_t> ids(P.N, k);
+      Matrix top(P.N, k);
+      Matrix u_top = Matrix::Constant(P.N, P.V, -INFINITY);
+      for (Index n = 0; n < P.N; ++n)
+        for (Index i = 0; i < k; ++i) {
+          const Index id = (11 * n + 6 * i + 2) % P.V;  // distinct for i < k
+          ids(n, i) = id;
+          top(n, i) = logq(n, id);
+          u_top(n, id) = top(n, i);
+        }
+      for (const double T : {1.0, 2.6}) {
+        DistillationOptions o = make_options(Divergence::forward_kl, T);
+        o.reduction = reduction;
+        INFO(describe(o));
+        RowMatrix<double> losses = RowMatrix<double>::Constant(P.N, 1, -7.0);
+        const DistillationExtras<double> extras{{mask.data(), P.N, 1}, {losses.data(), P.N, 1}};
+        RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d), db = RowMatrix<double>::Zero(P.V, 1);
+        const DistillationResult r = embedhead::distill_topk_forward_backward<double>(P.h, P.W, P.b,
+                                                                                      TeacherTopK<double>{ids, top}, dh,
+                                                                                      dW, db, ws, o, extras);
+        check(o, r, u_top, losses, dh, dW, db);
+      }
+    }
+  }
+}
+
+TEST_CASE("distillation: float loss and gradients against the naive double reference", "[distillation]") {
+  // Scalar = float on every path (teacher head, dense and top-k cached log-probs) against the
+  // naive double reference of the same float-rounded inputs, gradients from the header's formulas
+  // over the full logits (checked against central differences by the sum / none test above).
+  // Tolerances: the loss and each row's loss relative 1e-5 (float logits and probabilities, sums in
+  // double); each gradient entry within 3e-5 times the largest |entry| of its reference matrix.
+  const double rel = 1e-5, grad = 3e-5;
+  Problem P;
+  P.N = 5, P.d = 5, P.dT = 4, P.V = 37;
+  P.mask = {1, 0, 1, 1, 1};
+  P.h = float_rounded(random_matrix<double>(P.N, P.d, 51, 1.0));
+  P.W = float_rounded(random_matrix<double>(P.V, P.d, 52, 1.5));
+  P.hT = float_rounded(random_matrix<double>(P.N, P.dT, 53, 1.0));
+  P.WT = float_rounded(random_matrix<double>(P.V, P.dT, 54, 2.0));
+  P.add_biases();
+  P.b = float_rounded(P.b);
+  P.bT = float_rounded(P.bT);
+  const RowMatrix<float> h = cast<float>(P.h), W = cast<float>(P.W), hT = cast<float>(P.hT), WT = cast<float>(P.WT),
+                         b = cast<float>(P.b), bT = cast<float>(P.bT), mask = P.mask_matrix<float>();
+  const Matrix logq = float_rounded(log_softmax(P.u(), 1.0));
+  const RowMatrix<float> logq_f = cast<float>(logq);
+  DistillationWorkspace<float> ws;
+  // The loss (and with reduction none each row's) against the naive reference.
+  auto check_loss = [&](const DistillationOptions& o, const DistillationResult& r, const Matrix& u,
+                        const RowMatrix<float>& losses) {
+    std::vector<double> rows;
+    const double want = naive_loss(P.s(), u, P.mask, o, &rows);
+    REQUIRE(r.count == 4);
+    REQUIRE(want > 1e-3);
+    REQUIRE_THAT(r.loss, WithinRel(want, rel));
+    if (o.reduction == Reduction::none)
+      for (Index n = 0; n < P.N; ++n) {
+        INFO("row " << n);
+        const double row = rows[static_cast<std::size_t>(n)];
+        REQUIRE_THAT(static_cast<double>(losses(n, 0)), WithinRel(row, rel) || WithinAbs(row, 0.0));
+      }
+  };
+  for (const Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none}) {
+    for (DistillationOptions o : all_options()) {
+      o.reduction = reduction;
+      INFO(describe(o) << " reduction " << reduction_name(reduction));
+      const LogitGradients z = naive_logit_gradients(P.s(), P.u(), P.mask, o);
+      const HeadGradients student = head_gradients(z.ds, P.h, P.W), teacher = head_gradients(z.du, P.hT, P.WT);
+      RowMatrix<float> losses = RowMatrix<float>::Constant(P.N, 1, -7.0f);
+      const DistillationExtras<float> extras{{mask.data(), P.N, 1}, {losses.data(), P.N, 1}};
+      {
+        INFO("teacher head");
+        RowMatrix<float> dh(P.N, P.d), dW = RowMatrix<float>::Zero(P.V, P.d), db = RowMatrix<float>::Zero(P.V, 1),
+                                       dhT(P.N, P.dT), dWT = RowMatrix<float>::Zero(P.V, P.dT),
+                                       dbT = RowMatrix<float>::Zero(P.V, 1);
+        const DistillationResult r = embedhead::distill_head_forward_backward<float>(h, W, b, hT, WT, bT, dh, dW, db,
+                                                                                     dhT, dWT, dbT, ws, o, extras);
+        check_loss(o, r, P.u(), losses);
+        require_close_scaled(dh, student.dx, grad);
+        require_close_scaled(dW, student.dY, grad);
+        require_close_scaled(db, student.dbias, grad);
+        require_close_scaled(dhT, teacher.dx, grad);
+        require_close_scaled(dWT, teacher.dY, grad);
+        require_close_scaled(dbT, teacher.dbias, grad);
+      }
+      {
+        INFO("dense log-probs");
+        // Cached log-probs are the teacher's logits: the same divergence as log_softmax(u).
+        const LogitGradients zq = naive_logit_gradients(P.s(), logq, P.mask, o);
+        const HeadGradients cached = head_gradients(zq.ds, P.h, P.W);
+        RowMatrix<float> dh(P.N, P.d), dW = RowMatrix<float>::Zero(P.V, P.d), db = RowMatrix<float>::Zero(P.V, 1);
+        const DistillationResult r = embedhead::distill_logprobs_forward_backward<float>(h, W, b, logq_f, dh, dW, db,
+                                                                                         ws, o, extras);
+        check_loss(o, r, logq, losses);
+        require_close_scaled(dh, cached.dx, grad);
+        require_close_scaled(dW, cached.dY, grad);
+        require_close_scaled(db, cached.dbias, grad);
+      }
+    }
+    {
+      INFO("top-k log-probs, reduction " << reduction_name(reduction));
+      const Index k = 6;
+      IdMatrix<std::int32_t> ids(P.N, k);
+      RowMatrix<float> top(P.N, k);
+      Matrix u_top = Matrix::Constant(P.N, P.V, -INFINITY);
+      for (Index n = 0; n < P.N; ++n)
+        for (Index i = 0; i < k; ++i) {
+          const Index id = (7 * n + 9 * i + 3) % P.V;  // distinct for i < k
+          ids(n, i) = static_cast<std::int32_t>(id);
+          top(n, i) = static_cast<float>(logq(n, id));
+          u_top(n, id) = logq(n, id);
+        }
+      for (const double T : {1.0, 2.5}) {
+        DistillationOptions o = make_options(Divergence::forward_kl, T);
+        o.reduction = reduction;
+        INFO(describe(o));
+        const HeadGradients student = head_gradients(naive_logit_gradients(P.s(), u_top, P.mask, o).ds, P.h, P.W);
+        RowMatrix<float> losses = RowMatrix<float>::Constant(P.N, 1, -7.0f);
+        const DistillationExtras<float> extras{{mask.data(), P.N, 1}, {losses.data(), P.N, 1}};
+        RowMatrix<float> dh(P.N, P.d), dW = RowMatrix<float>::Zero(P.V, P.d), db = RowMatrix<float>::Zero(P.V, 1);
+        const DistillationResult r = embedhead::distill_topk_forward_backward<float>(h, W, b,
+                                                                                     TeacherTopK<float>{ids, top}, dh,
+                                                                                     dW, db, ws, o, extras);
+        check_loss(o, r, u_top, losses);
+        require_close_scaled(dh, student.dx, grad);
+        require_close_scaled(dW, student.dY, grad);
+        require_close_scaled(db, student.dbias, grad);
+      }
+    }
   }
 }

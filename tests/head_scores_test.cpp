@@ -187,6 +187,39 @@ TEST_CASE("score_head: ties go to the smaller id, across and within blocks", "[h
   CHECK(small.top_ids(0, 2) == 41);
 }
 
+TEST_CASE("score_head: a block of equal logits keeps the smallest ids through every cut of the candidates",
+          "[head_scores]") {
+  // W = 0: every logit of a row is 0. The running top-k gathers candidates and cuts them to the
+  // best k whenever they reach 2 k, so a block of 250 equal values goes through many cuts, each
+  // a selection among ties; the answer is ids 0 .. k - 1 (ties to the smaller id), in one block
+  // and in blocks of 16.
+  const Index V = 250, d = 4;
+  const RowMatrix<float> W = RowMatrix<float>::Zero(V, d), h = RowMatrix<float>::Ones(2, d);
+  for (const Index k : {1, 3, 7}) {
+    for (const Index block : {Index{0}, Index{16}}) {
+      HeadScoreOptions options;
+      options.top_k = k;
+      options.vocab_block = block;
+      const HeadScores got = embedhead::score_head<float>(h, W, RowMatrix<float>(0, 1), IdMatrix<std::int64_t>(0, 1),
+                                                          options);
+      for (Index n = 0; n < 2; ++n)
+        for (Index j = 0; j < k; ++j) {
+          CHECK(got.top_ids(n, j) == j);
+          CHECK(got.top_logprobs(n, j) == Approx(-std::log(250.0)).epsilon(1e-6));
+        }
+    }
+  }
+  // Equal maxima scattered after the first cut: rows 5, 60, 61, 200 and 249 are the largest; the
+  // rest 0. With k = 2 the cut (at 4 candidates) has happened before 60 is seen.
+  RowMatrix<float> W2 = RowMatrix<float>::Zero(V, d);
+  for (const Index r : {5, 60, 61, 200, 249}) W2.row(r).setConstant(1.0f);
+  HeadScoreOptions two;
+  two.top_k = 2;
+  const HeadScores got = embedhead::score_head<float>(h, W2, RowMatrix<float>(0, 1), IdMatrix<std::int64_t>(0, 1), two);
+  CHECK(got.top_ids(0, 0) == 5);
+  CHECK(got.top_ids(0, 1) == 60);
+}
+
 TEST_CASE("score_head: masked classes (-inf bias) have probability 0, large logits lose nothing", "[head_scores]") {
   const Index N = 3, d = 12, V = 200;
   const RowMatrix<double> h = random_matrix<double>(N, d, 9);

@@ -21,9 +21,11 @@
 // vocab_block rows of W (FusedHeadLossOptions' rule: about 2 % of V): logits [chunk, block] = h W^T
 // (+ b) by the head's GEMM, then each row's softmax statistics updated online (the softmax core,
 // detail/softmax.hpp, the same code and blocks as the fused loss) and its top-k candidates
-// merged. Cost 2 N V d flops and one exponential per logit (two when T != 1: raw and processed);
-// memory chunk * vocab_block scalars (1 MiB at GPT-2's V = 50,257: 0.5 % of the logits of 1,024
-// tokens) plus k entries a row.
+// gathered (a comparison per logit against the running k-th value, a block skipped on its max,
+// the candidates cut to the best k by a selection whenever they reach 2 k: no sort, no buffer of
+// a block). Cost 2 N V d flops and one exponential per logit (two when T != 1: raw and
+// processed); memory chunk * vocab_block scalars (1 MiB at GPT-2's V = 50,257: 0.5 % of the
+// logits of 1,024 tokens) plus 2 k entries a row.
 //
 // Batch invariance: every row's results depend on its own h row, W, b, the options and
 // vocab_block only: on the default (packed) backend a token's scores are the same bits in any
@@ -85,32 +87,40 @@ bool better(const ScoreCandidate<Scalar>& a, const ScoreCandidate<Scalar>& b) {
   return a.value > b.value || (a.value == b.value && a.id < b.id);
 }
 
-// A row's running top-k: kept (at most k, unordered) and the worst of them once there are k.
+// A row's running top-k: kept, the candidates so far (unordered, fewer than 2 k), and once they
+// have been cut to the best k, bound, the worst of those k. A value enters kept only if it beats
+// bound (any value before the first cut, -inf included; NaN never); when kept reaches 2 k it is
+// cut to its best k by a selection (nth_element, O(k)), so a row costs O(width) per block and
+// O(k) memory, never a sort or a buffer of the block. Later ids are larger, so a value equal to
+// bound never beats the kept one. The caller sorts kept and takes its first k at the end.
 template <typename Scalar>
 struct RowTopK {
   std::vector<ScoreCandidate<Scalar>> kept;
+  Scalar bound = -std::numeric_limits<Scalar>::infinity();
+  bool cut = false;
 
-  // Offers the block s [width] of classes first_id .. first_id + width - 1: the values that beat
-  // the current k-th (or all while fewer than k are kept) are gathered, then the best k of kept and
-  // gathered kept. A later block's ids are all larger than the kept ones, so a value equal to the
-  // k-th never displaces it; NaN never compares larger and is never kept.
-  void offer(const Scalar* s, Index width, std::int64_t first_id, Index k,
-             std::vector<ScoreCandidate<Scalar>>& scratch) {
-    scratch.clear();
-    const bool full = static_cast<Index>(kept.size()) == k;
-    const Scalar threshold = full ? std::min_element(kept.begin(), kept.end(),
-                                                     [](const auto& a, const auto& b) { return better(b, a); })
-                                        ->value
-                                  : -std::numeric_limits<Scalar>::infinity();
-    // A full list skips a block whose max does not beat the k-th (one vectorised pass).
-    if (full && !(Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(s, width).maxCoeff() > threshold)) return;
-    for (Index j = 0; j < width; ++j)
-      if (s[j] > threshold || (!full && s[j] == threshold)) scratch.push_back({s[j], first_id + j});
-    if (scratch.empty()) return;
-    kept.insert(kept.end(), scratch.begin(), scratch.end());
-    if (static_cast<Index>(kept.size()) > k) {
-      std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), better<Scalar>);
-      kept.resize(static_cast<std::size_t>(k));
+  // Offers the block s [width] of classes first_id .. first_id + width - 1.
+  void offer(const Scalar* s, Index width, std::int64_t first_id, Index k) {
+    const std::size_t limit = 2 * static_cast<std::size_t>(k);
+    if (kept.capacity() < limit) kept.reserve(limit);
+    // Once cut, a block, then a piece of 64 values, whose max does not beat bound adds nothing
+    // (vectorised passes); only the pieces that may hold a candidate are compared value by value.
+    using Values = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+    if (cut && !(Values(s, width).maxCoeff() > bound)) return;
+    constexpr Index kPiece = 64;
+    for (Index j0 = 0; j0 < width; j0 += kPiece) {
+      const Index j1 = std::min(width, j0 + kPiece);
+      if (cut && !(Values(s + j0, j1 - j0).maxCoeff() > bound)) continue;
+      for (Index j = j0; j < j1; ++j) {
+        if (!(s[j] > bound || (!cut && s[j] == bound))) continue;
+        kept.push_back({s[j], first_id + j});
+        if (kept.size() == limit) {
+          std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), better<Scalar>);
+          kept.resize(static_cast<std::size_t>(k));
+          bound = kept[static_cast<std::size_t>(k - 1)].value;
+          cut = true;
+        }
+      }
     }
   }
 };
@@ -210,10 +220,7 @@ HeadScores score_head(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scal
           });
         }
         processed[static_cast<std::size_t>(n)].accumulate(s, width, target, terms);
-        if (k > 0) {
-          static thread_local std::vector<detail::ScoreCandidate<Scalar>> scratch;
-          top[static_cast<std::size_t>(n)].offer(s, width, v0, k, scratch);
-        }
+        if (k > 0) top[static_cast<std::size_t>(n)].offer(s, width, v0, k);
       });
     }
   }
