@@ -64,6 +64,14 @@ struct AdamRowStep {
     v = b2 * v + one_minus_b2 * grad.square();
     x -= step_size * m / (v.sqrt() / bias2_sqrt + eps);
   }
+  // The same after AdamW's decay x *= decay, in one pass over the row: each value is rounded to
+  // Scalar after the decay and after the update, as by x *= decay then apply.
+  template <typename X, typename M, typename V, typename G>
+  void apply_decayed(X&& x, Scalar decay, M&& m, V&& v, const G& grad) const {
+    m = b1 * m + one_minus_b1 * grad;
+    v = b2 * v + one_minus_b2 * grad.square();
+    x = x * decay - step_size * m / (v.sqrt() / bias2_sqrt + eps);
+  }
 };
 
 // Adam (Decoupled = false) and AdamW (true): everything but the name and the default decay.
@@ -99,8 +107,9 @@ class DenseAdam : public Optimizer<Scalar> {
     typename Optimizer<Scalar>::Row coupled(this->scratch_row(p.cols()), p.cols());
     for_every_row(g, this->zero_row(p.cols()), [&](Index r, const auto& grad) {
       auto x = value.row(r);
-      if (weight_decay != 0 && Decoupled) x *= decay;
-      if (weight_decay != 0 && !Decoupled) {
+      if (weight_decay != 0 && Decoupled) {
+        adam.apply_decayed(x, decay, m.row(r).array(), v.row(r).array(), grad);
+      } else if (weight_decay != 0 && !Decoupled) {
         coupled = grad + wd * x;
         adam.apply(x, m.row(r).array(), v.row(r).array(), coupled);
       } else {
