@@ -331,15 +331,8 @@ void distill_logits(const ConstMatrixRef<Scalar>& x, const ConstMatrixRef<Scalar
     op.bias_stride = bias.outerStride();
   }
   // One piece of columns per thread on the packed kernel (whose results do not depend on the
-  // pieces): a block's few fixed pieces of kFusedRowPiece columns would leave a thread idle. Pieces
-  // in whole tiles of the kernel (32 columns with AVX-512), not 64: the automatic block of 704
-  // columns then splits 352 / 352 on two threads, not 384 / 320.
-  gemm::Plan plan{gemm::Split::cols, kFusedRowPiece, true};
-  if constexpr (gemm::DefaultBackend::any_chunking) {
-    constexpr Index grain = gemm::PackedTile<Scalar>::cols;
-    const Index threads = chunk_threads(width, grain, true);
-    plan.chunk = ((width + threads - 1) / threads + grain - 1) / grain * grain;
-  }
+  // pieces): a block's few fixed pieces of kFusedRowPiece columns would leave a thread idle.
+  const gemm::Plan plan{gemm::Split::cols, gemm::per_thread_columns<Scalar>(width, kFusedRowPiece), true};
   gemm::run<gemm::Kernel::expression>(op, plan);
 }
 

@@ -207,7 +207,7 @@ HeadScores score_head(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scal
       detail::head_forward_chunked<Scalar>(h.middleRows(n0, rows), W.middleRows(v0, width),
                                            bias.size() != 0 ? ConstMatrixRef<Scalar>(bias.middleRows(v0, width))
                                                             : ConstMatrixRef<Scalar>(no_bias),
-                                           z, detail::kFusedRowPiece);
+                                           z, detail::gemm::per_thread_columns<Scalar>(width, detail::kFusedRowPiece));
       detail::parallel_rows(rows, [&](Index r) {
         const Index n = n0 + r;
         Scalar* s = logits.data() + r * block;

@@ -483,6 +483,23 @@ Plan per_thread_plan(Index M, Index N, Index min_rows, const Plan& fixed, bool r
   }
 }
 
+// Columns of C per chunk for a product cut along its columns only, every chunk packing all of A
+// (the logits of a block of W's rows): on a backend whose results do not depend on the chunking
+// (any_chunking), one chunk per thread in whole tiles of the packed kernel (32 columns with
+// AVX-512: a block of 704 columns splits 352 / 352 on two threads, where 64-column grains would give
+// 384 / 320), so A is packed once per thread; on any other backend, `fixed`.
+template <typename Scalar, typename Backend = DefaultBackend>
+Index per_thread_columns(Index width, Index fixed) {
+  if constexpr (!Backend::any_chunking) {
+    (void)width;
+    return fixed;
+  } else {
+    constexpr Index grain = PackedTile<Scalar>::cols;
+    const Index threads = chunk_threads(width, grain, true);
+    return std::max<Index>(grain, ((width + threads - 1) / threads + grain - 1) / grain * grain);
+  }
+}
+
 // One product on the calling thread, for a caller whose fixed chunks carry more than a product
 // (geometry's top-k scan of each score block) and are driven by the caller itself.
 template <Kernel kKernel, typename Backend = DefaultBackend, typename Scalar, Layout LA, Layout LB>
