@@ -64,8 +64,9 @@ struct AdamRowStep {
     v = b2 * v + one_minus_b2 * grad.square();
     x -= step_size * m / (v.sqrt() / bias2_sqrt + eps);
   }
-  // The same after AdamW's decay x *= decay, in one pass over the row: each value is rounded to
-  // Scalar after the decay and after the update, as by x *= decay then apply.
+  // AdamW's decay x *= decay and then apply, in one pass over the row: the same operations (a
+  // build that contracts multiply-adds into FMAs, as -march=native with GCC's default, may skip
+  // the rounding of x * decay, as it may in apply's own sums).
   template <typename X, typename M, typename V, typename G>
   void apply_decayed(X&& x, Scalar decay, M&& m, V&& v, const G& grad) const {
     m = b1 * m + one_minus_b1 * grad;
