@@ -52,6 +52,8 @@ using test_support::random_ids;
 using test_support::random_matrix;
 using test_support::same_values;
 using test_support::tolerance;
+using test_support::agreed_error;
+using test_support::on_last_rank;
 using test_support::world;
 
 // The whole head on every rank, and this rank's shard of it as Parameters.
@@ -472,35 +474,6 @@ TEMPLATE_TEST_CASE("vocabulary-parallel fused loss on a head object (the templat
     CHECK(f.loss == expected.result.loss);
   }
 }
-
-namespace {
-
-// Runs call(), which must throw E on every rank with the same message; returns it ("" if it did
-// not throw E). The messages are all-gathered and compared.
-template <typename E, typename Call>
-std::string agreed_error(const Call& call) {
-  Communicator& comm = world();
-  std::string message;
-  bool thrown = false;
-  try {
-    call();
-  } catch (const E& e) {
-    thrown = true;
-    message = e.what();
-  } catch (const std::exception& e) {
-    message = std::string("unexpected exception type: ") + e.what();
-  }
-  CHECK(thrown);
-  for (const std::string& other : test_support::gather_strings(comm, message)) CHECK(other == message);
-  return thrown ? message : std::string();
-}
-
-std::string on_last_rank() {
-  const int R = world().size();
-  return R > 1 ? " [on rank " + std::to_string(R - 1) + " of " + std::to_string(R) + "]" : std::string();
-}
-
-}  // namespace
 
 TEST_CASE("vocabulary-parallel fused loss: errors agreed on every rank, nothing changed",
           "[vocab_parallel_fused][errors]") {

@@ -14,7 +14,10 @@
 
 #include <embedhead/parallel/communicator.hpp>
 
+#include <catch2/catch.hpp>
+
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -56,6 +59,32 @@ inline std::vector<std::string> gather_strings(embedhead::Communicator& comm, co
     at += static_cast<std::size_t>(c);
   }
   return out;
+}
+
+// Runs call(), which must throw E on every rank with the same message; returns it ("" if it did
+// not throw E). The messages are all-gathered and compared. Collective.
+template <typename E, typename Call>
+std::string agreed_error(const Call& call) {
+  embedhead::Communicator& comm = world();
+  std::string message;
+  bool thrown = false;
+  try {
+    call();
+  } catch (const E& e) {
+    thrown = true;
+    message = e.what();
+  } catch (const std::exception& e) {
+    message = std::string("unexpected exception type: ") + e.what();
+  }
+  CHECK(thrown);
+  for (const std::string& other : gather_strings(comm, message)) CHECK(other == message);
+  return thrown ? message : std::string();
+}
+
+// The suffix of an error thrown on the last rank: " [on rank R-1 of R]", or "" with one rank.
+inline std::string on_last_rank() {
+  const int R = world().size();
+  return R > 1 ? " [on rank " + std::to_string(R - 1) + " of " + std::to_string(R) + "]" : std::string();
 }
 
 }  // namespace test_support
