@@ -220,6 +220,47 @@ TEST_CASE("score_head: a block of equal logits keeps the smallest ids through ev
   CHECK(got.top_ids(0, 1) == 60);
 }
 
+TEST_CASE("RowTopK: the best k by (value desc, id asc) for any k, block widths, ties and -inf", "[head_scores]") {
+  // Values from a small set (ties everywhere, many equal to the running k-th) with -inf among them,
+  // offered in blocks of varying widths (below, at and above the 64-value pieces); the sorted
+  // candidates' first k against a full sort of the row.
+  std::uint64_t state = 12345;
+  auto next = [&] {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<std::uint32_t>(state >> 33);
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int trial = 0; trial < 400; ++trial) {
+    const Index V = 1 + static_cast<Index>(next() % 300);
+    const int levels = 1 + static_cast<int>(next() % 6);
+    const bool many_inf = next() % 3 == 0;
+    std::vector<float> row(static_cast<std::size_t>(V));
+    for (float& x : row) {
+      const std::uint32_t r = next() % 10;
+      x = (r < (many_inf ? 7u : 1u)) ? -inf : static_cast<float>(next() % static_cast<std::uint32_t>(levels));
+    }
+    std::vector<std::int64_t> order(static_cast<std::size_t>(V));
+    std::iota(order.begin(), order.end(), std::int64_t{0});
+    std::sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
+      const float x = row[static_cast<std::size_t>(a)], y = row[static_cast<std::size_t>(b)];
+      return x > y || (x == y && a < b);
+    });
+    for (const Index k : {Index{1}, Index{2}, Index{3}, Index{7}, V / 2 + 1, V - 1, V}) {
+      if (k < 1 || k > V) continue;
+      for (const Index block : {Index{1}, Index{5}, Index{64}, Index{65}, Index{150}, V}) {
+        CAPTURE(trial, V, k, block);
+        embedhead::detail::RowTopK<float> top;
+        for (Index v0 = 0; v0 < V; v0 += block) top.offer(row.data() + v0, std::min(block, V - v0), v0, k);
+        auto kept = top.kept;
+        REQUIRE(static_cast<Index>(kept.size()) >= k);
+        std::sort(kept.begin(), kept.end(), embedhead::detail::better<float>);
+        for (Index j = 0; j < k; ++j)
+          REQUIRE(kept[static_cast<std::size_t>(j)].id == order[static_cast<std::size_t>(j)]);
+      }
+    }
+  }
+}
+
 TEST_CASE("score_head: masked classes (-inf bias) have probability 0, large logits lose nothing", "[head_scores]") {
   const Index N = 3, d = 12, V = 200;
   const RowMatrix<double> h = random_matrix<double>(N, d, 9);

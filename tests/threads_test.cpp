@@ -437,3 +437,66 @@ TEST_CASE("threads: a token's logits and loss terms are the same bits alone on 1
     CHECK(bit_identical(losses, alone_losses));
   }
 }
+
+TEMPLATE_TEST_CASE("threads: score_head and the distillation's logits are bit-identical for 1, 2 and 3 threads",
+                   "[threads][head_scores][distillation]", float, double) {
+  // Their block products take one chunk of columns per thread (gemm::per_thread_columns): blocks
+  // not a multiple of the packed kernel's tile, narrower than a tile, and a last short block.
+  using S = TestType;
+  struct Size {
+    Index N, V, d, block;
+  };
+  const std::vector<Size> sizes = {{300, 1500, 24, 704}, {40, 2000, 64, 0}, {17, 23, 9, 0}, {9, 700, 33, 5}};
+  for (const Size& s : sizes) {
+    CAPTURE(s.N, s.V, s.d, s.block);
+    const RowMatrix<S> h = test_support::random_matrix<S>(s.N, s.d, 81),
+                       W = test_support::random_matrix<S>(s.V, s.d, 82);
+    const RowMatrix<S> b = test_support::random_matrix<S>(s.V, 1, 83);
+    const RowMatrix<S> hT = test_support::random_matrix<S>(s.N, s.d + 3, 84);
+    const RowMatrix<S> WT = test_support::random_matrix<S>(s.V, s.d + 3, 85);
+    const IdMatrix<std::int64_t> y = test_support::random_ids<std::int64_t>(s.N, 1, s.V, 86);
+    auto scores = [&](int threads) {
+      return with_threads(threads, [&] {
+        embedhead::HeadScoreOptions options;
+        options.top_k = 5;
+        options.temperature = 0.7;
+        options.entropy = true;
+        options.vocab_block = s.block;
+        return embedhead::score_head<S>(h, W, b, y, options);
+      });
+    };
+    auto distill = [&](int threads) {
+      return with_threads(threads, [&] {
+        RowMatrix<S> dh(s.N, s.d), dW = RowMatrix<S>::Zero(s.V, s.d), db = RowMatrix<S>::Zero(s.V, 1);
+        RowMatrix<S> dhT(s.N, s.d + 3), dWT = RowMatrix<S>::Zero(s.V, s.d + 3), dbT = RowMatrix<S>::Zero(s.V, 1);
+        embedhead::DistillationWorkspace<S> ws;
+        embedhead::DistillationOptions options;
+        options.vocab_block = s.block;
+        const auto result = embedhead::distill_head_forward_backward<S>(h, W, b, hT, WT, b, dh, dW, db, dhT, dWT, dbT,
+                                                                        ws, options);
+        RowMatrix<S> loss(1, 1);
+        loss(0, 0) = static_cast<S>(result.loss);
+        return std::vector<RowMatrix<S>>{loss, dh, dW, db, dhT, dWT, dbT};
+      });
+    };
+    const auto one = scores(1);
+    for (const int threads : {2, 3}) {
+      CAPTURE(threads);
+      const auto other = scores(threads);
+      CHECK(one.raw_logprob == other.raw_logprob);
+      CHECK(one.processed_logprob == other.processed_logprob);
+      CHECK(one.entropy == other.entropy);
+      CHECK(one.top_ids == other.top_ids);
+      CHECK(bit_identical<double>(one.top_logprobs, other.top_logprobs));
+    }
+    const auto d1 = distill(1);
+    for (const int threads : {2, 3}) {
+      CAPTURE(threads);
+      const auto other = distill(threads);
+      for (std::size_t i = 0; i < d1.size(); ++i) {
+        CAPTURE(i);
+        CHECK(bit_identical<S>(d1[i], other[i]));
+      }
+    }
+  }
+}

@@ -184,6 +184,34 @@ TEMPLATE_TEST_CASE("AdamW and Adam follow the torch.optim formulas step by step"
   }
 }
 
+TEMPLATE_TEST_CASE("AdamW rounds after the decay and after the step: the bits of a stored decay then a plain step",
+                   "[optimizer][adam]", float, double) {
+  // torch.optim.AdamW rounds p after the decay and again after the step; AdamW must give the bits
+  // of a decay stored first, then the same step without decay, on any build (FMA or not).
+  using Scalar = TestType;
+  const Index V = 7, d = 67;
+  auto p = make_parameter<Scalar>(V, d, 40);
+  auto q = make_parameter<Scalar>(V, d, 40);
+  embedhead::AdamOptions options;
+  options.lr = 0.05;
+  options.weight_decay = 0.3;
+  embedhead::AdamW<Scalar> decayed(options, {p});
+  embedhead::AdamOptions plain_options = options;
+  plain_options.weight_decay = 0.0;
+  embedhead::AdamW<Scalar> plain(plain_options, {q});
+  const Scalar decay = static_cast<Scalar>(1.0 - 0.05 * 0.3);
+  const Steps steps = make_steps(V, d, 41);
+  for (std::size_t t = 0; t < steps.G.size(); ++t) {
+    CAPTURE(t);
+    set_gradient(*p, steps.G[t], steps.rows[t]);
+    set_gradient(*q, steps.G[t], steps.rows[t]);
+    decayed.step();
+    q->value() *= decay;
+    plain.step();
+    CHECK(same_values(p->value(), q->value()));
+  }
+}
+
 TEST_CASE("AdamW first step by hand: p (1 - lr wd) - lr g / (|g| + eps)", "[optimizer][adam][seeds]") {
   // After one step m_hat = g and v_hat = g^2, so the step is lr * sign(g) (up to eps), whatever |g|.
   auto p = std::make_shared<Parameter<double>>(1, 2, "p");

@@ -488,6 +488,42 @@ TEMPLATE_TEST_CASE("vocabulary-parallel distillation with top-k cached log-probs
              ws);
 }
 
+TEMPLATE_TEST_CASE("vocabulary-parallel distillation: every row masked, then every top-k id in the first shard",
+                   "[vocab_parallel_distillation]", float, double) {
+  using Scalar = TestType;
+  const Setup<Scalar> s = make_setup<Scalar>(8, 6, 5, 151);
+  DistillationWorkspace<Scalar> ws;
+  // No counted row: nothing to reduce on any rank; the calls after it must still meet in their collectives.
+  for (const Teacher teacher : {Teacher::head, Teacher::dense, Teacher::topk})
+    for (const bool gradient : {true, false}) {
+      Case c = make_case(teacher, Divergence::forward_kl, 0.5, 1.0, Reduction::mean, true, gradient, 0);
+      c.mask.assign(static_cast<std::size_t>(s.N), 0);
+      INFO(describe(c));
+      const Outputs<Scalar> got = sharded(s, c, ws);
+      CHECK(got.result.count == 0);
+      CHECK(got.result.loss == 0);
+      CHECK(got.result.sum == 0);
+      CHECK(got.losses.isZero(0));
+      if (gradient) {
+        CHECK(got.dh.isZero(0));
+        CHECK(got.dW.isZero(0));
+      }
+      CHECK(replicated(got));
+      check_case(s, make_case(teacher, Divergence::forward_kl, 0.5, 2.0, Reduction::sum, false, gradient, 0), ws);
+    }
+  // Every row's k ids in the first shard: every other rank has max -inf and sum 0 in every row of the teacher.
+  Setup<Scalar> first = s;
+  for (Index n = 0; n < s.N; ++n)
+    for (Index i = 0; i < s.k; ++i) {
+      first.top_ids(n, i) = (n + i) % s.k;
+      first.top_logprobs(n, i) = s.logprobs(n, (n + i) % s.k);
+    }
+  for (const double T : {1.0, 2.0})
+    for (const bool gradient : {true, false})
+      check_case(first, make_case(Teacher::topk, Divergence::forward_kl, 0.5, T, Reduction::mean, false, gradient, 2),
+                 ws);
+}
+
 TEST_CASE("vocabulary-parallel distillation adds into the shards' gradients and writes dh",
           "[vocab_parallel_distillation]") {
   using Scalar = double;

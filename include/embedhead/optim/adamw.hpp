@@ -64,14 +64,14 @@ struct AdamRowStep {
     v = b2 * v + one_minus_b2 * grad.square();
     x -= step_size * m / (v.sqrt() / bias2_sqrt + eps);
   }
-  // AdamW's decay x *= decay and then apply, in one pass over the row: the same operations (a
-  // build that contracts multiply-adds into FMAs, as -march=native with GCC's default, may skip
-  // the rounding of x * decay, as it may in apply's own sums).
+  // The same after AdamW's decay x *= decay: each value is rounded to Scalar after the decay and
+  // after the update (torch.optim.AdamW's two roundings). The decayed row is stored before the
+  // update reads it: in one expression, x * decay - u, a build with FMA contraction (GCC's default
+  // with -mfma or -march=native) fuses the product into the subtraction, one rounding instead of two.
   template <typename X, typename M, typename V, typename G>
   void apply_decayed(X&& x, Scalar decay, M&& m, V&& v, const G& grad) const {
-    m = b1 * m + one_minus_b1 * grad;
-    v = b2 * v + one_minus_b2 * grad.square();
-    x = x * decay - step_size * m / (v.sqrt() / bias2_sqrt + eps);
+    x *= decay;
+    apply(x, m, v, grad);
   }
 };
 
