@@ -180,6 +180,17 @@ std::uint64_t fingerprint_ids(const Ids& ids, std::uint64_t hash = 0xcbf29ce4842
   return hash;
 }
 
+// A matrix of Scalar [rows, cols] (row-major or any row stride) -> a fingerprint of its shape and
+// values (their bytes), read row by row.
+template <typename Scalar>
+std::uint64_t fingerprint_matrix(const ConstMatrixRef<Scalar>& m, std::uint64_t hash = 0xcbf29ce484222325ULL) {
+  const std::int64_t shape[2] = {static_cast<std::int64_t>(m.rows()), static_cast<std::int64_t>(m.cols())};
+  hash = fingerprint_bytes(shape, sizeof(shape), hash);
+  for (Index n = 0; n < m.rows(); ++n)
+    hash = fingerprint_bytes(m.row(n).data(), static_cast<std::size_t>(m.cols()) * sizeof(Scalar), hash);
+  return hash;
+}
+
 // The unit in which a gather of byte_counts [size] is counted, for a library whose counts and
 // displacements are int (MPI before 4.0): the greatest common divisor of the counts (a whole row
 // of d floats when every rank sends whole rows), divided by its smallest prime factors until it

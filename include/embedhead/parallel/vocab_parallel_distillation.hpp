@@ -108,14 +108,6 @@ struct CommunicatorDistillSlice final : DistillSlice<Scalar> {
 // Which teacher a call has (part of the fingerprint).
 enum class DistillTeacherKind : std::int64_t { head = 1, dense = 2, topk = 3 };
 
-template <typename Scalar>
-std::uint64_t fingerprint_matrix(const ConstMatrixRef<Scalar>& m, std::uint64_t hash) {
-  hash = fingerprint_values({static_cast<std::int64_t>(m.rows()), static_cast<std::int64_t>(m.cols())}, hash);
-  for (Index n = 0; n < m.rows(); ++n)
-    hash = fingerprint_bytes(m.row(n).data(), static_cast<std::size_t>(m.cols()) * sizeof(Scalar), hash);
-  return hash;
-}
-
 // Every check of the call agreed across the ranks (student_checks: the student's, common to every teacher;
 // teacher_checks: the teacher's, given this rank's shard), then the shard's pass. Nothing is written before the
 // checks pass on every rank. dh null: the loss alone.
@@ -187,7 +179,7 @@ DistillationResult vocab_parallel_distill_dense_impl(
   return vocab_parallel_distill<Scalar>(
       comm, V, h, W, bias, teacher, dh, dW, db, ws, options, extras, where, DistillTeacherKind::dense, false,
       [&](const VocabShard&) { check_distill_dense(where, h.rows(), V, logprobs, options, extras); },
-      fingerprint_matrix<Scalar>(logprobs, 0xcbf29ce484222325ULL));
+      fingerprint_matrix<Scalar>(logprobs));
 }
 
 template <typename Scalar>
@@ -199,9 +191,8 @@ DistillationResult vocab_parallel_distill_topk_impl(Communicator& comm, Index V,
                                                     const DistillationOptions& options,
                                                     const DistillationExtras<Scalar>& extras, const char* where) {
   TeacherSource<Scalar> teacher;
-  const std::uint64_t hash = top.ids.visit([&](const auto& typed) {
-    return fingerprint_ids(typed, fingerprint_matrix<Scalar>(top.logprobs, 0xcbf29ce484222325ULL));
-  });
+  const std::uint64_t hash = top.ids.visit(
+      [&](const auto& typed) { return fingerprint_ids(typed, fingerprint_matrix<Scalar>(top.logprobs)); });
   return vocab_parallel_distill<Scalar>(
       comm, V, h, W, bias, teacher, dh, dW, db, ws, options, extras, where, DistillTeacherKind::topk, false,
       [&](const VocabShard&) { check_distill_topk(where, h.rows(), V, top, options, extras, teacher, ws); }, hash);

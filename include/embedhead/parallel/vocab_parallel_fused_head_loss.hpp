@@ -158,7 +158,8 @@ class VocabParallelFusedHeadLoss {
     detail::SoftTargetRows<Scalar> rows;
     rows.dense = &targets;
     return soft_impl(comm, V, &weight_shard, bias_shard, weight_shard, bias_shard, h,
-                     detail::DenseSoftTargets<Scalar>{targets}, rows, dense_hash(targets), &dh, extras, where);
+                     detail::DenseSoftTargets<Scalar>{targets}, rows, detail::fingerprint_matrix<Scalar>(targets), &dh,
+                     extras, where);
   }
   CrossEntropyResult forward_backward_shard_soft(Communicator& comm, Index V, Parameter<Scalar>& weight_shard,
                                                  Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
@@ -176,7 +177,8 @@ class VocabParallelFusedHeadLoss {
     detail::SoftTargetRows<Scalar> rows;
     rows.dense = &targets;
     return soft_impl(comm, V, nullptr, nullptr, weight_shard, bias_shard, h, detail::DenseSoftTargets<Scalar>{targets},
-                     rows, dense_hash(targets), nullptr, extras, "VocabParallelFusedHeadLoss::forward_shard_soft");
+                     rows, detail::fingerprint_matrix<Scalar>(targets), nullptr, extras,
+                     "VocabParallelFusedHeadLoss::forward_shard_soft");
   }
   CrossEntropyResult forward_shard_soft(Communicator& comm, Index V, const Parameter<Scalar>& weight_shard,
                                         const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
@@ -191,23 +193,13 @@ class VocabParallelFusedHeadLoss {
  private:
   using OutputMap = Eigen::Map<RowMatrix<Scalar>>;
 
-  static std::uint64_t dense_hash(const ConstMatrixRef<Scalar>& targets) {
-    const std::int64_t shape[2] = {static_cast<std::int64_t>(targets.rows()),
-                                   static_cast<std::int64_t>(targets.cols())};
-    std::uint64_t hash = detail::fingerprint_bytes(shape, sizeof(shape));
-    for (Index n = 0; n < targets.rows(); ++n)
-      hash = detail::fingerprint_bytes(targets.row(n).data(), static_cast<std::size_t>(targets.cols()) * sizeof(Scalar),
-                                       hash);
-    return hash;
-  }
-
   template <typename Id>
   CrossEntropyResult sparse_impl(Communicator& comm, Index V, Parameter<Scalar>* weight_grad,
                                  Parameter<Scalar>* bias_grad, const Parameter<Scalar>& weight_shard,
                                  const Parameter<Scalar>* bias_shard, const ConstMatrixRef<Scalar>& h,
                                  const TypedTokenIds<Id>& ids, const ConstMatrixRef<Scalar>& probs,
                                  MatrixRef<Scalar>* dh, const FusedHeadLossExtras<Scalar>& extras, const char* where) {
-    std::uint64_t hash = detail::fingerprint_ids(ids, dense_hash(probs));
+    std::uint64_t hash = detail::fingerprint_ids(ids, detail::fingerprint_matrix<Scalar>(probs));
     detail::SoftTargetRows<Scalar> rows;
     rows.probs = &probs;
     rows.k = probs.cols();
