@@ -6,11 +6,12 @@
 //   Student/plan:P/threads:T       fused_head_loss_forward_backward (class-index targets): P = 0
 //                                  vocab_blocks (8 N V d flops), P = 1 automatic (here token
 //                                  chunks of all 512 tokens, 6 N V d)
-//   Distill/what:W/threads:T       W = 0 teacher head, forward KL (12 N V d); 1 teacher head,
-//                                  reverse KL (12 N V d); 2 cached dense log-probs, forward KL
-//                                  (8 N V d and reading [N, V]); 3 teacher head, forward KL with
-//                                  the teacher's gradients (16 N V d); all at T = 2; block: the
-//                                  vocab_block (0: automatic, here 704 rows)
+//   Distill/what:W/threads:T/plan:P
+//                                  W = 0 teacher head, forward KL; 1 teacher head, reverse KL; 2 cached dense
+//                                  log-probs, forward KL (reading [N, V]); 3 teacher head, forward KL with the
+//                                  teacher's gradients; all at T = 2. P = 0 automatic (here token chunks of 256
+//                                  tokens: 8 N V d flops for W = 0 and 1, 4 N V d for 2, 12 N V d for 3), P = 1
+//                                  vocab_blocks (704 rows: 12, 8 and 16 N V d)
 //
 // Counter extra_MiB: the workspace's buffers after the call (the logits blocks and their rows' sums).
 #include "bench_support.hpp"  // first: its pragma must precede every other include
@@ -81,7 +82,7 @@ void BM_Distill(benchmark::State& state) {
   const std::int64_t what = state.range(0);
   embedhead::DistillationOptions options;
   options.temperature = 2.0;
-  options.vocab_block = state.range(2);
+  options.plan = state.range(2) == 0 ? embedhead::FusedPlan::automatic : embedhead::FusedPlan::vocab_blocks;
   options.divergence = what == 1 ? embedhead::Divergence::reverse_kl : embedhead::Divergence::forward_kl;
   embedhead::DistillationWorkspace<float> ws;
   RowMatrix<float> none(0, 0);
@@ -112,10 +113,10 @@ void register_benchmarks() {
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     for (const std::int64_t what : {0, 1, 2, 3})
-      for (const std::int64_t block : {0, 4096})
+      for (const std::int64_t plan : {0, 1})
         benchmark::RegisterBenchmark("Distill", BM_Distill)
-            ->Args({what, t, block})
-            ->ArgNames({"what", "threads", "block"})
+            ->Args({what, t, plan})
+            ->ArgNames({"what", "threads", "plan"})
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
   }

@@ -10,8 +10,9 @@
 //   FusedEval/threads:T            FusedHeadLoss::forward (the loss only, no gradient)
 //   Score/what:W/threads:T         score_head (head_scores.hpp) on the same h, W, b and targets:
 //                                  W = 0 the given tokens' log-probs, 1 also entropy and top-5,
-//                                  2 all of that at temperature 0.7 (raw and processed) -- issue
-//                                  17's target: at most 1.1x FusedEval's time
+//                                  2 all of that at temperature 0.7 (raw and processed), 3 the
+//                                  same with the processed log-probs only (raw_logprob off) --
+//                                  issue 17's target: at most 1.1x FusedEval's time
 //   FusedSweep/N/V/d/threads:T     the default fused step from 1k to 16k tokens and 32k to 262k
 //                                  rows, and Gemma's V = 256,000, d = 2048 (BM_FusedSweep); select
 //                                  with --benchmark_filter=FusedSweep, skip with -FusedSweep
@@ -163,7 +164,8 @@ void BM_Score(benchmark::State& state) {
   Problem& p = problem();
   embedhead::HeadScoreOptions options;
   if (state.range(0) >= 1) options.entropy = true, options.top_k = 5;
-  if (state.range(0) == 2) options.temperature = 0.7;
+  if (state.range(0) >= 2) options.temperature = 0.7;
+  if (state.range(0) == 3) options.raw_logprob = false;
   const auto W = static_cast<const embedhead::Parameter<float>&>(p.head.weight()).value();
   const RowMatrix<float> no_bias(0, 1);  // the problem's head has none, as FusedEval's
   for (auto _ : state) benchmark::DoNotOptimize(embedhead::score_head<float>(p.h, W, no_bias, p.targets, options));
@@ -254,7 +256,7 @@ void register_benchmarks() {
         ->ArgName("threads")
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
-    for (const std::int64_t what : {0, 1, 2})
+    for (const std::int64_t what : {0, 1, 2, 3})
       benchmark::RegisterBenchmark("Score", BM_Score)
           ->Args({what, t})
           ->ArgNames({"what", "threads"})

@@ -150,11 +150,28 @@ std::vector<DistillationOptions> all_options() {
           make_options(Divergence::jsd, 1.5, 0.0),   make_options(Divergence::jsd, 1.5, 1.0)};
 }
 
+// o under each plan: vocabulary blocks; token chunks of 3 rows (a budget of 3 tokens' logits of both models: at N = 7
+// chunks of 3, 3 and 1); automatic (here token chunks of every row).
+template <typename Scalar>
+std::vector<DistillationOptions> with_plans(DistillationOptions o, Index V) {
+  std::vector<DistillationOptions> plans;
+  o.plan = embedhead::FusedPlan::vocab_blocks;
+  plans.push_back(o);
+  o.plan = embedhead::FusedPlan::token_chunks;
+  o.memory_budget = 3 * 2 * V * static_cast<Index>(sizeof(Scalar));
+  plans.push_back(o);
+  o.plan = embedhead::FusedPlan::automatic;
+  o.memory_budget = 0;
+  plans.push_back(o);
+  return plans;
+}
+
 std::string describe(const DistillationOptions& o) {
   const char* name = o.divergence == Divergence::forward_kl   ? "forward_kl"
                      : o.divergence == Divergence::reverse_kl ? "reverse_kl"
                                                               : "jsd";
-  return std::string(name) + " T=" + std::to_string(o.temperature) + " beta=" + std::to_string(o.beta);
+  return std::string(name) + " T=" + std::to_string(o.temperature) + " beta=" + std::to_string(o.beta) +
+         " plan=" + std::to_string(static_cast<int>(o.plan)) + " budget=" + std::to_string(o.memory_budget);
 }
 
 struct Problem {
@@ -309,46 +326,47 @@ TEMPLATE_TEST_CASE("distillation: teacher head, dense and top-k log-probs agains
   const RowMatrix<Scalar> mask = P.mask_matrix<Scalar>();
   DistillationWorkspace<Scalar> ws;
   for (const Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none}) {
-    for (DistillationOptions o : all_options()) {
-      o.reduction = reduction;
-      INFO(describe(o) << " reduction " << static_cast<int>(reduction));
-      std::vector<double> rows;
-      const double want = naive_loss(P.s(), P.u(), P.mask, o, &rows);
-      RowMatrix<Scalar> losses = RowMatrix<Scalar>::Constant(P.N, 1, Scalar(-7));
-      const DistillationExtras<Scalar> extras{{mask.data(), P.N, 1}, {losses.data(), P.N, 1}};
-      RowMatrix<Scalar> dh1(P.N, P.d), dW1 = RowMatrix<Scalar>::Zero(P.V, P.d), dhT(P.N, P.dT),
-                                       dWT = RowMatrix<Scalar>::Zero(P.V, P.dT), db1 = RowMatrix<Scalar>::Zero(P.V, 1),
-                                       dbT = RowMatrix<Scalar>::Zero(P.V, 1);
-      const DistillationResult head = embedhead::distill_head_forward_backward<Scalar>(h, W, b, hT, WT, bT, dh1, dW1,
-                                                                                       db1, dhT, dWT, dbT, ws, o,
-                                                                                       extras);
-      REQUIRE_THAT(head.loss, WithinRel(want, rel) || WithinAbs(want, abs));
-      REQUIRE(head.count == 5);
-      for (Index n = 0; n < P.N; ++n)
-        REQUIRE_THAT(static_cast<double>(losses(n, 0)), WithinRel(rows[static_cast<std::size_t>(n)], rel) ||
-                                                            WithinAbs(rows[static_cast<std::size_t>(n)], abs));
-      // The loss alone is the same.
-      REQUIRE_THAT(embedhead::distill_head<Scalar>(h, W, b, hT, WT, bT, ws, o, extras).loss,
-                   WithinRel(head.loss, 1e-12) || WithinAbs(head.loss, 1e-15));
-      // Cached dense log-probs: the same loss and student gradients.
-      RowMatrix<Scalar> dh2(P.N, P.d), dW2 = RowMatrix<Scalar>::Zero(P.V, P.d), db2 = RowMatrix<Scalar>::Zero(P.V, 1);
-      const DistillationResult dense = embedhead::distill_logprobs_forward_backward<Scalar>(h, W, b, logq, dh2, dW2,
-                                                                                            db2, ws, o, extras);
-      REQUIRE_THAT(dense.loss, WithinRel(want, rel) || WithinAbs(want, abs));
-      require_close(dh2, dh1, rel, abs);
-      require_close(dW2, dW1, rel, abs);
-      require_close(db2, db1, rel, abs);
-      REQUIRE(db1.norm() > 1e-3);
-      REQUIRE_THAT(embedhead::distill_logprobs<Scalar>(h, W, b, logq, ws, o, extras).loss,
-                   WithinRel(dense.loss, 1e-12) || WithinAbs(dense.loss, 1e-15));
-      // Masked rows: no loss, zero gradient (student and teacher).
-      for (Index n : {2, 5}) {
-        REQUIRE(losses(n, 0) == Scalar(0));
-        REQUIRE(dh1.row(n).isZero(0));
-        REQUIRE(dh2.row(n).isZero(0));
-        REQUIRE(dhT.row(n).isZero(0));
+    for (const DistillationOptions& o0 : all_options())
+      for (DistillationOptions o : with_plans<Scalar>(o0, P.V)) {
+        o.reduction = reduction;
+        INFO(describe(o) << " reduction " << static_cast<int>(reduction));
+        std::vector<double> rows;
+        const double want = naive_loss(P.s(), P.u(), P.mask, o, &rows);
+        RowMatrix<Scalar> losses = RowMatrix<Scalar>::Constant(P.N, 1, Scalar(-7));
+        const DistillationExtras<Scalar> extras{{mask.data(), P.N, 1}, {losses.data(), P.N, 1}};
+        RowMatrix<Scalar> dh1(P.N, P.d), dW1 = RowMatrix<Scalar>::Zero(P.V, P.d), dhT(P.N, P.dT),
+                                         dWT = RowMatrix<Scalar>::Zero(P.V, P.dT),
+                                         db1 = RowMatrix<Scalar>::Zero(P.V, 1), dbT = RowMatrix<Scalar>::Zero(P.V, 1);
+        const DistillationResult head = embedhead::distill_head_forward_backward<Scalar>(h, W, b, hT, WT, bT, dh1, dW1,
+                                                                                         db1, dhT, dWT, dbT, ws, o,
+                                                                                         extras);
+        REQUIRE_THAT(head.loss, WithinRel(want, rel) || WithinAbs(want, abs));
+        REQUIRE(head.count == 5);
+        for (Index n = 0; n < P.N; ++n)
+          REQUIRE_THAT(static_cast<double>(losses(n, 0)), WithinRel(rows[static_cast<std::size_t>(n)], rel) ||
+                                                              WithinAbs(rows[static_cast<std::size_t>(n)], abs));
+        // The loss alone is the same.
+        REQUIRE_THAT(embedhead::distill_head<Scalar>(h, W, b, hT, WT, bT, ws, o, extras).loss,
+                     WithinRel(head.loss, 1e-12) || WithinAbs(head.loss, 1e-15));
+        // Cached dense log-probs: the same loss and student gradients.
+        RowMatrix<Scalar> dh2(P.N, P.d), dW2 = RowMatrix<Scalar>::Zero(P.V, P.d), db2 = RowMatrix<Scalar>::Zero(P.V, 1);
+        const DistillationResult dense = embedhead::distill_logprobs_forward_backward<Scalar>(h, W, b, logq, dh2, dW2,
+                                                                                              db2, ws, o, extras);
+        REQUIRE_THAT(dense.loss, WithinRel(want, rel) || WithinAbs(want, abs));
+        require_close(dh2, dh1, rel, abs);
+        require_close(dW2, dW1, rel, abs);
+        require_close(db2, db1, rel, abs);
+        REQUIRE(db1.norm() > 1e-3);
+        REQUIRE_THAT(embedhead::distill_logprobs<Scalar>(h, W, b, logq, ws, o, extras).loss,
+                     WithinRel(dense.loss, 1e-12) || WithinAbs(dense.loss, 1e-15));
+        // Masked rows: no loss, zero gradient (student and teacher).
+        for (Index n : {2, 5}) {
+          REQUIRE(losses(n, 0) == Scalar(0));
+          REQUIRE(dh1.row(n).isZero(0));
+          REQUIRE(dh2.row(n).isZero(0));
+          REQUIRE(dhT.row(n).isZero(0));
+        }
       }
-    }
   }
   SECTION("top-k: forward KL over the renormalised support") {
     const Index k = 6;
@@ -395,28 +413,29 @@ TEST_CASE("distillation: gradients against central differences in double", "[dis
   const RowMatrix<double> mask = P.mask_matrix<double>();
   const DistillationExtras<double> extras{{mask.data(), P.N, 1}};
   DistillationWorkspace<double> ws;
-  for (const DistillationOptions& o : all_options()) {
-    INFO(describe(o));
-    auto loss = [&] { return naive_loss(P.s(), P.u(), P.mask, o); };
-    RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d), dhT(P.N, P.dT),
-                                    dWT = RowMatrix<double>::Zero(P.V, P.dT), db = RowMatrix<double>::Zero(P.V, 1),
-                                    dbT = RowMatrix<double>::Zero(P.V, 1);
-    embedhead::distill_head_forward_backward<double>(P.h, P.W, P.b, P.hT, P.WT, P.bT, dh, dW, db, dhT, dWT, dbT, ws, o,
-                                                     extras);
-    require_close(db, central_differences(P.b, loss), 1e-7, 1e-9);
-    require_close(dbT, central_differences(P.bT, loss), 1e-7, 1e-9);
-    require_close(dh, central_differences(P.h, loss), 1e-7, 1e-9);
-    require_close(dW, central_differences(P.W, loss), 1e-7, 1e-9);
-    require_close(dhT, central_differences(P.hT, loss), 1e-7, 1e-9);
-    require_close(dWT, central_differences(P.WT, loss), 1e-7, 1e-9);
-    REQUIRE(dhT.norm() > 1e-3);  // the teacher's gradient is not trivially 0
-    // Without the teacher's gradients the student's are the same.
-    RowMatrix<double> dh2(P.N, P.d), dW2 = RowMatrix<double>::Zero(P.V, P.d), none(0, 0);
-    embedhead::distill_head_forward_backward<double>(P.h, P.W, P.b, P.hT, P.WT, P.bT, dh2, dW2, none, none, none, none,
-                                                     ws, o, extras);
-    require_close(dh2, dh, 1e-12, 1e-15);
-    require_close(dW2, dW, 1e-12, 1e-15);
-  }
+  for (const DistillationOptions& o0 : all_options())
+    for (const DistillationOptions& o : with_plans<double>(o0, P.V)) {
+      INFO(describe(o));
+      auto loss = [&] { return naive_loss(P.s(), P.u(), P.mask, o); };
+      RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d), dhT(P.N, P.dT),
+                                      dWT = RowMatrix<double>::Zero(P.V, P.dT), db = RowMatrix<double>::Zero(P.V, 1),
+                                      dbT = RowMatrix<double>::Zero(P.V, 1);
+      embedhead::distill_head_forward_backward<double>(P.h, P.W, P.b, P.hT, P.WT, P.bT, dh, dW, db, dhT, dWT, dbT, ws,
+                                                       o, extras);
+      require_close(db, central_differences(P.b, loss), 1e-7, 1e-9);
+      require_close(dbT, central_differences(P.bT, loss), 1e-7, 1e-9);
+      require_close(dh, central_differences(P.h, loss), 1e-7, 1e-9);
+      require_close(dW, central_differences(P.W, loss), 1e-7, 1e-9);
+      require_close(dhT, central_differences(P.hT, loss), 1e-7, 1e-9);
+      require_close(dWT, central_differences(P.WT, loss), 1e-7, 1e-9);
+      REQUIRE(dhT.norm() > 1e-3);  // the teacher's gradient is not trivially 0
+      // Without the teacher's gradients the student's are the same.
+      RowMatrix<double> dh2(P.N, P.d), dW2 = RowMatrix<double>::Zero(P.V, P.d), none(0, 0);
+      embedhead::distill_head_forward_backward<double>(P.h, P.W, P.b, P.hT, P.WT, P.bT, dh2, dW2, none, none, none,
+                                                       none, ws, o, extras);
+      require_close(dh2, dh, 1e-12, 1e-15);
+      require_close(dW2, dW, 1e-12, 1e-15);
+    }
   SECTION("dW accumulates") {
     const DistillationOptions o = make_options(Divergence::reverse_kl, 1.3);
     RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d), none(0, 0);
@@ -473,6 +492,71 @@ TEST_CASE("distillation: jsd at beta 0 and 1 is the KLs without T^2; top-k with 
                                                                       none, empty<double>(), ws, b)
                          .loss;
     REQUIRE_THAT(r, WithinRel(naive_loss(P.s(), P.u(), {}, b), 1e-12));
+  }
+}
+
+TEMPLATE_TEST_CASE("distillation: token chunks and vocabulary blocks give the same loss bits, gradients to rounding",
+                   "[distillation]", float, double) {
+  // Both plans sum each row's statistics over the same blocks of columns in the same order, from the same logits (the
+  // packed kernel's logits of a row do not depend on the rows beside it): the same loss and per-row losses, bit for
+  // bit, on the default backend. dh and dW sum over the vocabulary and the tokens in other groupings: to rounding.
+  using Scalar = TestType;
+  const double tol = std::is_same_v<Scalar, float> ? 1e-5 : 1e-13;
+  Problem P;
+  P.add_biases();
+  const RowMatrix<Scalar> h = cast<Scalar>(P.h), W = cast<Scalar>(P.W), hT = cast<Scalar>(P.hT),
+                          WT = cast<Scalar>(P.WT), b = cast<Scalar>(P.b), bT = cast<Scalar>(P.bT);
+  const RowMatrix<Scalar> logq = cast<Scalar>(log_softmax(P.u(), 1.0));
+  const RowMatrix<Scalar> mask = P.mask_matrix<Scalar>();
+  DistillationWorkspace<Scalar> ws;
+  struct Outputs {
+    DistillationResult r;
+    RowMatrix<Scalar> losses, dh, dW, db, dhT, dWT, dbT;
+  };
+  for (const DistillationOptions& o0 : all_options()) {
+    for (const int teacher : {0, 1}) {  // 0: a teacher head with its gradients; 1: cached dense log-probs
+      std::vector<Outputs> outs;
+      for (const DistillationOptions& o : with_plans<Scalar>(o0, P.V)) {
+        Outputs out;
+        out.losses = RowMatrix<Scalar>::Constant(P.N, 1, Scalar(-7));
+        out.dh = RowMatrix<Scalar>::Constant(P.N, P.d, Scalar(5));
+        out.dW = RowMatrix<Scalar>::Zero(P.V, P.d);
+        out.db = RowMatrix<Scalar>::Zero(P.V, 1);
+        out.dhT = RowMatrix<Scalar>::Constant(P.N, P.dT, Scalar(5));
+        out.dWT = RowMatrix<Scalar>::Zero(P.V, P.dT);
+        out.dbT = RowMatrix<Scalar>::Zero(P.V, 1);
+        const DistillationExtras<Scalar> extras{{mask.data(), P.N, 1}, {out.losses.data(), P.N, 1}};
+        out.r = teacher == 0
+                    ? embedhead::distill_head_forward_backward<Scalar>(h, W, b, hT, WT, bT, out.dh, out.dW, out.db,
+                                                                       out.dhT, out.dWT, out.dbT, ws, o, extras)
+                    : embedhead::distill_logprobs_forward_backward<Scalar>(h, W, b, logq, out.dh, out.dW, out.db, ws, o,
+                                                                           extras);
+        // The loss alone walks the same way.
+        const DistillationResult alone = teacher == 0
+                                             ? embedhead::distill_head<Scalar>(h, W, b, hT, WT, bT, ws, o, extras)
+                                             : embedhead::distill_logprobs<Scalar>(h, W, b, logq, ws, o, extras);
+        REQUIRE(alone.loss == out.r.loss);
+        outs.push_back(out);
+      }
+      for (std::size_t i = 1; i < outs.size(); ++i) {
+        INFO(describe(o0) << " teacher " << teacher << " plan " << i << " against vocab_blocks");
+        if constexpr (embedhead::detail::gemm::DefaultBackend::any_chunking) {
+          REQUIRE(outs[i].r.loss == outs[0].r.loss);
+          REQUIRE(outs[i].losses == outs[0].losses);
+        } else {
+          REQUIRE_THAT(outs[i].r.loss, WithinRel(outs[0].r.loss, tol));
+        }
+        REQUIRE(outs[i].r.count == outs[0].r.count);
+        require_close(outs[i].dh, outs[0].dh, tol, tol);
+        require_close(outs[i].dW, outs[0].dW, tol, tol);
+        require_close(outs[i].db, outs[0].db, tol, tol);
+        if (teacher == 0) {
+          require_close(outs[i].dhT, outs[0].dhT, tol, tol);
+          require_close(outs[i].dWT, outs[0].dWT, tol, tol);
+          require_close(outs[i].dbT, outs[0].dbT, tol, tol);
+        }
+      }
+    }
   }
 }
 
@@ -690,6 +774,22 @@ TEMPLATE_TEST_CASE("distillation: bad input throws and changes nothing", "[disti
     REQUIRE_THROWS_WITH(dense(o, logq), Contains("vocab_block = -1 outside [0, inf)"));
     unchanged();
   }
+  SECTION("memory_budget") {
+    DistillationOptions o;
+    o.memory_budget = -1;
+    REQUIRE_THROWS_WITH(dense(o, logq), Contains("memory_budget = -1 outside [0, inf)"));
+    unchanged();
+    // token_chunks must hold one token's logits of both models: 2 V scalars.
+    const Index row = 2 * P.V * static_cast<Index>(sizeof(Scalar));
+    o.plan = embedhead::FusedPlan::token_chunks;
+    o.memory_budget = row - 1;
+    REQUIRE_THROWS_WITH(dense(o, logq), Contains("memory_budget = " + std::to_string(row - 1) + " bytes outside [" +
+                                                 std::to_string(row) + ", inf) for plan token_chunks"));
+    unchanged();
+    // automatic with the same budget: vocabulary blocks, no error.
+    o.plan = embedhead::FusedPlan::automatic;
+    REQUIRE_NOTHROW(embedhead::distill_logprobs<Scalar>(h, W, empty<Scalar>(), logq, ws, o));
+  }
 }
 
 TEST_CASE("distillation: sum and none reductions against central differences in double", "[distillation]") {
@@ -906,42 +1006,43 @@ TEST_CASE("distillation: float loss and gradients against the naive double refer
       }
   };
   for (const Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none}) {
-    for (DistillationOptions o : all_options()) {
-      o.reduction = reduction;
-      INFO(describe(o) << " reduction " << reduction_name(reduction));
-      const LogitGradients z = naive_logit_gradients(P.s(), P.u(), P.mask, o);
-      const HeadGradients student = head_gradients(z.ds, P.h, P.W), teacher = head_gradients(z.du, P.hT, P.WT);
-      RowMatrix<float> losses = RowMatrix<float>::Constant(P.N, 1, -7.0f);
-      const DistillationExtras<float> extras{{mask.data(), P.N, 1}, {losses.data(), P.N, 1}};
-      {
-        INFO("teacher head");
-        RowMatrix<float> dh(P.N, P.d), dW = RowMatrix<float>::Zero(P.V, P.d), db = RowMatrix<float>::Zero(P.V, 1),
-                                       dhT(P.N, P.dT), dWT = RowMatrix<float>::Zero(P.V, P.dT),
-                                       dbT = RowMatrix<float>::Zero(P.V, 1);
-        const DistillationResult r = embedhead::distill_head_forward_backward<float>(h, W, b, hT, WT, bT, dh, dW, db,
-                                                                                     dhT, dWT, dbT, ws, o, extras);
-        check_loss(o, r, P.u(), losses);
-        require_close_scaled(dh, student.dx, grad);
-        require_close_scaled(dW, student.dY, grad);
-        require_close_scaled(db, student.dbias, grad);
-        require_close_scaled(dhT, teacher.dx, grad);
-        require_close_scaled(dWT, teacher.dY, grad);
-        require_close_scaled(dbT, teacher.dbias, grad);
+    for (const DistillationOptions& o0 : all_options())
+      for (DistillationOptions o : with_plans<float>(o0, P.V)) {
+        o.reduction = reduction;
+        INFO(describe(o) << " reduction " << reduction_name(reduction));
+        const LogitGradients z = naive_logit_gradients(P.s(), P.u(), P.mask, o);
+        const HeadGradients student = head_gradients(z.ds, P.h, P.W), teacher = head_gradients(z.du, P.hT, P.WT);
+        RowMatrix<float> losses = RowMatrix<float>::Constant(P.N, 1, -7.0f);
+        const DistillationExtras<float> extras{{mask.data(), P.N, 1}, {losses.data(), P.N, 1}};
+        {
+          INFO("teacher head");
+          RowMatrix<float> dh(P.N, P.d), dW = RowMatrix<float>::Zero(P.V, P.d), db = RowMatrix<float>::Zero(P.V, 1),
+                                         dhT(P.N, P.dT), dWT = RowMatrix<float>::Zero(P.V, P.dT),
+                                         dbT = RowMatrix<float>::Zero(P.V, 1);
+          const DistillationResult r = embedhead::distill_head_forward_backward<float>(h, W, b, hT, WT, bT, dh, dW, db,
+                                                                                       dhT, dWT, dbT, ws, o, extras);
+          check_loss(o, r, P.u(), losses);
+          require_close_scaled(dh, student.dx, grad);
+          require_close_scaled(dW, student.dY, grad);
+          require_close_scaled(db, student.dbias, grad);
+          require_close_scaled(dhT, teacher.dx, grad);
+          require_close_scaled(dWT, teacher.dY, grad);
+          require_close_scaled(dbT, teacher.dbias, grad);
+        }
+        {
+          INFO("dense log-probs");
+          // Cached log-probs are the teacher's logits: the same divergence as log_softmax(u).
+          const LogitGradients zq = naive_logit_gradients(P.s(), logq, P.mask, o);
+          const HeadGradients cached = head_gradients(zq.ds, P.h, P.W);
+          RowMatrix<float> dh(P.N, P.d), dW = RowMatrix<float>::Zero(P.V, P.d), db = RowMatrix<float>::Zero(P.V, 1);
+          const DistillationResult r = embedhead::distill_logprobs_forward_backward<float>(h, W, b, logq_f, dh, dW, db,
+                                                                                           ws, o, extras);
+          check_loss(o, r, logq, losses);
+          require_close_scaled(dh, cached.dx, grad);
+          require_close_scaled(dW, cached.dY, grad);
+          require_close_scaled(db, cached.dbias, grad);
+        }
       }
-      {
-        INFO("dense log-probs");
-        // Cached log-probs are the teacher's logits: the same divergence as log_softmax(u).
-        const LogitGradients zq = naive_logit_gradients(P.s(), logq, P.mask, o);
-        const HeadGradients cached = head_gradients(zq.ds, P.h, P.W);
-        RowMatrix<float> dh(P.N, P.d), dW = RowMatrix<float>::Zero(P.V, P.d), db = RowMatrix<float>::Zero(P.V, 1);
-        const DistillationResult r = embedhead::distill_logprobs_forward_backward<float>(h, W, b, logq_f, dh, dW, db,
-                                                                                         ws, o, extras);
-        check_loss(o, r, logq, losses);
-        require_close_scaled(dh, cached.dx, grad);
-        require_close_scaled(dW, cached.dY, grad);
-        require_close_scaled(db, cached.dbias, grad);
-      }
-    }
     {
       INFO("top-k log-probs, reduction " << reduction_name(reduction));
       const Index k = 6;

@@ -161,6 +161,22 @@ TEST_CASE("score_head: with T = 1 raw and processed are the same bits; with T !=
   const HeadScores two = embedhead::score_head<float>(h, W, RowMatrix<float>(0, 1), tokens, hot);
   CHECK(same_bytes(two.raw_logprob, one.raw_logprob));
   for (std::size_t i = 0; i < 4; ++i) CHECK(two.processed_logprob[i] != one.processed_logprob[i]);
+  // raw_logprob off: no raw log-probs, the processed ones (and the rest) the same bits, at T = 1 and T = 2.
+  hot.top_k = 3;
+  hot.entropy = true;
+  for (const double T : {1.0, 2.0}) {
+    hot.temperature = T;
+    const HeadScores both = embedhead::score_head<float>(h, W, RowMatrix<float>(0, 1), tokens, hot);
+    HeadScoreOptions processed_only = hot;
+    processed_only.raw_logprob = false;
+    const HeadScores alone = embedhead::score_head<float>(h, W, RowMatrix<float>(0, 1), tokens, processed_only);
+    CHECK(both.raw_logprob.size() == 4);
+    CHECK(alone.raw_logprob.empty());
+    CHECK(same_bytes(alone.processed_logprob, both.processed_logprob));
+    CHECK(same_bytes(alone.entropy, both.entropy));
+    CHECK(alone.top_ids == both.top_ids);
+    CHECK(alone.top_logprobs == both.top_logprobs);
+  }
 }
 
 TEST_CASE("score_head: ties go to the smaller id, across and within blocks", "[head_scores]") {

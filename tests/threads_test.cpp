@@ -438,7 +438,7 @@ TEST_CASE("threads: a token's logits and loss terms are the same bits alone on 1
   }
 }
 
-TEMPLATE_TEST_CASE("threads: score_head and the distillation's logits are bit-identical for 1, 2 and 3 threads",
+TEMPLATE_TEST_CASE("threads: score_head and the distillation (both plans) are bit-identical for 1, 2 and 3 threads",
                    "[threads][head_scores][distillation]", float, double) {
   // Their block products take one chunk of columns per thread (gemm::per_thread_columns): blocks
   // not a multiple of the packed kernel's tile, narrower than a tile, and a last short block.
@@ -465,13 +465,16 @@ TEMPLATE_TEST_CASE("threads: score_head and the distillation's logits are bit-id
         return embedhead::score_head<S>(h, W, b, y, options);
       });
     };
-    auto distill = [&](int threads) {
+    auto distill = [&](int threads, embedhead::FusedPlan plan) {
       return with_threads(threads, [&] {
         RowMatrix<S> dh(s.N, s.d), dW = RowMatrix<S>::Zero(s.V, s.d), db = RowMatrix<S>::Zero(s.V, 1);
         RowMatrix<S> dhT(s.N, s.d + 3), dWT = RowMatrix<S>::Zero(s.V, s.d + 3), dbT = RowMatrix<S>::Zero(s.V, 1);
         embedhead::DistillationWorkspace<S> ws;
         embedhead::DistillationOptions options;
         options.vocab_block = s.block;
+        options.plan = plan;
+        // Token chunks of 7 tokens (several chunks and a short last one).
+        if (plan == embedhead::FusedPlan::token_chunks) options.memory_budget = 7 * 2 * s.V * Index{sizeof(S)};
         const auto result = embedhead::distill_head_forward_backward<S>(h, W, b, hT, WT, b, dh, dW, db, dhT, dWT, dbT,
                                                                         ws, options);
         RowMatrix<S> loss(1, 1);
@@ -489,13 +492,16 @@ TEMPLATE_TEST_CASE("threads: score_head and the distillation's logits are bit-id
       CHECK(one.top_ids == other.top_ids);
       CHECK(bit_identical<double>(one.top_logprobs, other.top_logprobs));
     }
-    const auto d1 = distill(1);
-    for (const int threads : {2, 3}) {
-      CAPTURE(threads);
-      const auto other = distill(threads);
-      for (std::size_t i = 0; i < d1.size(); ++i) {
-        CAPTURE(i);
-        CHECK(bit_identical<S>(d1[i], other[i]));
+    for (const embedhead::FusedPlan plan : {embedhead::FusedPlan::vocab_blocks, embedhead::FusedPlan::token_chunks}) {
+      CAPTURE(static_cast<int>(plan));
+      const auto d1 = distill(1, plan);
+      for (const int threads : {2, 3}) {
+        CAPTURE(threads);
+        const auto other = distill(threads, plan);
+        for (std::size_t i = 0; i < d1.size(); ++i) {
+          CAPTURE(i);
+          CHECK(bit_identical<S>(d1[i], other[i]));
+        }
       }
     }
   }

@@ -21,21 +21,31 @@
 // with K the row's KL (without T^2), K_p = KL(p || m), K_q = KL(q || m). Terms of zero probability
 // add 0 (0 log 0 = 0); a class with q_j > 0 and p_j = 0 makes forward_kl +inf, as it is.
 //
-// Passes over the vocabulary, vocab_block rows of W (and W_T) at a time, all counted tokens at once:
+// Two plans walk the logits (DistillationOptions::plan, as the fused loss's FusedPlan):
+//   token_chunks  n tokens at a time: both models' logits [n, V] computed once and kept through the passes below,
+//                 which walk them a block of vocab_block columns at a time; then dW += dz^T h_chunk, dh_chunk = dz W
+//                 (and the teacher's) once for the chunk. The KLs' loss and student gradient 8 N V d flops (the
+//                 student-only fused loss: 6 in token chunks), jsd's the same; memory: both chunks of logits,
+//                 n = memory_budget / (2 V sizeof(Scalar)) tokens (64 MiB by default: 256 tokens at V = 32,768).
+//   vocab_blocks  all tokens at once, vocab_block rows of W (and W_T) at a time, the logits recomputed in each
+//                 pass: 12 N V d flops for the KLs (the student-only fused loss: 8 in vocabulary blocks), jsd's
+//                 16 N V d; memory: two blocks of logits [N, vocab_block] (the student's and the teacher's).
+//   automatic     token_chunks when the budget holds kFusedMinTokenChunk (128) tokens or all of them, else
+//                 vocab_blocks. The teacher's gradient adds 4 N V d; cached log-probs replace the teacher's products
+//                 by reading [N, V] (or [N, k]); the loss alone is 4 N V d (teacher head) or 2 N V d (cached) in
+//                 token chunks, twice that in blocks (pass 2 recomputes).
+// Both plans sum each row's statistics and terms over the same blocks of columns in the same order, so on the
+// default (packed) backend, whose logits of a row do not depend on the rows beside it, the loss and per-row losses
+// are the same bits in either plan; dh and dW are summed over the vocabulary and the tokens in other groupings (to
+// rounding). The passes, for the rows at hand (a token chunk, or all of them):
 //   1  both blocks of logits, each row's online max and sum of exponentials (SoftmaxRowStats,
 //      in double) -> lse(a), lse(b); for the KLs also, online beside the weighting distribution's
 //      statistics, X = sum_j exp(a_j - max) (a_j - b_j) (reverse; forward: a and b swapped), so
 //      that K = X / S - lse(a) + lse(b) is known after pass 1;
-//   2  both blocks again, each row's sums (K, or K_p and K_q), in double, block by block in order;
+//   2  each block again, each row's sums (K, or K_p and K_q), in double, block by block in order;
 //      for the KLs also dz = dL/ds (and dz_T = dL/du) from K, then dW += dz^T h, dh += dz W (and
 //      dW_T += dz_T^T h_T, dh_T += dz_T W_T); the loss is pass 2's K, not pass 1's X;
-//   3  (jsd with a gradient) the gradient pass: both blocks again, dz from the sums of pass 2.
-// Extra memory: two blocks of logits [N, vocab_block] (the student's and the teacher's) and a few
-// doubles per row. Cost in GEMMs (d_T = d): the KLs' loss and student gradient 12 N V d flops
-// (the student-only fused loss: 6 N V d in token chunks, 8 in vocabulary blocks), jsd's 16 N V d;
-// the teacher's gradient adds 4 N V d. Cached log-probs replace the teacher's products by reading
-// [N, V] (or [N, k]); the loss alone is 8 N V d (teacher head) or 4 N V d (cached).
-//
+//   3  (jsd with a gradient) the gradient pass: each block again, dz from the sums of pass 2.
 // Cached log-probs: a dense row must be log-probabilities, |log sum_j exp(l_j)| <= 1e-3, without NaN
 // or +inf (-inf: probability 0; refused for reverse_kl and jsd at beta = 1, which would be +inf). Top-k: the k classes
 // of each row are the teacher's whole support, renormalised over them (q = softmax(l_k / T) on the k ids, 0 elsewhere);
@@ -64,6 +74,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -79,6 +90,12 @@ struct DistillationOptions {
   double beta = 0.5;         // jsd's beta in [0, 1] (ignored by the KLs)
   Reduction reduction = Reduction::mean;
   Index vocab_block = 0;  // rows of W per block; 0: as FusedHeadLossOptions (V / 50 in [256, 4096])
+  // How the logits are walked (the top of this file), as FusedHeadLossOptions: token_chunks holds both
+  // models' logits of a chunk of tokens [n, V] each, n = memory_budget / (2 V sizeof(Scalar)); vocab_blocks
+  // two blocks [N, vocab_block]; automatic takes token_chunks when the budget holds kFusedMinTokenChunk
+  // (128) tokens or all of them. A vocabulary shard always walks blocks (token_chunks is refused there).
+  FusedPlan plan = FusedPlan::automatic;
+  Index memory_budget = 0;  // bytes of both chunks of logits; 0: kFusedDefaultBudget (64 MiB)
 };
 
 struct DistillationResult {
@@ -90,7 +107,7 @@ struct DistillationResult {
 // Buffers reused across calls; contents internal.
 template <typename Scalar>
 struct DistillationWorkspace {
-  std::vector<Scalar> student, teacher;  // [N, vocab_block] each: a block of a and of b, then of dz
+  std::vector<Scalar> student, teacher;  // [N, vocab_block] or [chunk, V] each: logits a and b, then dz
   std::vector<detail::SoftmaxRowStats> student_stats, teacher_stats;
   std::vector<double> lse_student, lse_teacher, sum_p, sum_q;  // per row
   std::vector<double> cross;                                   // per row: X of pass 1, then K
@@ -139,6 +156,22 @@ inline void check_distillation_options(const char* where, const DistillationOpti
     message << where << ": vocab_block = " << options.vocab_block << " outside [0, inf) (0: automatic)";
     throw value_error(message.str());
   }
+  if (options.memory_budget < 0) {
+    std::ostringstream message;
+    message << where << ": memory_budget = " << options.memory_budget << " outside [0, inf) (0: " << kFusedDefaultBudget
+            << " bytes)";
+    throw value_error(message.str());
+  }
+}
+
+// The token-chunk plan's tokens per chunk for N rows of V classes (both models' logits: 2 V scalars a token), or 0
+// for the vocabulary blocks; fused_token_chunk's rule (multiples of 256 tokens once that many fit).
+template <typename Scalar>
+Index distill_token_chunk(const DistillationOptions& options, Index N, Index V) {
+  FusedHeadLossOptions plan;
+  plan.plan = options.plan;
+  plan.memory_budget = options.memory_budget;
+  return fused_token_chunk(plan, N, 2 * V, static_cast<Index>(sizeof(Scalar)));
 }
 
 template <typename Mask>
@@ -416,8 +449,15 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
   if (result.count == 0) return result;
 
   const Index block = fused_vocab_block(options.vocab_block, V);
-  ws.student.resize(static_cast<std::size_t>(N * block));
-  ws.teacher.resize(static_cast<std::size_t>(N * block));
+  // Token chunks (none over a shard): rows [r0, r0 + rows) at a time, their logits [rows, V] computed once and kept
+  // through the passes (which then walk them a block of columns at a time, the same blocks as the other plan, so
+  // the loss is the same bits); else all N rows, a block of logits at a time, recomputed in each pass.
+  const Index chunk = slice ? 0 : distill_token_chunk<Scalar>(options, N, V);
+  const bool whole_rows = chunk > 0;
+  const Index rows_max = whole_rows ? chunk : N;
+  const Index buffer = rows_max * (whole_rows ? V : block);
+  ws.student.resize(static_cast<std::size_t>(buffer));
+  ws.teacher.resize(static_cast<std::size_t>(buffer));
   ws.student_stats.assign(static_cast<std::size_t>(N), SoftmaxRowStats{});
   ws.teacher_stats.assign(static_cast<std::size_t>(N), SoftmaxRowStats{});
   ws.lse_student.assign(static_cast<std::size_t>(N), 0.0);
@@ -428,113 +468,134 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
   const Scalar inv_T = static_cast<Scalar>(1.0 / T);
   const Index k = teacher.topk ? teacher.topk->cols() : 0;
   const Index column0 = slice ? slice->begin : 0;  // the global column of W's row 0
-
-  // Both blocks of columns [v0, v0 + width), divided by T, into ws.student / ws.teacher.
-  auto blocks_of = [&](Index v0, Index width) {
-    distill_logits(h, W, bias, v0, width, ws.student.data());
-    if (head) distill_logits(*head->h, *head->W, *head->bias, v0, width, ws.teacher.data());
-    parallel_rows(N, [&](Index n) {
-      if (!counted(n)) return;
-      Scalar* a = ws.student.data() + n * width;
-      Scalar* b = ws.teacher.data() + n * width;
-      if (teacher.dense) {
-        for (Index j = 0; j < width; ++j) b[j] = (*teacher.dense)(n, column0 + v0 + j);
-      } else if (teacher.topk) {
-        std::fill(b, b + width, -std::numeric_limits<Scalar>::infinity());
-        for (Index i = 0; i < k; ++i) {
-          const Index id = teacher.topk_ids[static_cast<std::size_t>(n * k + i)] - column0;
-          if (id >= v0 && id < v0 + width) b[id - v0] = (*teacher.topk)(n, i);
-        }
-      }
-      if (T != 1.0) {
-        Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(a, width) *= inv_T;
-        Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(b, width) *= inv_T;
-      }
-    });
-  };
-  // Pass 1: the statistics.
   const SoftmaxTerms terms = [&] {
     SoftmaxTerms t;
     t.classes = V;
     return t;
   }();
-  for (Index v0 = 0; v0 < V; v0 += block) {
-    const Index width = std::min(block, V - v0);
-    blocks_of(v0, width);
-    parallel_rows(N, [&](Index n) {
-      if (!counted(n)) return;
-      const std::size_t i = static_cast<std::size_t>(n);
-      const Scalar* a = ws.student.data() + n * width;
-      const Scalar* b = ws.teacher.data() + n * width;
-      // The KLs' X beside the statistics of the distribution that weights them (reverse: p's,
-      // forward: q's); jsd has none.
-      if (kind == DistillKind::rkl)
-        accumulate_cross(ws.student_stats[i], ws.cross[i], a, b, width);
-      else
-        ws.student_stats[i].accumulate(a, width, -1, terms);
-      if (kind == DistillKind::fkl)
-        accumulate_cross(ws.teacher_stats[i], ws.cross[i], b, a, width);
-      else
-        ws.teacher_stats[i].accumulate(b, width, -1, terms);
-    });
-  }
-  if (slice) slice->combine_stats(ws, N, kind);
-  for (Index n = 0; n < N; ++n) {
-    const std::size_t i = static_cast<std::size_t>(n);
-    ws.lse_student[i] = ws.student_stats[i].max + std::log(ws.student_stats[i].sum_exp);
-    ws.lse_teacher[i] = ws.teacher_stats[i].max + std::log(ws.teacher_stats[i].sum_exp);
-    // K = X / S - lse + lse' (reverse: sum_j p_j (a_j - b_j) - lse(a) + lse(b); forward mirrored).
-    if (kind == DistillKind::rkl)
-      ws.cross[i] = ws.cross[i] / ws.student_stats[i].sum_exp - ws.lse_student[i] + ws.lse_teacher[i];
-    else if (kind == DistillKind::fkl)
-      ws.cross[i] = ws.cross[i] / ws.teacher_stats[i].sum_exp - ws.lse_teacher[i] + ws.lse_student[i];
-  }
   // The gradient's coefficients on dL/da and dL/db, times 1/T for ds and du.
   const double c = scale * factor / T;
   const double ca = kind == DistillKind::jsd ? c * (1.0 - beta) : c;
   const double cb = kind == DistillKind::jsd ? c * beta : c;
   // The gradient in pass 2 when its row sums are known from pass 1: both KLs.
   const bool gradient_in_sums = gradient && kind != DistillKind::jsd;
-  // One pass over the blocks: row sums (sums), gradients (grad) and their products.
-  auto walk = [&](bool sums, bool grad) {
+
+  for (Index r0 = 0; r0 < N; r0 += rows_max) {
+    const Index rows = std::min(rows_max, N - r0);
+    const ConstMatrixRef<Scalar> x = h.middleRows(r0, rows);
+    std::optional<ConstMatrixRef<Scalar>> x_T;
+    if (head) x_T.emplace(head->h->middleRows(r0, rows));
+    std::optional<MatrixRef<Scalar>> dx, dx_T;
+    if (gradient) dx.emplace(dh->middleRows(r0, rows));
+    if (teacher_dh) dx_T.emplace(head->dh->middleRows(r0, rows));
+    // The buffers' leading dimension, and where the columns [v0, ..) of a block start in a row.
+    auto ld = [&](Index width) { return whole_rows ? V : width; };
+    auto at = [&](Index v0) { return whole_rows ? v0 : Index{0}; };
+    // Both models' logits of columns [v0, v0 + width), divided by T, into ws.student / ws.teacher (leading
+    // dimension width).
+    auto blocks_of = [&](Index v0, Index width) {
+      distill_logits(x, W, bias, v0, width, ws.student.data());
+      if (head) distill_logits(*x_T, *head->W, *head->bias, v0, width, ws.teacher.data());
+      parallel_rows(rows, [&](Index r) {
+        const Index n = r0 + r;
+        if (!counted(n)) return;
+        Scalar* a = ws.student.data() + r * width;
+        Scalar* b = ws.teacher.data() + r * width;
+        if (teacher.dense) {
+          for (Index j = 0; j < width; ++j) b[j] = (*teacher.dense)(n, column0 + v0 + j);
+        } else if (teacher.topk) {
+          std::fill(b, b + width, -std::numeric_limits<Scalar>::infinity());
+          for (Index i = 0; i < k; ++i) {
+            const Index id = teacher.topk_ids[static_cast<std::size_t>(n * k + i)] - column0;
+            if (id >= v0 && id < v0 + width) b[id - v0] = (*teacher.topk)(n, i);
+          }
+        }
+        if (T != 1.0) {
+          Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(a, width) *= inv_T;
+          Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(b, width) *= inv_T;
+        }
+      });
+    };
+    if (whole_rows) blocks_of(0, V);
+    // Pass 1: the statistics.
     for (Index v0 = 0; v0 < V; v0 += block) {
       const Index width = std::min(block, V - v0);
-      blocks_of(v0, width);
-      parallel_rows(N, [&](Index n) {
+      if (!whole_rows) blocks_of(v0, width);
+      parallel_rows(rows, [&](Index r) {
+        const Index n = r0 + r;
+        if (!counted(n)) return;
         const std::size_t i = static_cast<std::size_t>(n);
-        Scalar* a = ws.student.data() + n * width;
-        Scalar* b = ws.teacher.data() + n * width;
-        if (!counted(n)) {
-          if (grad) std::fill(a, a + width, Scalar(0));
-          if (grad && teacher_dh) std::fill(b, b + width, Scalar(0));
-          return;
-        }
-        distill_row_block(kind, beta, a, b, width, ws.lse_student[i], ws.lse_teacher[i], sums, &ws.sum_p[i],
-                          &ws.sum_q[i], grad ? a : nullptr, grad && teacher_dh ? b : nullptr, ca, cb,
-                          kind == DistillKind::jsd ? ws.sum_p[i] : ws.cross[i], ws.sum_q[i]);
+        const Scalar* a = ws.student.data() + r * ld(width) + at(v0);
+        const Scalar* b = ws.teacher.data() + r * ld(width) + at(v0);
+        // The KLs' X beside the statistics of the distribution that weights them (reverse: p's,
+        // forward: q's); jsd has none.
+        if (kind == DistillKind::rkl)
+          accumulate_cross(ws.student_stats[i], ws.cross[i], a, b, width);
+        else
+          ws.student_stats[i].accumulate(a, width, -1, terms);
+        if (kind == DistillKind::fkl)
+          accumulate_cross(ws.teacher_stats[i], ws.cross[i], b, a, width);
+        else
+          ws.teacher_stats[i].accumulate(b, width, -1, terms);
       });
-      if (!grad) continue;
-      distill_backward(ws.student.data(), N, width, h, W, v0, dh, want_dW ? dW : nullptr, want_db ? db : nullptr);
+    }
+    if (slice) slice->combine_stats(ws, N, kind);
+    for (Index n = r0; n < r0 + rows; ++n) {
+      const std::size_t i = static_cast<std::size_t>(n);
+      ws.lse_student[i] = ws.student_stats[i].max + std::log(ws.student_stats[i].sum_exp);
+      ws.lse_teacher[i] = ws.teacher_stats[i].max + std::log(ws.teacher_stats[i].sum_exp);
+      // K = X / S - lse + lse' (reverse: sum_j p_j (a_j - b_j) - lse(a) + lse(b); forward mirrored).
+      if (kind == DistillKind::rkl)
+        ws.cross[i] = ws.cross[i] / ws.student_stats[i].sum_exp - ws.lse_student[i] + ws.lse_teacher[i];
+      else if (kind == DistillKind::fkl)
+        ws.cross[i] = ws.cross[i] / ws.teacher_stats[i].sum_exp - ws.lse_teacher[i] + ws.lse_student[i];
+    }
+    // dW += dz^T x, db += column sums of dz, dx += dz W over columns [v0, v0 + width) (and the teacher's).
+    auto backward = [&](Index v0, Index width) {
+      distill_backward(ws.student.data(), rows, width, x, W, v0, &*dx, want_dW ? dW : nullptr, want_db ? db : nullptr);
       if (teacher_dh)
-        distill_backward(ws.teacher.data(), N, width, *head->h, *head->W, v0, head->dh, teacher_dW ? head->dW : nullptr,
+        distill_backward(ws.teacher.data(), rows, width, *x_T, *head->W, v0, &*dx_T, teacher_dW ? head->dW : nullptr,
                          teacher_db ? head->db : nullptr);
+    };
+    // One pass over the blocks: row sums (sums), gradients (grad) and their products.
+    auto walk = [&](bool sums, bool grad) {
+      for (Index v0 = 0; v0 < V; v0 += block) {
+        const Index width = std::min(block, V - v0);
+        if (!whole_rows) blocks_of(v0, width);
+        parallel_rows(rows, [&](Index r) {
+          const Index n = r0 + r;
+          const std::size_t i = static_cast<std::size_t>(n);
+          Scalar* a = ws.student.data() + r * ld(width) + at(v0);
+          Scalar* b = ws.teacher.data() + r * ld(width) + at(v0);
+          if (!counted(n)) {
+            if (grad) std::fill(a, a + width, Scalar(0));
+            if (grad && teacher_dh) std::fill(b, b + width, Scalar(0));
+            return;
+          }
+          distill_row_block(kind, beta, a, b, width, ws.lse_student[i], ws.lse_teacher[i], sums, &ws.sum_p[i],
+                            &ws.sum_q[i], grad ? a : nullptr, grad && teacher_dh ? b : nullptr, ca, cb,
+                            kind == DistillKind::jsd ? ws.sum_p[i] : ws.cross[i], ws.sum_q[i]);
+        });
+        if (grad && !whole_rows) backward(v0, width);
+      }
+      if (grad && whole_rows) backward(0, V);
+    };
+    walk(true, gradient_in_sums);
+    if (slice) slice->combine_sums(ws, N);
+    for (Index n = r0; n < r0 + rows; ++n) {
+      if (!counted(n)) continue;
+      const std::size_t i = static_cast<std::size_t>(n);
+      const double row = kind == DistillKind::jsd ? beta * ws.sum_q[i] + (1.0 - beta) * ws.sum_p[i]
+                                                  : factor * ws.sum_p[i];
+      result.sum += row;
+      if (extras.losses.size() != 0) {
+        Eigen::Map<RowMatrix<Scalar>> losses = extras.losses;
+        losses(n, 0) = static_cast<Scalar>(row);
+      }
     }
-  };
-  walk(true, gradient_in_sums);
-  if (slice) slice->combine_sums(ws, N);
-  for (Index n = 0; n < N; ++n) {
-    if (!counted(n)) continue;
-    const std::size_t i = static_cast<std::size_t>(n);
-    const double row = kind == DistillKind::jsd ? beta * ws.sum_q[i] + (1.0 - beta) * ws.sum_p[i]
-                                                : factor * ws.sum_p[i];
-    result.sum += row;
-    if (extras.losses.size() != 0) {
-      Eigen::Map<RowMatrix<Scalar>> losses = extras.losses;
-      losses(n, 0) = static_cast<Scalar>(row);
-    }
+    if (gradient && !gradient_in_sums) walk(false, true);
   }
   result.loss = options.reduction == Reduction::mean ? result.sum / static_cast<double>(result.count) : result.sum;
-  if (gradient && !gradient_in_sums) walk(false, true);
   if (slice && gradient) slice->sum_over_ranks(*dh);
   if (slice && teacher_dh) slice->sum_over_ranks(*head->dh);
   return result;
@@ -559,6 +620,15 @@ void check_distill_common(const char* where, const ConstMatrixRef<Scalar>& h, co
   // The logits are divided by T in Scalar: T and 1 / T must both be finite and non-zero there.
   check_in_scalar<Scalar>(where, "temperature", options.temperature, "(0, inf)");
   check_in_scalar<Scalar>(where, "1 / temperature", 1.0 / options.temperature, "(0, inf)");
+  // token_chunks must hold one token's logits of both models.
+  const Index row_bytes = 2 * V * static_cast<Index>(sizeof(Scalar));
+  const Index budget = options.memory_budget > 0 ? options.memory_budget : kFusedDefaultBudget;
+  if (options.plan == FusedPlan::token_chunks && budget < row_bytes) {
+    std::ostringstream message;
+    message << where << ": memory_budget = " << budget << " bytes outside [" << row_bytes
+            << ", inf) for plan token_chunks: one token's logits of both models are " << row_bytes << " bytes";
+    throw value_error(message.str());
+  }
   check_mask(where, extras.mask);
 }
 

@@ -23,9 +23,9 @@
 // detail/softmax.hpp, the same code and blocks as the fused loss) and its top-k candidates
 // gathered (a comparison per logit against the running k-th value, a block skipped on its max,
 // the candidates cut to the best k by a selection whenever they reach 2 k: no sort, no buffer of
-// a block). Cost 2 N V d flops and one exponential per logit (two when T != 1: raw and
-// processed); memory chunk * vocab_block scalars (1 MiB at GPT-2's V = 50,257: 0.5 % of the
-// logits of 1,024 tokens) plus 2 k entries a row.
+// a block). Cost 2 N V d flops and one exponential per logit (two when T != 1 and the raw log-prob is
+// asked for: raw and processed; raw_logprob = false leaves it out); memory chunk * vocab_block scalars (1 MiB at
+// GPT-2's V = 50,257: 0.5 % of the logits of 1,024 tokens) plus 2 k entries a row.
 //
 // Batch invariance: every row's results depend on its own h row, W, b, the options and
 // vocab_block only: on the default (packed) backend a token's scores are the same bits in any
@@ -60,11 +60,13 @@ struct HeadScoreOptions {
   double softcap = 0;        // c > 0: s = c tanh(z / c) (Gemma 2's final soft-capping, 30); 0: off
   Index valid_vocab = -1;    // classes are rows [0, valid_vocab) of W; -1: all V
   Index vocab_block = 0;     // rows of W per block; 0: the fused loss's choice (V / 50, see there)
+  bool raw_logprob = true;   // with tokens: raw_logprob too (when T != 1, a second exponential per logit); false:
+                             // processed_logprob only, raw_logprob left empty
 };
 
 // Per row n of h; each empty when not asked for (no tokens, top_k = 0, entropy off).
 struct HeadScores {
-  std::vector<double> raw_logprob;        // [N] log_softmax(s)_y of the given token y
+  std::vector<double> raw_logprob;        // [N] log_softmax(s)_y of the given token y (unless raw_logprob off)
   std::vector<double> processed_logprob;  // [N] log_softmax(s / T)_y
   std::vector<double> entropy;            // [N] entropy of softmax(s / T), in nats
   IdMatrix<std::int64_t> top_ids;         // [N, k] the k largest classes, decreasing, ties to smaller ids
@@ -145,6 +147,7 @@ HeadScores score_head(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scal
   if (bias.size() != 0 && (bias.rows() != V || bias.cols() != 1))
     detail::throw_shape(where, "bias", bias.rows(), bias.cols(), V, 1);
   const bool want_logprob = tokens.size() != 0;
+  const bool want_raw = want_logprob && options.raw_logprob;
   if (want_logprob && tokens.size() != N) {
     std::ostringstream message;
     message << where << ": tokens has " << tokens.size() << " ids (" << tokens.rows() << " x " << tokens.cols()
@@ -194,7 +197,7 @@ HeadScores score_head(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scal
   const Index block = detail::fused_vocab_block(options.vocab_block, C);
   const Index chunk = std::min(N, detail::kScoreTokenChunk);
   std::vector<detail::SoftmaxRowStats> processed(static_cast<std::size_t>(N)), raw;
-  if (tempered && want_logprob) raw.resize(static_cast<std::size_t>(N));
+  if (tempered && want_raw) raw.resize(static_cast<std::size_t>(N));
   std::vector<detail::RowTopK<Scalar>> top(k > 0 ? static_cast<std::size_t>(N) : 0);
   RowMatrix<Scalar> logits(std::max<Index>(chunk, 1), block);
   const RowMatrix<Scalar> no_bias(0, 1);
@@ -214,7 +217,7 @@ HeadScores score_head(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scal
         if (options.softcap > 0) detail::softcap_row(s, s, width, cap);
         const Index target = want_logprob ? static_cast<Index>(y[static_cast<std::size_t>(n)]) - v0 : -1;
         if (tempered) {
-          if (want_logprob) raw[static_cast<std::size_t>(n)].accumulate(s, width, target, raw_terms);
+          if (want_raw) raw[static_cast<std::size_t>(n)].accumulate(s, width, target, raw_terms);
           detail::map_lanes(s, s, width, [T](const detail::SoftmaxLanes<Scalar>& x) -> detail::SoftmaxLanes<Scalar> {
             return x / T;
           });
@@ -238,13 +241,14 @@ HeadScores score_head(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scal
   }
   if (want_logprob) {
     result.processed_logprob.resize(static_cast<std::size_t>(N));
-    result.raw_logprob.resize(static_cast<std::size_t>(N));
+    if (want_raw) result.raw_logprob.resize(static_cast<std::size_t>(N));
     for (Index n = 0; n < N; ++n) {
       const std::size_t i = static_cast<std::size_t>(n);
       const detail::SoftmaxRowStats& st = processed[i];
       // (s_y - m) - log S: the negated cross-entropy of the softmax core's row_loss, bit for bit
       // (m - s_y exact, nothing of lse's size subtracted).
       result.processed_logprob[i] = (st.target - st.max) - std::log(st.sum_exp);
+      if (!want_raw) continue;
       const detail::SoftmaxRowStats& rs = tempered ? raw[i] : st;
       result.raw_logprob[i] = (rs.target - rs.max) - std::log(rs.sum_exp);
     }

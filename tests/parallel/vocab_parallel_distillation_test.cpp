@@ -3,11 +3,11 @@
 //
 // Every rank builds the same whole student and teacher heads (same seeds) and the same h, h_T, mask and cached
 // teacher log-probs, and takes rows [begin, end) = vocab_shard(V, rank, R) of W, bias, W_T and bias_T as its shard.
-// Expected values: the single-process distill_* functions on the whole heads (bit-identical with one rank, to
-// rounding with more: the vocabulary sums split at other places), and a naive reference in double written here from
-// the definitions of distillation.hpp's header (full logits, log-softmax, the KLs and the generalized JSD by their
-// sums; the gradients by central differences of each row's loss with respect to its logits). Replicated outputs are
-// checked bit-identical across ranks. V = 53 splits 27/26 on 2 ranks and 18/18/17 on 3.
+// Expected values: the single-process distill_* functions on the whole heads under plan vocab_blocks, the plan a shard
+// walks (bit-identical with one rank, to rounding with more: the vocabulary sums split at other places), and a naive
+// reference in double written here from the definitions of distillation.hpp's header (full logits, log-softmax, the KLs
+// and the generalized JSD by their sums; the gradients by central differences of each row's loss with respect to its
+// logits). Replicated outputs are checked bit-identical across ranks. V = 53 splits 27/26 on 2 ranks and 18/18/17 on 3.
 #include <embedhead/distillation.hpp>
 #include <embedhead/parallel/vocab_parallel_distillation.hpp>
 
@@ -147,9 +147,11 @@ Outputs<Scalar> new_outputs(const Setup<Scalar>& s, const Case& c, Index rows) {
   return out;
 }
 
-// The single-process function on the whole heads; the gradients of W's rows cut to this rank's shard.
+// The single-process function on the whole heads in vocabulary blocks (a shard's plan); the gradients of W's rows cut
+// to this rank's shard.
 template <typename Scalar>
-Outputs<Scalar> single(const Setup<Scalar>& s, const Case& c) {
+Outputs<Scalar> single(const Setup<Scalar>& s, Case c) {
+  c.options.plan = embedhead::FusedPlan::vocab_blocks;
   Outputs<Scalar> out = new_outputs(s, c, s.V);
   const RowMatrix<Scalar> mask = mask_matrix<Scalar>(c);
   const DistillationExtras<Scalar> extras{{mask.data(), mask.rows(), 1}, {out.losses.data(), s.N, 1}};
@@ -604,6 +606,14 @@ TEST_CASE("vocabulary-parallel distillation: errors agreed on every rank, nothin
     const std::string message = agreed_error<embedhead::value_error>(head(o, s.W_s, s.W_T_s));
     CHECK_THAT(message, Contains("vocab_parallel_distill_head_forward_backward") && Contains("temperature = -1") &&
                             Contains("outside (0, inf)") && EndsWith(on_last_rank()));
+    unchanged();
+  }
+  SECTION("plan token_chunks on the last rank (a shard walks blocks)") {
+    DistillationOptions o;
+    if (last) o.plan = embedhead::FusedPlan::token_chunks;
+    const std::string message = agreed_error<embedhead::value_error>(head(o, s.W_s, s.W_T_s));
+    CHECK_THAT(message, Contains("plan token_chunks outside {automatic, vocab_blocks} over a vocabulary shard") &&
+                            EndsWith(on_last_rank()));
     unchanged();
   }
   SECTION("jsd's beta out of range on the last rank") {

@@ -7,10 +7,11 @@
 // of dW, db (dW_T, db_T); neither model's [N, V] logits nor the whole W exist anywhere.
 //
 // The shard's pass is detail::distill_pass with a DistillSlice (below, over the Communicator), the same code as the
-// single-process functions: with one rank the result is theirs bit for bit; with more, the sums over the vocabulary
-// are split differently, so it agrees to rounding. Per rank it costs the single-process pass on V / R rows (the KLs'
-// loss and student gradient 12 N (V / R) d flops, jsd's 16, the teacher's gradient 4 more; cached log-probs replace
-// the teacher's products) plus the collectives, the same number on every rank:
+// single-process functions in vocabulary blocks (a shard always walks blocks: plan automatic is vocab_blocks here,
+// token_chunks is refused): with one rank the result is theirs under plan vocab_blocks bit for bit; with more, the sums
+// over the vocabulary are split differently, so it agrees to rounding. Per rank it costs the single-process pass on V /
+// R rows (the KLs' loss and student gradient 12 N (V / R) d flops, jsd's 16, the teacher's gradient 4 more; cached
+// log-probs replace the teacher's products) plus the collectives, the same number on every rank:
 //   after pass 1  each row's maxima, the student's and the teacher's (one all-reduce max of 2 N doubles), then the
 //                 sums of exponentials rescaled to them and the KLs' cross term X = sum_j exp(x_j - max) (x_j - y_j),
 //                 rescaled with the sum it sits beside (one all-reduce sum of 3 N doubles);
@@ -43,6 +44,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -123,6 +125,10 @@ DistillationResult vocab_parallel_distill(
   VocabShard shard;
   auto checks = [&] {
     check_vocab_over_ranks(where, V, R);
+    if (options.plan == FusedPlan::token_chunks)
+      throw value_error(std::string(where) +
+                        ": plan token_chunks outside {automatic, vocab_blocks} over a vocabulary shard (it walks "
+                        "blocks of the vocabulary)");
     shard = vocab_shard(V, rank, R);
     check_shard_shape(where, "W_shard", W_shard, shard, h.cols(), V, rank, R);
     if (bias_shard.size() != 0) check_shard_shape(where, "bias_shard", bias_shard, shard, 1, V, rank, R);
