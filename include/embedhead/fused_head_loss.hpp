@@ -43,12 +43,13 @@
 // Soft (probability) targets (fused_head_loss_soft*: dense [N, C] or SparseTargets, the plain
 // loss's semantics, cross_entropy.hpp): each block of columns adds sum_c v_c s_c over its columns
 // to the row's statistics (v_c = u_c t'_c, filled a block at a time from the targets) and
-// subtracts w v_j in the row's gradient; T_n = sum_c v_c is computed once per row.
+// subtracts w v_j in the row's gradient; T_n = sum_c v_c is computed once per row. With a float or
+// double W, and with a bf16 W (below).
 //
-// bf16 mixed precision (the overloads taking W as Eigen::bfloat16, "bf16 mixed precision" below):
-// the same pass with the products' inputs in bf16 -- bf16(h), W, bf16(dz) -- and everything else,
-// dW's accumulation included, in float; the products run on gemm::MixedBackend (oneDNN's bf16
-// kernels when the program links embedhead::onednn).
+// bf16 mixed precision (the overloads taking W as Eigen::bfloat16, "bf16 mixed precision" below,
+// for class indices and soft targets alike): the same pass with the products' inputs in bf16 --
+// bf16(h), W, bf16(dz) -- and everything else, dW's accumulation included, in float; the products
+// run on gemm::MixedBackend (oneDNN's bf16 kernels when the program links embedhead::onednn).
 //
 // Vocabulary-parallel (parallel/vocab_parallel_fused_head_loss.hpp): the same pass runs on one rank's
 // shard of W's rows, in the same plan, with the per-row statistics combined across ranks for each
@@ -778,6 +779,8 @@ CrossEntropyResult fused_head_loss(const ConstMatrixRef<Scalar>& h, const ConstM
 // \throws as the class-index calls, and as cross_entropy_soft for the targets. Nothing written on
 // throw. Cost: the class-index call's, plus reading the targets (dense: N C values) and a block of
 // v in double for each row of the logits buffer (FusedHeadLossOptions::memory_budget has the sizes).
+// The same four calls with W in bf16 are under "bf16 mixed precision" below: the detail helpers
+// here take W's storage type and the products' backend for them.
 
 namespace detail {
 
@@ -791,8 +794,11 @@ struct SoftGradients {
   const std::vector<Index>* dW_mask = nullptr;
 };
 
-template <typename Scalar, typename Checked, typename Gradients>
-CrossEntropyResult fused_soft_pass(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+// Storage: W's type (Scalar, or bf16 for the mixed-precision pass with float Scalar); Backend: the
+// products' (fused_head_loss_pass's).
+template <typename Scalar, typename Storage = Scalar, typename Backend = gemm::DefaultBackend, typename Checked,
+          typename Gradients>
+CrossEntropyResult fused_soft_pass(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<non_deduced_t<Storage>>& W,
                                    const ConstMatrixRef<Scalar>& bias, const Checked& checked,
                                    const SoftTargetRows<Scalar>& soft, MatrixRef<Scalar>* dh,
                                    const Gradients& gradients, FusedHeadLossWorkspace<Scalar>& workspace,
@@ -808,24 +814,25 @@ CrossEntropyResult fused_soft_pass(const ConstMatrixRef<Scalar>& h, const ConstM
   const std::vector<std::int32_t> zeros(static_cast<std::size_t>(N), 0);
   const TypedTokenIds<std::int32_t> counted(zeros.data(), 1, N, N, 1);
   const SoftGradients<Scalar> out = dh ? gradients() : SoftGradients<Scalar>{};
-  return fused_head_loss_pass<Scalar, std::int32_t>(h, W, bias, counted, extras, dh, out.dW, out.db, options, workspace,
-                                                    where, nullptr, &rows, out.dW_mask);
+  return fused_head_loss_pass<Scalar, std::int32_t, Storage, Backend>(h, W, bias, counted, extras, dh, out.dW, out.db,
+                                                                      options, workspace, where, nullptr, &rows,
+                                                                      out.dW_mask);
 }
 
-template <typename Scalar, typename Gradients>
-CrossEntropyResult fused_soft_dense(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+template <typename Scalar, typename Storage = Scalar, typename Backend = gemm::DefaultBackend, typename Gradients>
+CrossEntropyResult fused_soft_dense(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<non_deduced_t<Storage>>& W,
                                     const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& targets,
                                     MatrixRef<Scalar>* dh, const Gradients& gradients,
                                     FusedHeadLossWorkspace<Scalar>& workspace, const FusedHeadLossOptions& options,
                                     const FusedHeadLossExtras<Scalar>& extras, const char* where) {
   SoftTargetRows<Scalar> soft;
   soft.dense = &targets;
-  return fused_soft_pass(h, W, bias, DenseSoftTargets<Scalar>{targets}, soft, dh, gradients, workspace, options, extras,
-                         where);
+  return fused_soft_pass<Scalar, Storage, Backend>(h, W, bias, DenseSoftTargets<Scalar>{targets}, soft, dh, gradients,
+                                                   workspace, options, extras, where);
 }
 
-template <typename Scalar, typename Gradients>
-CrossEntropyResult fused_soft_sparse(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+template <typename Scalar, typename Storage = Scalar, typename Backend = gemm::DefaultBackend, typename Gradients>
+CrossEntropyResult fused_soft_sparse(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<non_deduced_t<Storage>>& W,
                                      const ConstMatrixRef<Scalar>& bias, const SparseTargets<Scalar>& targets,
                                      MatrixRef<Scalar>* dh, const Gradients& gradients,
                                      FusedHeadLossWorkspace<Scalar>& workspace, const FusedHeadLossOptions& options,
@@ -843,7 +850,8 @@ CrossEntropyResult fused_soft_sparse(const ConstMatrixRef<Scalar>& h, const Cons
         for (Index i = 0; i < soft.k; ++i)
           soft.ids[static_cast<std::size_t>(n * soft.k + i)] = static_cast<Index>(typed(n, i));
     }
-    return fused_soft_pass(h, W, bias, checked, soft, dh, gradients, workspace, options, extras, where);
+    return fused_soft_pass<Scalar, Storage, Backend>(h, W, bias, checked, soft, dh, gradients, workspace, options,
+                                                     extras, where);
   });
 }
 
@@ -900,7 +908,9 @@ CrossEntropyResult fused_head_loss_soft(const ConstMatrixRef<Scalar>& h, const C
 
 // ---- bf16 mixed precision ----
 //
-// The same loss and gradients with W [V, d] stored in bf16 (e.g. to_bf16 of float master weights
+// The same losses and gradients -- class indices (fused_head_loss_forward_backward,
+// fused_head_loss) and soft targets (fused_head_loss_soft_forward_backward, fused_head_loss_soft,
+// dense or SparseTargets) -- with W [V, d] stored in bf16 (e.g. to_bf16 of float master weights
 // once a step) and the products' inputs in bf16, as mixed-precision training runs the head:
 //   logits = bf16(h) W^T (+ b)            each product exact in float, the sums in float
 //   dz     = d loss / d logits            in float, from the float logits (the softmax in double)
@@ -912,8 +922,13 @@ CrossEntropyResult fused_head_loss_soft(const ConstMatrixRef<Scalar>& h, const C
 // else the float GEMM on the rounded values (the same products within float rounding, at about
 // the float call's speed: the default packed kernel widens the bf16 operands while it packs them;
 // on Eigen or CBLAS the rounded dz and h are held in float); Backend names one explicitly (a
-// detail::gemm backend). Plans, options, extras, checks and thread-count invariance are the
-// float call's. Memory: the rounded dz beside the float logits (a token chunk is memory_budget /
+// detail::gemm backend; when !Backend::usable(), the call runs on gemm::DefaultBackend). Plans,
+// options (soft targets: every option the float soft calls take -- label smoothing, class weights,
+// per-token weights, the reductions -- with their semantics), extras, checks, errors (the same
+// messages) and thread-count invariance are the float call's, but for plan token_chunks' smallest
+// memory_budget, one row of float logits plus its rounded dz. Soft targets pass no dW row mask
+// (none of the bf16 calls takes trainable rows: fused_head_loss_pass refuses one with a bf16 W).
+// Memory: the rounded dz beside the float logits (a token chunk is memory_budget /
 // (6 C) tokens on oneDNN and the packed kernel, / (8 C) on Eigen and CBLAS), the counted rows of h
 // rounded (count d values, bf16 or float likewise) and their dh (count d floats); in token chunks, also one
 // [n, min(1024, C)] float buffer (and the widened tiles of W, without oneDNN) per thread.
@@ -956,6 +971,77 @@ CrossEntropyResult fused_head_loss(const ConstMatrixRef<float>& h, const ConstMa
                                                                              nullptr, nullptr, options, workspace,
                                                                              "fused_head_loss");
   });
+}
+
+// Soft (probability) targets with a bf16 W: the float soft calls' loss (fused_head_loss_soft*
+// above: their semantics, options, extras, checks and errors) on the bf16 products of the
+// class-index calls just above.
+
+// h [N, d], W [V, d] bf16, bias [V, 1] or empty, targets [N, C] (or [N, V]) probabilities -> loss;
+// dh [N, d] written, dW [V, d] +=, db [V, 1] += (each as the float call, empty: skipped).
+// \throws as the float soft call.
+template <typename Backend = detail::gemm::MixedBackend>
+CrossEntropyResult fused_head_loss_soft_forward_backward(
+    const ConstMatrixRef<float>& h, const ConstMatrixRef<Eigen::bfloat16>& W, const ConstMatrixRef<float>& bias,
+    const ConstMatrixRef<float>& targets, MatrixRef<float> dh, MatrixRef<float> dW, MatrixRef<float> db,
+    FusedHeadLossWorkspace<float>& workspace, const FusedHeadLossOptions& options = {},
+    const FusedHeadLossExtras<float>& extras = {}) {
+  static_assert(detail::gemm::is_backend<Backend>::value, "Backend: a detail::gemm backend (default MixedBackend)");
+  if (!Backend::usable())
+    return fused_head_loss_soft_forward_backward<detail::gemm::DefaultBackend>(h, W, bias, targets, dh, dW, db,
+                                                                               workspace, options, extras);
+  const auto gradients = [&] { return detail::SoftGradients<float>{&dW, &db}; };
+  return detail::fused_soft_dense<float, Eigen::bfloat16, Backend>(h, W, bias, targets, &dh, gradients, workspace,
+                                                                   options, extras,
+                                                                   "fused_head_loss_soft_forward_backward");
+}
+
+// ... with sparse targets (ids [N, k], probs [N, k]).
+template <typename Backend = detail::gemm::MixedBackend>
+CrossEntropyResult fused_head_loss_soft_forward_backward(
+    const ConstMatrixRef<float>& h, const ConstMatrixRef<Eigen::bfloat16>& W, const ConstMatrixRef<float>& bias,
+    const SparseTargets<float>& targets, MatrixRef<float> dh, MatrixRef<float> dW, MatrixRef<float> db,
+    FusedHeadLossWorkspace<float>& workspace, const FusedHeadLossOptions& options = {},
+    const FusedHeadLossExtras<float>& extras = {}) {
+  static_assert(detail::gemm::is_backend<Backend>::value, "Backend: a detail::gemm backend (default MixedBackend)");
+  if (!Backend::usable())
+    return fused_head_loss_soft_forward_backward<detail::gemm::DefaultBackend>(h, W, bias, targets, dh, dW, db,
+                                                                               workspace, options, extras);
+  const auto gradients = [&] { return detail::SoftGradients<float>{&dW, &db}; };
+  return detail::fused_soft_sparse<float, Eigen::bfloat16, Backend>(h, W, bias, targets, &dh, gradients, workspace,
+                                                                    options, extras,
+                                                                    "fused_head_loss_soft_forward_backward");
+}
+
+// h [N, d], W [V, d] bf16, bias, targets [N, C] (or [N, V]) -> the loss alone,
+// forward_backward's bit for bit.
+template <typename Backend = detail::gemm::MixedBackend>
+CrossEntropyResult fused_head_loss_soft(const ConstMatrixRef<float>& h, const ConstMatrixRef<Eigen::bfloat16>& W,
+                                        const ConstMatrixRef<float>& bias, const ConstMatrixRef<float>& targets,
+                                        FusedHeadLossWorkspace<float>& workspace,
+                                        const FusedHeadLossOptions& options = {},
+                                        const FusedHeadLossExtras<float>& extras = {}) {
+  static_assert(detail::gemm::is_backend<Backend>::value, "Backend: a detail::gemm backend (default MixedBackend)");
+  if (!Backend::usable())
+    return fused_head_loss_soft<detail::gemm::DefaultBackend>(h, W, bias, targets, workspace, options, extras);
+  const auto none = [] { return detail::SoftGradients<float>{}; };
+  return detail::fused_soft_dense<float, Eigen::bfloat16, Backend>(h, W, bias, targets, nullptr, none, workspace,
+                                                                   options, extras, "fused_head_loss_soft");
+}
+
+// ... with sparse targets.
+template <typename Backend = detail::gemm::MixedBackend>
+CrossEntropyResult fused_head_loss_soft(const ConstMatrixRef<float>& h, const ConstMatrixRef<Eigen::bfloat16>& W,
+                                        const ConstMatrixRef<float>& bias, const SparseTargets<float>& targets,
+                                        FusedHeadLossWorkspace<float>& workspace,
+                                        const FusedHeadLossOptions& options = {},
+                                        const FusedHeadLossExtras<float>& extras = {}) {
+  static_assert(detail::gemm::is_backend<Backend>::value, "Backend: a detail::gemm backend (default MixedBackend)");
+  if (!Backend::usable())
+    return fused_head_loss_soft<detail::gemm::DefaultBackend>(h, W, bias, targets, workspace, options, extras);
+  const auto none = [] { return detail::SoftGradients<float>{}; };
+  return detail::fused_soft_sparse<float, Eigen::bfloat16, Backend>(h, W, bias, targets, nullptr, none, workspace,
+                                                                    options, extras, "fused_head_loss_soft");
 }
 
 // ---- the layer-level form ----
