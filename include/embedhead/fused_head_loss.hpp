@@ -977,6 +977,30 @@ CrossEntropyResult fused_head_loss(const ConstMatrixRef<float>& h, const ConstMa
 // above: their semantics, options, extras, checks and errors) on the bf16 products of the
 // class-index calls just above.
 
+namespace detail {
+
+// The four bf16 soft-target calls: dense or sparse targets (Targets), with the gradients (dh, dW,
+// db) or the loss alone (dh null), on Backend, or on DefaultBackend when Backend is not usable.
+template <typename Backend, typename Targets>
+CrossEntropyResult fused_soft_bf16(const ConstMatrixRef<float>& h, const ConstMatrixRef<Eigen::bfloat16>& W,
+                                   const ConstMatrixRef<float>& bias, const Targets& targets, MatrixRef<float>* dh,
+                                   MatrixRef<float>* dW, MatrixRef<float>* db, FusedHeadLossWorkspace<float>& workspace,
+                                   const FusedHeadLossOptions& options, const FusedHeadLossExtras<float>& extras,
+                                   const char* where) {
+  static_assert(gemm::is_backend<Backend>::value, "Backend: a detail::gemm backend (default MixedBackend)");
+  if (!Backend::usable())
+    return fused_soft_bf16<gemm::DefaultBackend>(h, W, bias, targets, dh, dW, db, workspace, options, extras, where);
+  const auto gradients = [&] { return SoftGradients<float>{dW, db}; };
+  if constexpr (std::is_same_v<Targets, SparseTargets<float>>)
+    return fused_soft_sparse<float, Eigen::bfloat16, Backend>(h, W, bias, targets, dh, gradients, workspace, options,
+                                                              extras, where);
+  else
+    return fused_soft_dense<float, Eigen::bfloat16, Backend>(h, W, bias, targets, dh, gradients, workspace, options,
+                                                             extras, where);
+}
+
+}  // namespace detail
+
 // h [N, d], W [V, d] bf16, bias [V, 1] or empty, targets [N, C] (or [N, V]) probabilities -> loss;
 // dh [N, d] written, dW [V, d] +=, db [V, 1] += (each as the float call, empty: skipped).
 // \throws as the float soft call.
@@ -986,14 +1010,8 @@ CrossEntropyResult fused_head_loss_soft_forward_backward(
     const ConstMatrixRef<float>& targets, MatrixRef<float> dh, MatrixRef<float> dW, MatrixRef<float> db,
     FusedHeadLossWorkspace<float>& workspace, const FusedHeadLossOptions& options = {},
     const FusedHeadLossExtras<float>& extras = {}) {
-  static_assert(detail::gemm::is_backend<Backend>::value, "Backend: a detail::gemm backend (default MixedBackend)");
-  if (!Backend::usable())
-    return fused_head_loss_soft_forward_backward<detail::gemm::DefaultBackend>(h, W, bias, targets, dh, dW, db,
-                                                                               workspace, options, extras);
-  const auto gradients = [&] { return detail::SoftGradients<float>{&dW, &db}; };
-  return detail::fused_soft_dense<float, Eigen::bfloat16, Backend>(h, W, bias, targets, &dh, gradients, workspace,
-                                                                   options, extras,
-                                                                   "fused_head_loss_soft_forward_backward");
+  return detail::fused_soft_bf16<Backend>(h, W, bias, targets, &dh, &dW, &db, workspace, options, extras,
+                                          "fused_head_loss_soft_forward_backward");
 }
 
 // ... with sparse targets (ids [N, k], probs [N, k]).
@@ -1003,14 +1021,8 @@ CrossEntropyResult fused_head_loss_soft_forward_backward(
     const SparseTargets<float>& targets, MatrixRef<float> dh, MatrixRef<float> dW, MatrixRef<float> db,
     FusedHeadLossWorkspace<float>& workspace, const FusedHeadLossOptions& options = {},
     const FusedHeadLossExtras<float>& extras = {}) {
-  static_assert(detail::gemm::is_backend<Backend>::value, "Backend: a detail::gemm backend (default MixedBackend)");
-  if (!Backend::usable())
-    return fused_head_loss_soft_forward_backward<detail::gemm::DefaultBackend>(h, W, bias, targets, dh, dW, db,
-                                                                               workspace, options, extras);
-  const auto gradients = [&] { return detail::SoftGradients<float>{&dW, &db}; };
-  return detail::fused_soft_sparse<float, Eigen::bfloat16, Backend>(h, W, bias, targets, &dh, gradients, workspace,
-                                                                    options, extras,
-                                                                    "fused_head_loss_soft_forward_backward");
+  return detail::fused_soft_bf16<Backend>(h, W, bias, targets, &dh, &dW, &db, workspace, options, extras,
+                                          "fused_head_loss_soft_forward_backward");
 }
 
 // h [N, d], W [V, d] bf16, bias, targets [N, C] (or [N, V]) -> the loss alone,
@@ -1021,12 +1033,8 @@ CrossEntropyResult fused_head_loss_soft(const ConstMatrixRef<float>& h, const Co
                                         FusedHeadLossWorkspace<float>& workspace,
                                         const FusedHeadLossOptions& options = {},
                                         const FusedHeadLossExtras<float>& extras = {}) {
-  static_assert(detail::gemm::is_backend<Backend>::value, "Backend: a detail::gemm backend (default MixedBackend)");
-  if (!Backend::usable())
-    return fused_head_loss_soft<detail::gemm::DefaultBackend>(h, W, bias, targets, workspace, options, extras);
-  const auto none = [] { return detail::SoftGradients<float>{}; };
-  return detail::fused_soft_dense<float, Eigen::bfloat16, Backend>(h, W, bias, targets, nullptr, none, workspace,
-                                                                   options, extras, "fused_head_loss_soft");
+  return detail::fused_soft_bf16<Backend>(h, W, bias, targets, nullptr, nullptr, nullptr, workspace, options, extras,
+                                          "fused_head_loss_soft");
 }
 
 // ... with sparse targets.
@@ -1036,12 +1044,8 @@ CrossEntropyResult fused_head_loss_soft(const ConstMatrixRef<float>& h, const Co
                                         FusedHeadLossWorkspace<float>& workspace,
                                         const FusedHeadLossOptions& options = {},
                                         const FusedHeadLossExtras<float>& extras = {}) {
-  static_assert(detail::gemm::is_backend<Backend>::value, "Backend: a detail::gemm backend (default MixedBackend)");
-  if (!Backend::usable())
-    return fused_head_loss_soft<detail::gemm::DefaultBackend>(h, W, bias, targets, workspace, options, extras);
-  const auto none = [] { return detail::SoftGradients<float>{}; };
-  return detail::fused_soft_sparse<float, Eigen::bfloat16, Backend>(h, W, bias, targets, nullptr, none, workspace,
-                                                                    options, extras, "fused_head_loss_soft");
+  return detail::fused_soft_bf16<Backend>(h, W, bias, targets, nullptr, nullptr, nullptr, workspace, options, extras,
+                                          "fused_head_loss_soft");
 }
 
 // ---- the layer-level form ----
