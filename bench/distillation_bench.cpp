@@ -10,7 +10,7 @@
 //                                  W = 0 teacher head, forward KL; 1 teacher head, reverse KL; 2 cached dense
 //                                  log-probs, forward KL (reading [N, V]); 3 teacher head, forward KL with the
 //                                  teacher's gradients; all at T = 2. P = 0 automatic (here token chunks of 256
-//                                  tokens: 8 N V d flops for W = 0 and 1, 4 N V d for 2, 12 N V d for 3), P = 1
+//                                  tokens: 8 N V d flops for W = 0 and 1, 6 N V d for 2, 12 N V d for 3), P = 1
 //                                  vocab_blocks (704 rows: 12, 8 and 16 N V d)
 //
 // Counter extra_MiB: the workspace's buffers after the call (the logits blocks and their rows' sums).

@@ -1075,3 +1075,249 @@ TEST_CASE("distillation: float loss and gradients against the naive double refer
     }
   }
 }
+
+namespace {
+
+// Token chunks of `tokens` rows: a budget of that many tokens' logits of both models.
+DistillationOptions chunked(DistillationOptions o, Index tokens, Index V) {
+  o.plan = embedhead::FusedPlan::token_chunks;
+  o.memory_budget = tokens * 2 * V * static_cast<Index>(sizeof(double));
+  return o;
+}
+
+DistillationOptions blocked(DistillationOptions o) {
+  o.plan = embedhead::FusedPlan::vocab_blocks;
+  return o;
+}
+
+// The naive student (and teacher) gradients of the head for teacher logits u.
+struct NaiveHead {
+  double loss = 0;
+  std::vector<double> rows;
+  HeadGradients student, teacher;
+};
+
+NaiveHead naive_head(const Problem& P, const Matrix& u, const DistillationOptions& o) {
+  NaiveHead out;
+  out.loss = naive_loss(P.s(), u, P.mask, o, &out.rows);
+  const LogitGradients g = naive_logit_gradients(P.s(), u, P.mask, o);
+  out.student = head_gradients(g.ds, P.h, P.W);
+  out.teacher = head_gradients(g.du, P.hT, P.WT);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("distillation: token chunks of 1, 2, 3 and more tokens than N against the naive reference",
+          "[distillation]") {
+  // Rows r0 > 0 of every teacher (head with its gradients, dense and top-k log-probs), the last short chunk and a chunk
+  // larger than N; dh written over a non-zero start, dW, db (dW_T, db_T) added to a non-zero start.
+  Problem P;
+  P.add_biases();
+  const Matrix logq = log_softmax(P.u(), 1.0);
+  const RowMatrix<double> mask = P.mask_matrix<double>();
+  const Index k = 6;
+  IdMatrix<std::int64_t> ids(P.N, k);
+  Matrix top(P.N, k);
+  Matrix u_top = Matrix::Constant(P.N, P.V, -INFINITY);
+  for (Index n = 0; n < P.N; ++n)
+    for (Index i = 0; i < k; ++i) {
+      const Index id = (7 * n + 9 * i + 3) % P.V;
+      ids(n, i) = id;
+      top(n, i) = logq(n, id);
+      u_top(n, id) = top(n, i);
+    }
+  DistillationWorkspace<double> ws;
+  const double start = 0.25;
+  for (const Index tokens : {Index(1), Index(2), Index(3), Index(10)})
+    for (const Reduction reduction : {Reduction::mean, Reduction::sum, Reduction::none})
+      for (const DistillationOptions& o0 : all_options()) {
+        DistillationOptions o = chunked(o0, tokens, P.V);
+        o.reduction = reduction;
+        INFO(describe(o) << " reduction " << reduction_name(reduction));
+        const NaiveHead want = naive_head(P, P.u(), o);
+        RowMatrix<double> losses = RowMatrix<double>::Constant(P.N, 1, -7.0);
+        const DistillationExtras<double> extras{{mask.data(), P.N, 1}, {losses.data(), P.N, 1}};
+        RowMatrix<double> dh = RowMatrix<double>::Constant(P.N, P.d, 5.0),
+                          dW = RowMatrix<double>::Constant(P.V, P.d, start),
+                          db = RowMatrix<double>::Constant(P.V, 1, start),
+                          dhT = RowMatrix<double>::Constant(P.N, P.dT, 5.0),
+                          dWT = RowMatrix<double>::Constant(P.V, P.dT, start),
+                          dbT = RowMatrix<double>::Constant(P.V, 1, start);
+        const DistillationResult r = embedhead::distill_head_forward_backward<double>(P.h, P.W, P.b, P.hT, P.WT, P.bT,
+                                                                                      dh, dW, db, dhT, dWT, dbT, ws, o,
+                                                                                      extras);
+        REQUIRE_THAT(r.loss, WithinRel(want.loss, 1e-11) || WithinAbs(want.loss, 1e-13));
+        REQUIRE(r.count == 5);
+        for (Index n = 0; n < P.N; ++n)
+          REQUIRE_THAT(losses(n, 0), WithinRel(want.rows[static_cast<std::size_t>(n)], 1e-11) ||
+                                         WithinAbs(want.rows[static_cast<std::size_t>(n)], 1e-13));
+        require_close(dh, want.student.dx, 1e-10, 1e-13);
+        require_close(dW.array() - start, want.student.dY, 1e-9, 1e-13);
+        require_close(db.array() - start, want.student.dbias, 1e-9, 1e-13);
+        require_close(dhT, want.teacher.dx, 1e-10, 1e-13);
+        require_close(dWT.array() - start, want.teacher.dY, 1e-9, 1e-13);
+        require_close(dbT.array() - start, want.teacher.dbias, 1e-9, 1e-13);
+        // Dense cached log-probs, with what a masked row's log-probs may hold (never read): NaN and -inf.
+        Matrix bad = logq;
+        bad(2, 4) = std::nan("");
+        bad.row(5).setConstant(-INFINITY);
+        const NaiveHead want_dense = naive_head(P, logq, o);
+        RowMatrix<double> dh2 = RowMatrix<double>::Constant(P.N, P.d, 5.0),
+                          dW2 = RowMatrix<double>::Constant(P.V, P.d, start),
+                          db2 = RowMatrix<double>::Constant(P.V, 1, start);
+        const DistillationResult dense = embedhead::distill_logprobs_forward_backward<double>(P.h, P.W, P.b, bad, dh2,
+                                                                                              dW2, db2, ws, o, extras);
+        REQUIRE_THAT(dense.loss, WithinRel(want_dense.loss, 1e-11) || WithinAbs(want_dense.loss, 1e-13));
+        require_close(dh2, want_dense.student.dx, 1e-10, 1e-13);
+        require_close(dW2.array() - start, want_dense.student.dY, 1e-9, 1e-13);
+        require_close(db2.array() - start, want_dense.student.dbias, 1e-9, 1e-13);
+        if (o.divergence != Divergence::forward_kl) continue;
+        // Top-k (forward KL only).
+        const NaiveHead want_top = naive_head(P, u_top, o);
+        RowMatrix<double> dh3 = RowMatrix<double>::Constant(P.N, P.d, 5.0),
+                          dW3 = RowMatrix<double>::Constant(P.V, P.d, start),
+                          db3 = RowMatrix<double>::Constant(P.V, 1, start);
+        const DistillationResult topk = embedhead::distill_topk_forward_backward<double>(P.h, P.W, P.b,
+                                                                                         TeacherTopK<double>{ids, top},
+                                                                                         dh3, dW3, db3, ws, o, extras);
+        REQUIRE_THAT(topk.loss, WithinRel(want_top.loss, 1e-11) || WithinAbs(want_top.loss, 1e-13));
+        for (Index n = 0; n < P.N; ++n)
+          REQUIRE_THAT(losses(n, 0), WithinRel(want_top.rows[static_cast<std::size_t>(n)], 1e-11) ||
+                                         WithinAbs(want_top.rows[static_cast<std::size_t>(n)], 1e-13));
+        require_close(dh3, want_top.student.dx, 1e-10, 1e-13);
+        require_close(dW3.array() - start, want_top.student.dY, 1e-9, 1e-13);
+        require_close(db3.array() - start, want_top.student.dbias, 1e-9, 1e-13);
+      }
+}
+
+namespace {
+
+// The teacher-head call on problem Q (P's inputs with garbage in the masked rows 2 and 5) under the
+// block plan and token chunks of 2 and 3 (the masked rows in the second and third chunks) for each
+// divergence, against the naive reference on P's clean inputs; `whole` also checks dW and dW_T.
+void check_masked_garbage(const Problem& P, const Problem& Q, bool whole) {
+  const RowMatrix<double> mask = P.mask_matrix<double>();
+  DistillationWorkspace<double> ws;
+  for (const DistillationOptions& o0 : all_options())
+    for (const DistillationOptions& o : {blocked(o0), chunked(o0, 2, P.V), chunked(o0, 3, P.V)}) {
+      INFO(describe(o));
+      const NaiveHead want = naive_head(P, P.u(), o);
+      RowMatrix<double> losses = RowMatrix<double>::Constant(P.N, 1, -7.0);
+      const DistillationExtras<double> extras{{mask.data(), P.N, 1}, {losses.data(), P.N, 1}};
+      RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d), db = RowMatrix<double>::Zero(P.V, 1),
+                                      dhT(P.N, P.dT), dWT = RowMatrix<double>::Zero(P.V, P.dT),
+                                      dbT = RowMatrix<double>::Zero(P.V, 1);
+      const DistillationResult r = embedhead::distill_head_forward_backward<double>(Q.h, Q.W, Q.b, Q.hT, Q.WT, Q.bT, dh,
+                                                                                    dW, db, dhT, dWT, dbT, ws, o,
+                                                                                    extras);
+      REQUIRE_THAT(r.loss, WithinRel(want.loss, 1e-11) || WithinAbs(want.loss, 1e-13));
+      for (Index n = 0; n < P.N; ++n)
+        REQUIRE_THAT(losses(n, 0), WithinRel(want.rows[static_cast<std::size_t>(n)], 1e-11) ||
+                                       WithinAbs(want.rows[static_cast<std::size_t>(n)], 1e-13));
+      require_close(dh, want.student.dx, 1e-10, 1e-13);
+      require_close(db, want.student.dbias, 1e-9, 1e-13);
+      require_close(dhT, want.teacher.dx, 1e-10, 1e-13);
+      require_close(dbT, want.teacher.dbias, 1e-9, 1e-13);
+      if (!whole) continue;
+      require_close(dW, want.student.dY, 1e-9, 1e-13);
+      require_close(dWT, want.teacher.dY, 1e-9, 1e-13);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("distillation: garbage in the masked rows' h and h_T does not reach the counted rows, in either plan",
+          "[distillation]") {
+  // A masked row's logits are computed (whole chunks and blocks) but never read: finite garbage (logits ~1e200)
+  // reaches nothing; NaN and inf reach no loss, dh, db, dh_T or db_T in either plan.
+  Problem P;
+  P.add_biases();
+  Problem huge = P;
+  huge.h.row(2).setConstant(1e200);
+  huge.h(5, 1) = -1e200;
+  huge.hT.row(5).setConstant(1e200);
+  huge.hT(2, 0) = -1e200;
+  check_masked_garbage(P, huge, true);
+  Problem bad = P;
+  bad.h.row(2).setConstant(std::nan(""));
+  bad.h(5, 1) = INFINITY;
+  bad.hT.row(5).setConstant(std::nan(""));
+  bad.hT(2, 0) = -INFINITY;
+  check_masked_garbage(P, bad, false);
+}
+
+TEST_CASE("distillation: NaN in a masked row's h reaches dW and dW_T through 0 * NaN (both plans)",
+          "[distillation][!shouldfail]") {
+  // Known, in both plans alike (not new with the token chunks): dW += dz^T h over every row, the masked rows' dz 0,
+  // and 0 * NaN = NaN. The fused head loss drops ignored rows before any arithmetic; distillation does not. Remove
+  // [!shouldfail] once the masked rows are left out of the products.
+  Problem P;
+  P.add_biases();
+  Problem bad = P;
+  bad.h.row(2).setConstant(std::nan(""));
+  bad.hT.row(5).setConstant(std::nan(""));
+  check_masked_garbage(P, bad, true);
+}
+
+TEST_CASE("distillation: a workspace reused across plans, sizes and masks", "[distillation]") {
+  // Stale logits or gradients of a previous call (or chunk) in the buffers must not reach the next one.
+  Problem P;
+  const Matrix logq = log_softmax(P.u(), 1.0);
+  DistillationWorkspace<double> ws;
+  // A first call fills the buffers (larger N, no mask, token chunks of 4).
+  {
+    Problem big;
+    big.N = 11;
+    big.h = random_matrix<double>(big.N, big.d, 31, 3.0);
+    big.hT = random_matrix<double>(big.N, big.dT, 32, 3.0);
+    RowMatrix<double> dh(big.N, big.d), dW = RowMatrix<double>::Zero(big.V, big.d);
+    const RowMatrix<double> none(0, 0);
+    const Matrix big_logq = log_softmax(big.u(), 1.0);
+    embedhead::distill_logprobs_forward_backward<double>(big.h, big.W, none, big_logq, dh, dW, empty<double>(), ws,
+                                                         chunked(make_options(Divergence::jsd, 1.0, 0.3), 4, big.V));
+  }
+  const RowMatrix<double> mask = P.mask_matrix<double>();
+  for (const DistillationOptions& o0 : all_options())
+    for (const DistillationOptions& o : {chunked(o0, 2, P.V), blocked(o0), chunked(o0, 4, P.V)}) {
+      INFO(describe(o));
+      const NaiveHead want = naive_head(P, logq, o);
+      const DistillationExtras<double> extras{{mask.data(), P.N, 1}};
+      RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d);
+      const DistillationResult r = embedhead::distill_logprobs_forward_backward<double>(P.h, P.W, empty<double>(), logq,
+                                                                                        dh, dW, empty<double>(), ws, o,
+                                                                                        extras);
+      REQUIRE_THAT(r.loss, WithinRel(want.loss, 1e-11) || WithinAbs(want.loss, 1e-13));
+      require_close(dh, want.student.dx, 1e-10, 1e-13);
+      require_close(dW, want.student.dY, 1e-9, 1e-13);
+    }
+}
+
+TEST_CASE("distillation: the plan's rule and its memory (the buffers of both models' logits)", "[distillation]") {
+  // token_chunks of n tokens hold [n, V] each (n from the budget, at most N); vocab_blocks [N, vocab_block] each;
+  // automatic takes token chunks when the budget holds min(N, 128) tokens, else blocks.
+  const Problem P;  // N = 7, V = 53
+  const Matrix logq = log_softmax(P.u(), 1.0);
+  const Index token = 2 * P.V * static_cast<Index>(sizeof(double));
+  auto buffer = [&](embedhead::FusedPlan plan, Index budget) {
+    DistillationWorkspace<double> ws;
+    DistillationOptions o = make_options(Divergence::forward_kl, 1.0);
+    o.plan = plan;
+    o.memory_budget = budget;
+    RowMatrix<double> dh(P.N, P.d), dW = RowMatrix<double>::Zero(P.V, P.d);
+    embedhead::distill_logprobs_forward_backward<double>(P.h, P.W, empty<double>(), logq, dh, dW, empty<double>(), ws,
+                                                         o);
+    REQUIRE(ws.teacher.size() == ws.student.size());
+    return static_cast<Index>(ws.student.size());
+  };
+  using embedhead::FusedPlan;
+  CHECK(buffer(FusedPlan::vocab_blocks, 0) == P.N * 16);
+  CHECK(buffer(FusedPlan::token_chunks, token) == P.V);
+  CHECK(buffer(FusedPlan::token_chunks, 3 * token) == 3 * P.V);
+  CHECK(buffer(FusedPlan::token_chunks, 3 * token + token / 2) == 3 * P.V);
+  CHECK(buffer(FusedPlan::token_chunks, 100 * token) == P.N * P.V);
+  CHECK(buffer(FusedPlan::automatic, 0) == P.N * P.V);               // 64 MiB holds all 7 tokens
+  CHECK(buffer(FusedPlan::automatic, P.N * token) == P.N * P.V);     // exactly all of them
+  CHECK(buffer(FusedPlan::automatic, P.N * token - 1) == P.N * 16);  // not all, and fewer than 128: blocks
+  CHECK(buffer(FusedPlan::automatic, 3 * token) == P.N * 16);
+}

@@ -1,5 +1,6 @@
-// embedhead: distillation of the LM head against a teacher, fused over blocks of the vocabulary
-// so that neither model's [N, V] logits exist.
+// embedhead: distillation of the LM head against a teacher, fused like the head loss (a chunk of tokens or a
+// block of the vocabulary at a time) so that both models' logits take at most memory_budget or two blocks (the
+// whole [N, V] of each only when the budget holds all N tokens).
 //
 // Student logits s = h W^T (+ bias) [N, V]; the teacher is either a second head, u = h_T W_T^T (+ bias_T)
 // (h_T [N, d_T], W_T [V, d_T]), or cached teacher log-probabilities, dense [N, V] or top-k (ids and
@@ -26,7 +27,8 @@
 //                 which walk them a block of vocab_block columns at a time; then dW += dz^T h_chunk, dh_chunk = dz W
 //                 (and the teacher's) once for the chunk. The KLs' loss and student gradient 8 N V d flops (the
 //                 student-only fused loss: 6 in token chunks), jsd's the same; memory: both chunks of logits,
-//                 n = memory_budget / (2 V sizeof(Scalar)) tokens (64 MiB by default: 256 tokens at V = 32,768).
+//                 n = memory_budget / (2 V sizeof(Scalar)) tokens at most (rounded as fused_token_chunk; 64 MiB by
+//                 default: 256 tokens at V = 32,768 in float).
 //   vocab_blocks  all tokens at once, vocab_block rows of W (and W_T) at a time, the logits recomputed in each
 //                 pass: 12 N V d flops for the KLs (the student-only fused loss: 8 in vocabulary blocks), jsd's
 //                 16 N V d; memory: two blocks of logits [N, vocab_block] (the student's and the teacher's).
@@ -54,8 +56,9 @@
 //
 // Masked tokens: extras.mask [N, 1] of 0 (masked) and 1 (counted), all counted when empty (a
 // labels array with ignore_index -100 is mask = labels != -100). A masked row adds no loss and gets
-// dh = 0 (and dh_T = 0); its cached log-probs are not read. Reduction: mean over the counted tokens
-// (TRL's batchmean over non-masked tokens), sum, or none (per-row losses into extras.losses, the
+// dh = 0 (and dh_T = 0); its cached log-probs are not read. Its h (h_T) still enters dW += dz^T h (dW_T) with
+// dz = 0, in either plan: a NaN or inf there makes dW (dW_T) NaN, as 0 * NaN in PyTorch. Reduction: mean over the
+// counted tokens (TRL's batchmean over non-masked tokens), sum, or none (per-row losses into extras.losses, the
 // result's loss their sum).
 //
 // Over a vocabulary shard (each rank W's rows [begin, end)): parallel/vocab_parallel_distillation.hpp, this pass with a
