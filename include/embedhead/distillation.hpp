@@ -56,8 +56,9 @@
 //
 // Masked tokens: extras.mask [N, 1] of 0 (masked) and 1 (counted), all counted when empty (a
 // labels array with ignore_index -100 is mask = labels != -100). A masked row adds no loss and gets
-// dh = 0 (and dh_T = 0); its cached log-probs are not read. Its h (h_T) still enters dW += dz^T h (dW_T) with
-// dz = 0, in either plan: a NaN or inf there makes dW (dW_T) NaN, as 0 * NaN in PyTorch. Reduction: mean over the
+// dh = 0 (and dh_T = 0); its cached log-probs are not read, and it takes no part in any product: the counted rows of
+// h (and h_T) are gathered first (count (d + d_T) scalars, and as many for their dh and dh_T), as the fused loss
+// drops ignored tokens, so a NaN or inf in a masked row reaches nothing. Reduction: mean over the
 // counted tokens (TRL's batchmean over non-masked tokens), sum, or none (per-row losses into extras.losses, the
 // result's loss their sum).
 //
@@ -115,6 +116,8 @@ struct DistillationWorkspace {
   std::vector<double> lse_student, lse_teacher, sum_p, sum_q;  // per row
   std::vector<double> cross;                                   // per row: X of pass 1, then K
   std::vector<Index> top_ids;                                  // a top-k row's ids, sorted (the check)
+  std::vector<Index> rows;                                     // with masked rows: the counted rows
+  std::vector<Scalar> h_rows, h_T_rows, dh_rows, dh_T_rows;    // ... their h, h_T, dh, dh_T
   std::vector<double> reduced;                                 // vocabulary-parallel: the all-reduce buffer
 };
 
@@ -451,23 +454,57 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
   }
   if (result.count == 0) return result;
 
+  // With masked rows, the counted rows of h (and h_T) gathered, their dh (dh_T) computed there and scattered at the
+  // end, so that a masked row takes no part in any product (as the fused loss drops ignored tokens): M rows walked,
+  // walked row n being row orig(n) of the call.
+  const bool gather = result.count < N;
+  const Index M = result.count;
+  if (gather) {
+    ws.rows.clear();
+    for (Index n = 0; n < N; ++n)
+      if (counted(n)) ws.rows.push_back(n);
+  }
+  auto orig = [&](Index n) { return gather ? ws.rows[static_cast<std::size_t>(n)] : n; };
+  // x (h or its counted rows) and dx (dh, or the counted rows' dh) for each model: views into the call's matrices or
+  // into the workspace.
+  auto gathered = [&](std::vector<Scalar>& store, const ConstMatrixRef<Scalar>& from) -> ConstMatrixRef<Scalar> {
+    if (!gather) return from;
+    store.resize(static_cast<std::size_t>(M * from.cols()));
+    Eigen::Map<RowMatrix<Scalar>> to(store.data(), M, from.cols());
+    for (Index n = 0; n < M; ++n) to.row(n) = from.row(orig(n));
+    return to;
+  };
+  auto gradient_rows = [&](std::vector<Scalar>& store, MatrixRef<Scalar>& of) -> MatrixRef<Scalar> {
+    if (!gather) return of;
+    store.resize(static_cast<std::size_t>(M * of.cols()));
+    Eigen::Map<RowMatrix<Scalar>> rows(store.data(), M, of.cols());
+    rows.setZero();
+    return rows;
+  };
+  const ConstMatrixRef<Scalar> hx = gathered(ws.h_rows, h);
+  std::optional<ConstMatrixRef<Scalar>> hx_T;
+  if (head) hx_T.emplace(gathered(ws.h_T_rows, *head->h));
+  std::optional<MatrixRef<Scalar>> dhx, dhx_T;
+  if (gradient) dhx.emplace(gradient_rows(ws.dh_rows, *dh));
+  if (teacher_dh) dhx_T.emplace(gradient_rows(ws.dh_T_rows, *head->dh));
+
   const Index block = fused_vocab_block(options.vocab_block, V);
   // Token chunks (none over a shard): rows [r0, r0 + rows) at a time, their logits [rows, V] computed once and kept
   // through the passes (which then walk them a block of columns at a time, the same blocks as the other plan, so
   // the loss is the same bits); else all N rows, a block of logits at a time, recomputed in each pass.
-  const Index chunk = slice ? 0 : distill_token_chunk<Scalar>(options, N, V);
+  const Index chunk = slice ? 0 : distill_token_chunk<Scalar>(options, M, V);
   const bool whole_rows = chunk > 0;
-  const Index rows_max = whole_rows ? chunk : N;
+  const Index rows_max = whole_rows ? chunk : M;
   const Index buffer = rows_max * (whole_rows ? V : block);
   ws.student.resize(static_cast<std::size_t>(buffer));
   ws.teacher.resize(static_cast<std::size_t>(buffer));
-  ws.student_stats.assign(static_cast<std::size_t>(N), SoftmaxRowStats{});
-  ws.teacher_stats.assign(static_cast<std::size_t>(N), SoftmaxRowStats{});
-  ws.lse_student.assign(static_cast<std::size_t>(N), 0.0);
-  ws.lse_teacher.assign(static_cast<std::size_t>(N), 0.0);
-  ws.sum_p.assign(static_cast<std::size_t>(N), 0.0);
-  ws.sum_q.assign(static_cast<std::size_t>(N), 0.0);
-  ws.cross.assign(static_cast<std::size_t>(N), 0.0);
+  ws.student_stats.assign(static_cast<std::size_t>(M), SoftmaxRowStats{});
+  ws.teacher_stats.assign(static_cast<std::size_t>(M), SoftmaxRowStats{});
+  ws.lse_student.assign(static_cast<std::size_t>(M), 0.0);
+  ws.lse_teacher.assign(static_cast<std::size_t>(M), 0.0);
+  ws.sum_p.assign(static_cast<std::size_t>(M), 0.0);
+  ws.sum_q.assign(static_cast<std::size_t>(M), 0.0);
+  ws.cross.assign(static_cast<std::size_t>(M), 0.0);
   const Scalar inv_T = static_cast<Scalar>(1.0 / T);
   const Index k = teacher.topk ? teacher.topk->cols() : 0;
   const Index column0 = slice ? slice->begin : 0;  // the global column of W's row 0
@@ -483,14 +520,14 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
   // The gradient in pass 2 when its row sums are known from pass 1: both KLs.
   const bool gradient_in_sums = gradient && kind != DistillKind::jsd;
 
-  for (Index r0 = 0; r0 < N; r0 += rows_max) {
-    const Index rows = std::min(rows_max, N - r0);
-    const ConstMatrixRef<Scalar> x = h.middleRows(r0, rows);
+  for (Index r0 = 0; r0 < M; r0 += rows_max) {
+    const Index rows = std::min(rows_max, M - r0);
+    const ConstMatrixRef<Scalar> x = hx.middleRows(r0, rows);
     std::optional<ConstMatrixRef<Scalar>> x_T;
-    if (head) x_T.emplace(head->h->middleRows(r0, rows));
+    if (head) x_T.emplace(hx_T->middleRows(r0, rows));
     std::optional<MatrixRef<Scalar>> dx, dx_T;
-    if (gradient) dx.emplace(dh->middleRows(r0, rows));
-    if (teacher_dh) dx_T.emplace(head->dh->middleRows(r0, rows));
+    if (gradient) dx.emplace(dhx->middleRows(r0, rows));
+    if (teacher_dh) dx_T.emplace(dhx_T->middleRows(r0, rows));
     // The buffers' leading dimension, and where the columns [v0, ..) of a block start in a row.
     auto ld = [&](Index width) { return whole_rows ? V : width; };
     auto at = [&](Index v0) { return whole_rows ? v0 : Index{0}; };
@@ -501,16 +538,16 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
       if (head) distill_logits(*x_T, *head->W, *head->bias, v0, width, ws.teacher.data());
       parallel_rows(rows, [&](Index r) {
         const Index n = r0 + r;
-        if (!counted(n)) return;
+        if (!counted(orig(n))) return;
         Scalar* a = ws.student.data() + r * width;
         Scalar* b = ws.teacher.data() + r * width;
         if (teacher.dense) {
-          for (Index j = 0; j < width; ++j) b[j] = (*teacher.dense)(n, column0 + v0 + j);
+          for (Index j = 0; j < width; ++j) b[j] = (*teacher.dense)(orig(n), column0 + v0 + j);
         } else if (teacher.topk) {
           std::fill(b, b + width, -std::numeric_limits<Scalar>::infinity());
           for (Index i = 0; i < k; ++i) {
-            const Index id = teacher.topk_ids[static_cast<std::size_t>(n * k + i)] - column0;
-            if (id >= v0 && id < v0 + width) b[id - v0] = (*teacher.topk)(n, i);
+            const Index id = teacher.topk_ids[static_cast<std::size_t>(orig(n) * k + i)] - column0;
+            if (id >= v0 && id < v0 + width) b[id - v0] = (*teacher.topk)(orig(n), i);
           }
         }
         if (T != 1.0) {
@@ -526,7 +563,7 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
       if (!whole_rows) blocks_of(v0, width);
       parallel_rows(rows, [&](Index r) {
         const Index n = r0 + r;
-        if (!counted(n)) return;
+        if (!counted(orig(n))) return;
         const std::size_t i = static_cast<std::size_t>(n);
         const Scalar* a = ws.student.data() + r * ld(width) + at(v0);
         const Scalar* b = ws.teacher.data() + r * ld(width) + at(v0);
@@ -542,7 +579,7 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
           ws.teacher_stats[i].accumulate(b, width, -1, terms);
       });
     }
-    if (slice) slice->combine_stats(ws, N, kind);
+    if (slice) slice->combine_stats(ws, M, kind);
     for (Index n = r0; n < r0 + rows; ++n) {
       const std::size_t i = static_cast<std::size_t>(n);
       ws.lse_student[i] = ws.student_stats[i].max + std::log(ws.student_stats[i].sum_exp);
@@ -570,7 +607,7 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
           const std::size_t i = static_cast<std::size_t>(n);
           Scalar* a = ws.student.data() + r * ld(width) + at(v0);
           Scalar* b = ws.teacher.data() + r * ld(width) + at(v0);
-          if (!counted(n)) {
+          if (!counted(orig(n))) {
             if (grad) std::fill(a, a + width, Scalar(0));
             if (grad && teacher_dh) std::fill(b, b + width, Scalar(0));
             return;
@@ -584,21 +621,27 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
       if (grad && whole_rows) backward(0, V);
     };
     walk(true, gradient_in_sums);
-    if (slice) slice->combine_sums(ws, N);
+    if (slice) slice->combine_sums(ws, M);
     for (Index n = r0; n < r0 + rows; ++n) {
-      if (!counted(n)) continue;
+      if (!counted(orig(n))) continue;
       const std::size_t i = static_cast<std::size_t>(n);
       const double row = kind == DistillKind::jsd ? beta * ws.sum_q[i] + (1.0 - beta) * ws.sum_p[i]
                                                   : factor * ws.sum_p[i];
       result.sum += row;
       if (extras.losses.size() != 0) {
         Eigen::Map<RowMatrix<Scalar>> losses = extras.losses;
-        losses(n, 0) = static_cast<Scalar>(row);
+        losses(orig(n), 0) = static_cast<Scalar>(row);
       }
     }
     if (gradient && !gradient_in_sums) walk(false, true);
   }
   result.loss = options.reduction == Reduction::mean ? result.sum / static_cast<double>(result.count) : result.sum;
+  if (gather) {
+    for (Index n = 0; n < M; ++n) {
+      if (gradient) dh->row(orig(n)) = dhx->row(n);
+      if (teacher_dh) head->dh->row(orig(n)) = dhx_T->row(n);
+    }
+  }
   if (slice && gradient) slice->sum_over_ranks(*dh);
   if (slice && teacher_dh) slice->sum_over_ranks(*head->dh);
   return result;
