@@ -64,6 +64,8 @@
 //
 // Over a vocabulary shard (each rank W's rows [begin, end)): parallel/vocab_parallel_distillation.hpp, this pass with a
 // DistillSlice whose collectives combine the rows' statistics after pass 1, their sums after pass 2 and dh at the end.
+// On an OutputProjection (the student's W and bias, their gradients accumulated into its Parameters, tied or not):
+// HeadDistillation, at the end of this file.
 #ifndef EMBEDHEAD_DISTILLATION_HPP
 #define EMBEDHEAD_DISTILLATION_HPP
 
@@ -73,10 +75,13 @@
 #include "detail/softmax.hpp"
 #include "errors.hpp"
 #include "fused_head_loss.hpp"
+#include "output_projection.hpp"
+#include "parameter.hpp"
 #include "types.hpp"
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -647,7 +652,25 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
   return result;
 }
 
-// Every check shared by the entry points, before anything is written.
+// Where the pass adds the student's dW and db (each null or empty: none), made by a callable once every check has
+// run: a layer's accumulators switch its gradients' modes (HeadDistillation), which must not happen for a call that
+// then throws.
+template <typename Scalar>
+struct DistillGradients {
+  MatrixRef<Scalar>* dW = nullptr;
+  MatrixRef<Scalar>* db = nullptr;
+};
+
+// The student's dW [V, d] and db [V, 1], each skipped when null or empty.
+template <typename Scalar>
+void check_distill_gradients(const char* where, Index V, Index d, const MatrixRef<Scalar>* dW,
+                             const MatrixRef<Scalar>* db) {
+  if (dW && dW->size() != 0) check_shape(where, "dW", *dW, V, d);
+  if (db && db->size() != 0) check_shape(where, "db", *db, V, 1);
+}
+
+// Every check shared by the entry points, before anything is written (dW and db: null when they are made after the
+// checks, by a DistillGradients callable).
 template <typename Scalar>
 void check_distill_common(const char* where, const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                           const ConstMatrixRef<Scalar>& bias, const MatrixRef<Scalar>* dh, const MatrixRef<Scalar>* dW,
@@ -657,9 +680,8 @@ void check_distill_common(const char* where, const ConstMatrixRef<Scalar>& h, co
   check_size(where, "V", V);
   check_shape(where, "h", h, N, d);
   if (dh) check_shape(where, "dh", *dh, N, d);
-  if (dW && dW->size() != 0) check_shape(where, "dW", *dW, V, d);
   if (bias.size() != 0) check_shape(where, "bias", bias, V, 1);
-  if (db && db->size() != 0) check_shape(where, "db", *db, V, 1);
+  check_distill_gradients(where, V, d, dW, db);
   if (extras.mask.size() != 0) check_shape(where, "mask", extras.mask, N, 1);
   if (extras.losses.size() != 0) check_shape(where, "losses", extras.losses, N, 1);
   check_distillation_options(where, options);
@@ -710,35 +732,59 @@ void check_distill_topk(const char* where, Index N, Index V, const TeacherTopK<S
                         const DistillationOptions& options, const DistillationExtras<Scalar>& extras,
                         TeacherSource<Scalar>& teacher, DistillationWorkspace<Scalar>& ws);
 
+// Once every other check has run: the student's gradients made by `gradients` (a callable -> DistillGradients, called
+// only with dh), their shapes checked (a free function's dW and db; a layer's accumulators are [V, d] and [V, 1] by
+// construction), then the pass.
+template <typename Scalar, typename Gradients>
+DistillationResult distill_checked_pass(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
+                                        const ConstMatrixRef<Scalar>& bias, const TeacherSource<Scalar>& teacher,
+                                        MatrixRef<Scalar>* dh, const Gradients& gradients,
+                                        DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
+                                        const DistillationExtras<Scalar>& extras, const char* where) {
+  const DistillGradients<Scalar> out = dh ? gradients() : DistillGradients<Scalar>{};
+  check_distill_gradients(where, W.rows(), W.cols(), out.dW, out.db);
+  return distill_pass<Scalar>(h, W, bias, teacher, dh, out.dW, out.db, ws, options, extras);
+}
+
+// The entry points' gradients: the free functions' own dW and db, or none (the loss alone).
 template <typename Scalar>
+auto distill_outputs(MatrixRef<Scalar>& dW, MatrixRef<Scalar>& db) {
+  return [&dW, &db] { return DistillGradients<Scalar>{&dW, &db}; };
+}
+template <typename Scalar>
+DistillGradients<Scalar> no_distill_outputs() {
+  return {};
+}
+
+template <typename Scalar, typename Gradients>
 DistillationResult distill_head_impl(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                      const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& h_T,
                                      const ConstMatrixRef<Scalar>& W_T, const ConstMatrixRef<Scalar>& bias_T,
-                                     MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
-                                     MatrixRef<Scalar>* dh_T, MatrixRef<Scalar>* dW_T, MatrixRef<Scalar>* db_T,
+                                     MatrixRef<Scalar>* dh, const Gradients& gradients, MatrixRef<Scalar>* dh_T,
+                                     MatrixRef<Scalar>* dW_T, MatrixRef<Scalar>* db_T,
                                      DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
                                      const DistillationExtras<Scalar>& extras, const char* where) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
-  check_distill_common(where, h, W, bias, dh, dW, db, options, extras);
+  check_distill_common<Scalar>(where, h, W, bias, dh, nullptr, nullptr, options, extras);
   check_distill_head_teacher(where, h, W, h_T, W_T, bias_T, dh_T, dW_T, db_T);
   HeadTeacher<Scalar> head{&h_T, &W_T, &bias_T, dh_T, dW_T, db_T};
   TeacherSource<Scalar> teacher;
   teacher.head = &head;
-  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
+  return distill_checked_pass<Scalar>(h, W, bias, teacher, dh, gradients, ws, options, extras, where);
 }
 
-template <typename Scalar>
+template <typename Scalar, typename Gradients>
 DistillationResult distill_dense_impl(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                       const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& logprobs,
-                                      MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                      MatrixRef<Scalar>* dh, const Gradients& gradients,
                                       DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
                                       const DistillationExtras<Scalar>& extras, const char* where) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
-  check_distill_common(where, h, W, bias, dh, dW, db, options, extras);
+  check_distill_common<Scalar>(where, h, W, bias, dh, nullptr, nullptr, options, extras);
   check_distill_dense(where, h.rows(), W.rows(), logprobs, options, extras);
   TeacherSource<Scalar> teacher;
   teacher.dense = &logprobs;
-  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
+  return distill_checked_pass<Scalar>(h, W, bias, teacher, dh, gradients, ws, options, extras, where);
 }
 
 template <typename Scalar>
@@ -764,17 +810,17 @@ void check_distill_dense(const char* where, Index N, Index V, const ConstMatrixR
   }
 }
 
-template <typename Scalar>
+template <typename Scalar, typename Gradients>
 DistillationResult distill_topk_impl(const ConstMatrixRef<Scalar>& h, const ConstMatrixRef<Scalar>& W,
                                      const ConstMatrixRef<Scalar>& bias, const TeacherTopK<Scalar>& top,
-                                     MatrixRef<Scalar>* dh, MatrixRef<Scalar>* dW, MatrixRef<Scalar>* db,
+                                     MatrixRef<Scalar>* dh, const Gradients& gradients,
                                      DistillationWorkspace<Scalar>& ws, const DistillationOptions& options,
                                      const DistillationExtras<Scalar>& extras, const char* where) {
   static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
-  check_distill_common(where, h, W, bias, dh, dW, db, options, extras);
+  check_distill_common<Scalar>(where, h, W, bias, dh, nullptr, nullptr, options, extras);
   TeacherSource<Scalar> teacher;
   check_distill_topk(where, h.rows(), W.rows(), top, options, extras, teacher, ws);
-  return distill_pass<Scalar>(h, W, bias, teacher, dh, dW, db, ws, options, extras);
+  return distill_checked_pass<Scalar>(h, W, bias, teacher, dh, gradients, ws, options, extras, where);
 }
 
 template <typename Scalar>
@@ -845,8 +891,9 @@ DistillationResult distill_head_forward_backward(
     MatrixRef<Scalar> dh, MatrixRef<Scalar> dW, MatrixRef<Scalar> db, MatrixRef<Scalar> dh_T, MatrixRef<Scalar> dW_T,
     MatrixRef<Scalar> db_T, DistillationWorkspace<Scalar>& workspace, const DistillationOptions& options = {},
     const DistillationExtras<Scalar>& extras = {}) {
-  return detail::distill_head_impl<Scalar>(h, W, bias, h_T, W_T, bias_T, &dh, &dW, &db, &dh_T, &dW_T, &db_T, workspace,
-                                           options, extras, "distill_head_forward_backward");
+  return detail::distill_head_impl<Scalar>(h, W, bias, h_T, W_T, bias_T, &dh, detail::distill_outputs<Scalar>(dW, db),
+                                           &dh_T, &dW_T, &db_T, workspace, options, extras,
+                                           "distill_head_forward_backward");
 }
 
 // h [N, d], W [V, d], bias, h_T [N, d_T], W_T [V, d_T], bias_T -> the loss alone.
@@ -856,8 +903,8 @@ DistillationResult distill_head(const ConstMatrixRef<Scalar>& h, const ConstMatr
                                 const ConstMatrixRef<Scalar>& W_T, const ConstMatrixRef<Scalar>& bias_T,
                                 DistillationWorkspace<Scalar>& workspace, const DistillationOptions& options = {},
                                 const DistillationExtras<Scalar>& extras = {}) {
-  return detail::distill_head_impl<Scalar>(h, W, bias, h_T, W_T, bias_T, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                           nullptr, workspace, options, extras, "distill_head");
+  return detail::distill_head_impl<Scalar>(h, W, bias, h_T, W_T, bias_T, nullptr, detail::no_distill_outputs<Scalar>,
+                                           nullptr, nullptr, nullptr, workspace, options, extras, "distill_head");
 }
 
 // h [N, d], W [V, d], bias [V, 1] or empty, teacher log-probs [N, V] -> loss; dh [N, d] written,
@@ -870,8 +917,8 @@ DistillationResult distill_logprobs_forward_backward(const ConstMatrixRef<Scalar
                                                      DistillationWorkspace<Scalar>& workspace,
                                                      const DistillationOptions& options = {},
                                                      const DistillationExtras<Scalar>& extras = {}) {
-  return detail::distill_dense_impl<Scalar>(h, W, bias, teacher_logprobs, &dh, &dW, &db, workspace, options, extras,
-                                            "distill_logprobs_forward_backward");
+  return detail::distill_dense_impl<Scalar>(h, W, bias, teacher_logprobs, &dh, detail::distill_outputs<Scalar>(dW, db),
+                                            workspace, options, extras, "distill_logprobs_forward_backward");
 }
 
 // h [N, d], W [V, d], bias, teacher log-probs [N, V] -> the loss alone.
@@ -880,8 +927,8 @@ DistillationResult distill_logprobs(const ConstMatrixRef<Scalar>& h, const Const
                                     const ConstMatrixRef<Scalar>& bias, const ConstMatrixRef<Scalar>& teacher_logprobs,
                                     DistillationWorkspace<Scalar>& workspace, const DistillationOptions& options = {},
                                     const DistillationExtras<Scalar>& extras = {}) {
-  return detail::distill_dense_impl<Scalar>(h, W, bias, teacher_logprobs, nullptr, nullptr, nullptr, workspace, options,
-                                            extras, "distill_logprobs");
+  return detail::distill_dense_impl<Scalar>(h, W, bias, teacher_logprobs, nullptr, detail::no_distill_outputs<Scalar>,
+                                            workspace, options, extras, "distill_logprobs");
 }
 
 // h [N, d], W [V, d], bias, top-k {ids [N, k], log-probs [N, k]} -> loss (forward_kl over the
@@ -893,8 +940,8 @@ DistillationResult distill_topk_forward_backward(const ConstMatrixRef<Scalar>& h
                                                  DistillationWorkspace<Scalar>& workspace,
                                                  const DistillationOptions& options = {},
                                                  const DistillationExtras<Scalar>& extras = {}) {
-  return detail::distill_topk_impl<Scalar>(h, W, bias, teacher, &dh, &dW, &db, workspace, options, extras,
-                                           "distill_topk_forward_backward");
+  return detail::distill_topk_impl<Scalar>(h, W, bias, teacher, &dh, detail::distill_outputs<Scalar>(dW, db), workspace,
+                                           options, extras, "distill_topk_forward_backward");
 }
 
 // h [N, d], W [V, d], bias, top-k {ids [N, k], log-probs [N, k]} -> the loss alone.
@@ -903,9 +950,142 @@ DistillationResult distill_topk(const ConstMatrixRef<Scalar>& h, const ConstMatr
                                 const ConstMatrixRef<Scalar>& bias, const TeacherTopK<Scalar>& teacher,
                                 DistillationWorkspace<Scalar>& workspace, const DistillationOptions& options = {},
                                 const DistillationExtras<Scalar>& extras = {}) {
-  return detail::distill_topk_impl<Scalar>(h, W, bias, teacher, nullptr, nullptr, nullptr, workspace, options, extras,
-                                           "distill_topk");
+  return detail::distill_topk_impl<Scalar>(h, W, bias, teacher, nullptr, detail::no_distill_outputs<Scalar>, workspace,
+                                           options, extras, "distill_topk");
 }
+
+// ---- the layer-level form ----
+
+// The distillation of a student OutputProjection, holding the options and the workspace, its gradients accumulated
+// into the head's Parameters (as FusedHeadLoss does for the hard-label loss):
+//   HeadDistillation<float> distill(options);
+//   auto r = distill.forward_backward(student, h, teacher, h_T, dh);   // student's W (and b) gradients += ...
+// Shapes: h [N, d] and student W [V, d], bias [V, 1] (or none); the teacher an OutputProjection, h_T [N, d_T] and
+// W_T [V, d_T], bias_T [V, 1] (or none), frozen here (no teacher gradient: its Parameters are not touched), or cached
+// log-probs, dense [N, V] or top-k (ids, log-probs [N, k]). Each call is the free function's (distill_head*,
+// distill_logprobs*, distill_topk*) on W = student.weight().value() and the bias, with
+//   dh [N, d] written,  student.weight().grad() += dW = dz^T h  [V, d] (dense mode),
+//   student.bias()->grad() += db = sum_n dz_n  [V, 1],          dz = dL/ds [N, V] (the top of this file),
+// the same loss, per-row losses, dh, dW and db bits. Tied (an OutputProjection of a TokenEmbedding) dW lands in the
+// embedding's gradient, beside its sparse rows. A frozen W takes nothing (no dW products: about a quarter of the
+// student's flops; its gradient is left as it was, mode included), nor does a frozen bias; loss and dh are the
+// same. Trainable rows (Parameter::set_trainable_rows) on an unfrozen W or bias are refused: the pass computes a
+// dense [V, d] dW, not a row mask's [k, d]. Every check runs before the head's gradients are touched (their
+// accumulators switch a gradient to dense mode), so a call that throws leaves dh, the gradients and their modes as
+// they were.
+template <typename Scalar>
+class HeadDistillation {
+  static_assert(std::is_floating_point_v<Scalar>, "Scalar must be a floating-point type");
+
+ public:
+  explicit HeadDistillation(const DistillationOptions& options = {}) : options_(options) {}
+  const DistillationOptions& options() const { return options_; }
+
+  // h [N, d], teacher head (W_T [V, d_T], bias_T [V, 1] or none), h_T [N, d_T] -> loss; dh [N, d] written; student
+  // W grad [V, d] +=, bias grad [V, 1] +=. \throws as distill_head_forward_backward, and value_error for trainable
+  // rows; dh, the gradients and extras unchanged on throw.
+  DistillationResult forward_backward(OutputProjection<Scalar>& student, const ConstMatrixRef<Scalar>& h,
+                                      const OutputProjection<Scalar>& teacher, const ConstMatrixRef<Scalar>& h_T,
+                                      MatrixRef<Scalar> dh, const DistillationExtras<Scalar>& extras = {}) {
+    const char* where = "HeadDistillation::forward_backward";
+    return with_gradients(student, where, [&](const auto& gradients) {
+      const Eigen::Map<const RowMatrix<Scalar>> W_T = teacher.weight().value();
+      return detail::distill_head_impl<Scalar>(h, weight_of(student), detail::head_bias(student), h_T, W_T,
+                                               detail::head_bias(teacher), &dh, gradients, nullptr, nullptr, nullptr,
+                                               workspace_, options_, extras, where);
+    });
+  }
+
+  // h [N, d], teacher log-probs [N, V] -> loss; dh [N, d] written; student W grad [V, d] +=, bias grad [V, 1] +=.
+  // \throws as distill_logprobs_forward_backward, and value_error for trainable rows; nothing changed on throw.
+  DistillationResult forward_backward_logprobs(OutputProjection<Scalar>& student, const ConstMatrixRef<Scalar>& h,
+                                               const ConstMatrixRef<Scalar>& teacher_logprobs, MatrixRef<Scalar> dh,
+                                               const DistillationExtras<Scalar>& extras = {}) {
+    const char* where = "HeadDistillation::forward_backward_logprobs";
+    return with_gradients(student, where, [&](const auto& gradients) {
+      return detail::distill_dense_impl<Scalar>(h, weight_of(student), detail::head_bias(student), teacher_logprobs,
+                                                &dh, gradients, workspace_, options_, extras, where);
+    });
+  }
+
+  // h [N, d], top-k {ids [N, k], log-probs [N, k]} -> loss (forward_kl); dh [N, d] written; student W grad [V, d] +=,
+  // bias grad [V, 1] +=. \throws as distill_topk_forward_backward, and value_error for trainable rows; nothing changed
+  // on throw.
+  DistillationResult forward_backward_topk(OutputProjection<Scalar>& student, const ConstMatrixRef<Scalar>& h,
+                                           const TeacherTopK<Scalar>& teacher, MatrixRef<Scalar> dh,
+                                           const DistillationExtras<Scalar>& extras = {}) {
+    const char* where = "HeadDistillation::forward_backward_topk";
+    return with_gradients(student, where, [&](const auto& gradients) {
+      return detail::distill_topk_impl<Scalar>(h, weight_of(student), detail::head_bias(student), teacher, &dh,
+                                               gradients, workspace_, options_, extras, where);
+    });
+  }
+
+  // h [N, d], teacher head, h_T [N, d_T] -> the loss alone (no gradient; trainable rows allowed).
+  DistillationResult forward(const OutputProjection<Scalar>& student, const ConstMatrixRef<Scalar>& h,
+                             const OutputProjection<Scalar>& teacher, const ConstMatrixRef<Scalar>& h_T,
+                             const DistillationExtras<Scalar>& extras = {}) {
+    const Eigen::Map<const RowMatrix<Scalar>> W_T = teacher.weight().value();
+    return detail::distill_head_impl<Scalar>(h, weight_of(student), detail::head_bias(student), h_T, W_T,
+                                             detail::head_bias(teacher), nullptr, detail::no_distill_outputs<Scalar>,
+                                             nullptr, nullptr, nullptr, workspace_, options_, extras,
+                                             "HeadDistillation::forward");
+  }
+
+  // h [N, d], teacher log-probs [N, V] -> the loss alone.
+  DistillationResult forward_logprobs(const OutputProjection<Scalar>& student, const ConstMatrixRef<Scalar>& h,
+                                      const ConstMatrixRef<Scalar>& teacher_logprobs,
+                                      const DistillationExtras<Scalar>& extras = {}) {
+    return detail::distill_dense_impl<Scalar>(h, weight_of(student), detail::head_bias(student), teacher_logprobs,
+                                              nullptr, detail::no_distill_outputs<Scalar>, workspace_, options_, extras,
+                                              "HeadDistillation::forward_logprobs");
+  }
+
+  // h [N, d], top-k {ids [N, k], log-probs [N, k]} -> the loss alone.
+  DistillationResult forward_topk(const OutputProjection<Scalar>& student, const ConstMatrixRef<Scalar>& h,
+                                  const TeacherTopK<Scalar>& teacher, const DistillationExtras<Scalar>& extras = {}) {
+    return detail::distill_topk_impl<Scalar>(h, weight_of(student), detail::head_bias(student), teacher, nullptr,
+                                             detail::no_distill_outputs<Scalar>, workspace_, options_, extras,
+                                             "HeadDistillation::forward_topk");
+  }
+
+ private:
+  static Eigen::Map<const RowMatrix<Scalar>> weight_of(const OutputProjection<Scalar>& head) {
+    return head.weight().value();
+  }
+
+  // Trainable rows refused first (nothing touched); then `pass` given the callable that makes the student's
+  // accumulators, which the pass calls once every check has run (a frozen W or bias: none, an empty dW or db).
+  template <typename Pass>
+  DistillationResult with_gradients(OutputProjection<Scalar>& student, const char* where, const Pass& pass) {
+    Parameter<Scalar>& weight = student.weight();
+    Parameter<Scalar>* bias = student.bias();
+    for (const Parameter<Scalar>* p : std::initializer_list<const Parameter<Scalar>*>{&weight, bias}) {
+      if (!p || p->frozen() || !p->trainable_rows()) continue;
+      std::ostringstream message;
+      message << where << ": the student's " << (p == &weight ? "W" : "bias") << " has " << p->trainable_rows()->size()
+              << " trainable rows of " << p->rows()
+              << " (Parameter::set_trainable_rows), not supported: the distillation pass adds a dense gradient ["
+              << p->rows() << ", " << p->cols() << "], not the rows' [" << p->trainable_rows()->size() << ", "
+              << p->cols() << "] (freeze it, or make every row trainable: set_all_rows_trainable)";
+      throw value_error(message.str());
+    }
+    Eigen::Map<RowMatrix<Scalar>> no_output(nullptr, 0, 1);
+    std::optional<Eigen::Map<RowMatrix<Scalar>>> dW_map, db_map;
+    std::optional<MatrixRef<Scalar>> dW_ref, db_ref;
+    const auto gradients = [&] {
+      dW_map.emplace(weight.frozen() ? no_output : weight.grad().dense_accumulator());
+      db_map.emplace(bias && !bias->frozen() ? bias->grad().dense_accumulator() : no_output);
+      dW_ref.emplace(*dW_map);
+      db_ref.emplace(*db_map);
+      return detail::DistillGradients<Scalar>{&*dW_ref, &*db_ref};
+    };
+    return pass(gradients);
+  }
+
+  DistillationOptions options_;
+  DistillationWorkspace<Scalar> workspace_;
+};
 
 }  // namespace embedhead
 

@@ -1050,6 +1050,17 @@ CrossEntropyResult fused_head_loss_soft(const ConstMatrixRef<float>& h, const Co
 
 // ---- the layer-level form ----
 
+namespace detail {
+
+// A head's bias [V, 1], or an empty view without one.
+template <typename Scalar>
+Eigen::Map<const RowMatrix<Scalar>> head_bias(const OutputProjection<Scalar>& head) {
+  if (head.bias()) return head.bias()->value();
+  return {nullptr, 0, 1};
+}
+
+}  // namespace detail
+
 // An OutputProjection's forward, the loss and the head's backward in one call, holding the
 // options and the workspace:
 //   FusedHeadLoss<float> loss(options);
@@ -1118,10 +1129,10 @@ class FusedHeadLoss {
     const Parameter<Scalar>& weight = head.weight();
     const std::vector<std::int32_t> zeros(static_cast<std::size_t>(N), 0);
     const TypedTokenIds<std::int32_t> counted(zeros.data(), 1, N, N, 1);
-    detail::check_fused_head_loss<Scalar, std::int32_t>(where, h, V, head.dim(), bias_of(head), counted, extras, dh,
-                                                        nullptr, nullptr, options_, V);
-    detail::check_finite_inputs<Scalar, Scalar, std::int32_t>(where, h, weight.value(), bias_of(head), counted,
-                                                              options_, V);
+    detail::check_fused_head_loss<Scalar, std::int32_t>(where, h, V, head.dim(), detail::head_bias(head), counted,
+                                                        extras, dh, nullptr, nullptr, options_, V);
+    detail::check_finite_inputs<Scalar, Scalar, std::int32_t>(where, h, weight.value(), detail::head_bias(head),
+                                                              counted, options_, V);
     // The accumulators, made by the pass once the targets are checked (a const head: no gradient).
     Eigen::Map<RowMatrix<Scalar>> no_output(nullptr, 0, 1);
     std::optional<Eigen::Map<RowMatrix<Scalar>>> dW_map, db_map;
@@ -1137,16 +1148,11 @@ class FusedHeadLoss {
       return detail::SoftGradients<Scalar>{&*dW_ref, &*db_ref, trainable};
     };
     if constexpr (std::is_same_v<Targets, SparseTargets<Scalar>>)
-      return detail::fused_soft_sparse<Scalar>(h, weight.value(), bias_of(head), targets, dh, gradients, workspace_,
-                                               options_, extras, where);
+      return detail::fused_soft_sparse<Scalar>(h, weight.value(), detail::head_bias(head), targets, dh, gradients,
+                                               workspace_, options_, extras, where);
     else
-      return detail::fused_soft_dense<Scalar>(h, weight.value(), bias_of(head), targets, dh, gradients, workspace_,
-                                              options_, extras, where);
-  }
-
-  static Eigen::Map<const RowMatrix<Scalar>> bias_of(const OutputProjection<Scalar>& head) {
-    if (head.bias()) return head.bias()->value();
-    return {nullptr, 0, 1};
+      return detail::fused_soft_dense<Scalar>(h, weight.value(), detail::head_bias(head), targets, dh, gradients,
+                                              workspace_, options_, extras, where);
   }
 
   template <typename Id>
@@ -1160,10 +1166,11 @@ class FusedHeadLoss {
     Eigen::Map<RowMatrix<Scalar>> no_output(nullptr, 0, 1);
     {
       MatrixRef<Scalar> dh_ref(dh);
-      detail::check_fused_head_loss<Scalar, Id>(where, h, head.vocab_size(), head.dim(), bias_of(head), targets, extras,
-                                                &dh_ref, nullptr, nullptr, options_, head.vocab_size());
-      detail::check_finite_inputs<Scalar, Scalar, Id>(where, h, weight.value(), bias_of(head), targets, options_,
-                                                      head.vocab_size());
+      detail::check_fused_head_loss<Scalar, Id>(where, h, head.vocab_size(), head.dim(), detail::head_bias(head),
+                                                targets, extras, &dh_ref, nullptr, nullptr, options_,
+                                                head.vocab_size());
+      detail::check_finite_inputs<Scalar, Scalar, Id>(where, h, weight.value(), detail::head_bias(head), targets,
+                                                      options_, head.vocab_size());
     }
     // Trainable rows (a row mask): dW on those rows only, [k, d], the gradient staying sparse.
     const std::vector<Index>* trainable = weight.frozen() ? nullptr : weight.trainable_rows();
@@ -1172,15 +1179,17 @@ class FusedHeadLoss {
                               : head.weight().grad().dense_accumulator();
     auto db = head.bias() && !head.bias()->frozen() ? head.bias()->grad().dense_accumulator() : no_output;
     MatrixRef<Scalar> dh_ref(dh), dW_ref(dW), db_ref(db);
-    return detail::fused_head_loss_pass<Scalar, Id>(h, weight.value(), bias_of(head), targets, extras, &dh_ref, &dW_ref,
-                                                    &db_ref, options_, workspace_, where, nullptr, nullptr, trainable);
+    return detail::fused_head_loss_pass<Scalar, Id>(h, weight.value(), detail::head_bias(head), targets, extras,
+                                                    &dh_ref, &dW_ref, &db_ref, options_, workspace_, where, nullptr,
+                                                    nullptr, trainable);
   }
 
   template <typename Id>
   CrossEntropyResult forward_impl(const OutputProjection<Scalar>& head, const ConstMatrixRef<Scalar>& h,
                                   const TypedTokenIds<Id>& targets, const FusedHeadLossExtras<Scalar>& extras) {
-    return detail::fused_head_loss_pass<Scalar, Id>(h, head.weight().value(), bias_of(head), targets, extras, nullptr,
-                                                    nullptr, nullptr, options_, workspace_, "FusedHeadLoss::forward");
+    return detail::fused_head_loss_pass<Scalar, Id>(h, head.weight().value(), detail::head_bias(head), targets, extras,
+                                                    nullptr, nullptr, nullptr, options_, workspace_,
+                                                    "FusedHeadLoss::forward");
   }
 
   FusedHeadLossOptions options_;
