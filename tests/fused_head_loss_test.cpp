@@ -764,6 +764,26 @@ TEMPLATE_TEST_CASE("FusedHeadLoss layer: every check before a gradient turns den
                       Contains("FusedHeadLoss::forward_backward: " + message));
     unchanged(touched, before);
   }
+  {
+    // A bias with trainable rows (db is a dense [V, 1]): refused before W's gradient turns dense, in both calls that
+    // take a gradient; the loss alone is fine.
+    bias->set_trainable_rows({0, 4});
+    FusedHeadLoss<Scalar> loss;
+    const std::string message =
+        "the head's bias has 2 trainable rows of 9 (Parameter::set_trainable_rows), not "
+        "supported: the pass adds a dense db [9, 1]";
+    CHECK_THROWS_AS(loss.forward_backward(head, h, targets, dh), embedhead::value_error);
+    CHECK_THROWS_WITH(loss.forward_backward(head, h, targets, dh),
+                      Contains("FusedHeadLoss::forward_backward: " + message));
+    unchanged(touched, before);
+    RowMatrix<Scalar> soft = RowMatrix<Scalar>::Constant(3, 9, Scalar(1) / Scalar(9));
+    CHECK_THROWS_WITH(loss.forward_backward_soft(head, h, soft, dh),
+                      Contains("FusedHeadLoss::forward_backward_soft: " + message));
+    unchanged(touched, before);
+    CHECK_NOTHROW(loss.forward(head, h, targets));
+    unchanged(touched, before);
+    bias->set_all_rows_trainable();
+  }
   // The table resized (as resize_vocabulary given the embedding alone does), the bias not.
   emb.weight().resize_rows(11);
   touched = emb.weight().grad().touched_rows();

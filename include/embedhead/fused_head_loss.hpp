@@ -1059,6 +1059,19 @@ Eigen::Map<const RowMatrix<Scalar>> head_bias(const OutputProjection<Scalar>& he
   return {nullptr, 0, 1};
 }
 
+// FusedHeadLoss's gradients: W may have trainable rows (the pass's dW then covers them), its bias may not (db is a
+// dense [V, 1]). \throws value_error for an unfrozen bias with trainable rows, before anything changes.
+template <typename Scalar>
+void check_head_bias_rows(const char* where, const OutputProjection<Scalar>& head) {
+  const Parameter<Scalar>* bias = head.bias();
+  if (!bias || bias->frozen() || !bias->trainable_rows()) return;
+  std::ostringstream message;
+  message << where << ": the head's bias has " << bias->trainable_rows()->size() << " trainable rows of "
+          << bias->rows() << " (Parameter::set_trainable_rows), not supported: the pass adds a dense db ["
+          << bias->rows() << ", 1] (freeze the bias, or make every row trainable: set_all_rows_trainable)";
+  throw value_error(message.str());
+}
+
 }  // namespace detail
 
 // An OutputProjection's forward, the loss and the head's backward in one call, holding the
@@ -1127,6 +1140,7 @@ class FusedHeadLoss {
                                const FusedHeadLossExtras<Scalar>& extras, const char* where) {
     const Index N = h.rows(), V = head.vocab_size();
     const Parameter<Scalar>& weight = head.weight();
+    if (writable && dh) detail::check_head_bias_rows(where, head);
     const std::vector<std::int32_t> zeros(static_cast<std::size_t>(N), 0);
     const TypedTokenIds<std::int32_t> counted(zeros.data(), 1, N, N, 1);
     detail::check_fused_head_loss<Scalar, std::int32_t>(where, h, V, head.dim(), detail::head_bias(head), counted,
@@ -1161,6 +1175,7 @@ class FusedHeadLoss {
                                            const FusedHeadLossExtras<Scalar>& extras) {
     const char* where = "FusedHeadLoss::forward_backward";
     const Parameter<Scalar>& weight = head.weight();
+    detail::check_head_bias_rows(where, head);
     // A dry run of every check first: dense_accumulator() below switches the gradient to dense
     // mode, which must not happen for a call that then throws.
     Eigen::Map<RowMatrix<Scalar>> no_output(nullptr, 0, 1);
