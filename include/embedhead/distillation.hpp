@@ -543,7 +543,6 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
       if (head) distill_logits(*x_T, *head->W, *head->bias, v0, width, ws.teacher.data());
       parallel_rows(rows, [&](Index r) {
         const Index n = r0 + r;
-        if (!counted(orig(n))) return;
         Scalar* a = ws.student.data() + r * width;
         Scalar* b = ws.teacher.data() + r * width;
         if (teacher.dense) {
@@ -567,9 +566,7 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
       const Index width = std::min(block, V - v0);
       if (!whole_rows) blocks_of(v0, width);
       parallel_rows(rows, [&](Index r) {
-        const Index n = r0 + r;
-        if (!counted(orig(n))) return;
-        const std::size_t i = static_cast<std::size_t>(n);
+        const std::size_t i = static_cast<std::size_t>(r0 + r);
         const Scalar* a = ws.student.data() + r * ld(width) + at(v0);
         const Scalar* b = ws.teacher.data() + r * ld(width) + at(v0);
         // The KLs' X beside the statistics of the distribution that weights them (reverse: p's,
@@ -612,11 +609,6 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
           const std::size_t i = static_cast<std::size_t>(n);
           Scalar* a = ws.student.data() + r * ld(width) + at(v0);
           Scalar* b = ws.teacher.data() + r * ld(width) + at(v0);
-          if (!counted(orig(n))) {
-            if (grad) std::fill(a, a + width, Scalar(0));
-            if (grad && teacher_dh) std::fill(b, b + width, Scalar(0));
-            return;
-          }
           distill_row_block(kind, beta, a, b, width, ws.lse_student[i], ws.lse_teacher[i], sums, &ws.sum_p[i],
                             &ws.sum_q[i], grad ? a : nullptr, grad && teacher_dh ? b : nullptr, ca, cb,
                             kind == DistillKind::jsd ? ws.sum_p[i] : ws.cross[i], ws.sum_q[i]);
@@ -628,7 +620,6 @@ DistillationResult distill_pass(const ConstMatrixRef<Scalar>& h, const ConstMatr
     walk(true, gradient_in_sums);
     if (slice) slice->combine_sums(ws, M);
     for (Index n = r0; n < r0 + rows; ++n) {
-      if (!counted(orig(n))) continue;
       const std::size_t i = static_cast<std::size_t>(n);
       const double row = kind == DistillKind::jsd ? beta * ws.sum_q[i] + (1.0 - beta) * ws.sum_p[i]
                                                   : factor * ws.sum_p[i];
@@ -1061,14 +1052,12 @@ class HeadDistillation {
     Parameter<Scalar>& weight = student.weight();
     Parameter<Scalar>* bias = student.bias();
     for (const Parameter<Scalar>* p : std::initializer_list<const Parameter<Scalar>*>{&weight, bias}) {
-      if (!p || p->frozen() || !p->trainable_rows()) continue;
-      std::ostringstream message;
-      message << where << ": the student's " << (p == &weight ? "W" : "bias") << " has " << p->trainable_rows()->size()
-              << " trainable rows of " << p->rows()
-              << " (Parameter::set_trainable_rows), not supported: the distillation pass adds a dense gradient ["
-              << p->rows() << ", " << p->cols() << "], not the rows' [" << p->trainable_rows()->size() << ", "
-              << p->cols() << "] (freeze it, or make every row trainable: set_all_rows_trainable)";
-      throw value_error(message.str());
+      if (!p || !p->trainable_rows()) continue;
+      const std::string rows = std::to_string(p->trainable_rows()->size()), cols = std::to_string(p->cols());
+      detail::refuse_trainable_rows(where, p, p == &weight ? "student's W" : "student's bias",
+                                    "the distillation pass adds a dense gradient [" + std::to_string(p->rows()) + ", " +
+                                        cols + "], not the rows' [" + rows + ", " + cols +
+                                        "] (freeze it, or make every row trainable: set_all_rows_trainable)");
     }
     Eigen::Map<RowMatrix<Scalar>> no_output(nullptr, 0, 1);
     std::optional<Eigen::Map<RowMatrix<Scalar>>> dW_map, db_map;

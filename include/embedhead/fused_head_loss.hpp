@@ -1059,17 +1059,27 @@ Eigen::Map<const RowMatrix<Scalar>> head_bias(const OutputProjection<Scalar>& he
   return {nullptr, 0, 1};
 }
 
+// A layer's refusal of trainable rows on a gradient it adds densely: \throws value_error "<where>: the <name> has k
+// trainable rows of R (Parameter::set_trainable_rows), not supported: <why>" when p is an unfrozen Parameter with a
+// row mask; nothing changes.
+template <typename Scalar>
+void refuse_trainable_rows(const char* where, const Parameter<Scalar>* p, const char* name, const std::string& why) {
+  if (!p || p->frozen() || !p->trainable_rows()) return;
+  std::ostringstream message;
+  message << where << ": the " << name << " has " << p->trainable_rows()->size() << " trainable rows of " << p->rows()
+          << " (Parameter::set_trainable_rows), not supported: " << why;
+  throw value_error(message.str());
+}
+
 // FusedHeadLoss's gradients: W may have trainable rows (the pass's dW then covers them), its bias may not (db is a
-// dense [V, 1]). \throws value_error for an unfrozen bias with trainable rows, before anything changes.
+// dense [V, 1]).
 template <typename Scalar>
 void check_head_bias_rows(const char* where, const OutputProjection<Scalar>& head) {
   const Parameter<Scalar>* bias = head.bias();
-  if (!bias || bias->frozen() || !bias->trainable_rows()) return;
-  std::ostringstream message;
-  message << where << ": the head's bias has " << bias->trainable_rows()->size() << " trainable rows of "
-          << bias->rows() << " (Parameter::set_trainable_rows), not supported: the pass adds a dense db ["
-          << bias->rows() << ", 1] (freeze the bias, or make every row trainable: set_all_rows_trainable)";
-  throw value_error(message.str());
+  if (!bias) return;
+  refuse_trainable_rows(where, bias, "head's bias",
+                        "the pass adds a dense db [" + std::to_string(bias->rows()) +
+                            ", 1] (freeze the bias, or make every row trainable: set_all_rows_trainable)");
 }
 
 }  // namespace detail
