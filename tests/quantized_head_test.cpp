@@ -27,73 +27,67 @@ using test_support::random_matrix;
 namespace {
 
 // The sequence at the top of quantized_head.hpp, written out one value at a time for the build's
-// lanes: 4 running packets of `lanes` sums over runs of 4 * lanes values, fused multiply-adds (a
-// product and a sum without AVX2 + FMA), ((p0 + p1) + (p2 + p3)), lanes reduced by halves, the
-// tail added value by value, times the scale, plus the bias.
+// lanes: 4 running packets of `lanes` sums over runs of 4 * lanes values, ((p0 + p1) + (p2 + p3)),
+// lanes reduced by halves, the tail value by value, times the scale, plus the bias; every
+// multiply-add fused where the build's target has FMA, a product and a sum otherwise.
 float reference_sequence(const float* h, const std::int8_t* q, Index d, float scale, const float* bias) {
   constexpr Index L = embedhead::detail::Int8HeadLanes::lanes;
-  constexpr bool fused = L > 1;
+  auto madd = [](float a, float b, float c) {
+    if constexpr (embedhead::detail::int8_head_fuses()) return std::fma(a, b, c);
+    const float product = a * b;  // a target without FMA: the two roundings stay apart
+    return product + c;
+  };
   const Index run = 4 * L, body = d - d % run;
   float acc[4][L > 0 ? L : 1] = {};
   for (Index k = 0; k < body; k += run)
     for (Index u = 0; u < 4; ++u)
-      for (Index l = 0; l < L; ++l) {
-        const float w = static_cast<float>(q[k + u * L + l]), x = h[k + u * L + l];
-        if (fused) {
-          acc[u][l] = std::fma(w, x, acc[u][l]);
-        } else {
-          const float product = w * x;
-          acc[u][l] = product + acc[u][l];
-        }
-      }
+      for (Index l = 0; l < L; ++l) acc[u][l] = madd(static_cast<float>(q[k + u * L + l]), h[k + u * L + l], acc[u][l]);
   float lanes[L > 0 ? L : 1];
   for (Index l = 0; l < L; ++l) lanes[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
   for (Index width = L / 2; width >= 1; width /= 2)
     for (Index l = 0; l < width; ++l) lanes[l] = lanes[l] + lanes[l + width];
   float sum = lanes[0];
-  for (Index k = body; k < d; ++k) {
-    const float product = h[k] * static_cast<float>(q[k]);
-    sum = sum + product;
-  }
-  float logit = scale * sum;
-  if (bias) logit = logit + *bias;
-  return logit;
+  for (Index k = body; k < d; ++k) sum = madd(h[k], static_cast<float>(q[k]), sum);
+  return bias ? madd(scale, sum, *bias) : scale * sum;
 }
 
 }  // namespace
 
 TEST_CASE("quantized head: logits against double references and the documented sequence", "[quantized_head]") {
-  for (const Index d : {Index{1}, Index{63}, Index{64}, Index{130}, Index{768}}) {
-    const Index V = 77, N = 11;
-    CAPTURE(d);
-    const RowMatrix<float> W = random_matrix<float>(V, d, 1, 0.1), h = random_matrix<float>(N, d, 2);
-    const RowMatrix<float> bias = random_matrix<float>(V, 1, 3);
-    const QuantizedOutputProjection head(W, bias);
-    const RowMatrix<float> logits = head.forward(h);
-    const QuantizedEmbedding& table = head.table();
-    for (Index n = 0; n < N; ++n)
-      for (Index v = 0; v < V; ++v) {
-        // Double reference on the dequantized values.
-        double exact = 0, abs_sum = 0, bound = 0;
-        for (Index k = 0; k < d; ++k) {
-          const double w = static_cast<double>(table.scales()(v, 0)) * table.values()(v, k);
-          exact += static_cast<double>(h(n, k)) * w;
-          abs_sum += std::abs(static_cast<double>(h(n, k)) * w);
-          bound += std::abs(static_cast<double>(h(n, k)));
-        }
-        exact += bias(v, 0);
-        CHECK(std::abs(logits(n, v) - exact) <= 1e-6 * (abs_sum + std::abs(bias(v, 0))) + 1e-7);
-        // Against the float head: the quantization error bound.
-        double unquantized = bias(v, 0);
-        for (Index k = 0; k < d; ++k) unquantized += static_cast<double>(h(n, k)) * W(v, k);
-        CHECK(std::abs(logits(n, v) - unquantized) <=
-              bound * table.scales()(v, 0) / 2 * (1 + 1e-5) + 1e-6 * (abs_sum + std::abs(bias(v, 0))) + 1e-7);
-        // Bit for bit, the written-out sequence.
-        const float expected = reference_sequence(h.row(n).data(), table.values().row(v).data(), d,
-                                                  table.scales()(v, 0), &bias(v, 0));
-        CHECK(std::memcmp(&expected, &logits(n, v), sizeof(float)) == 0);
+  // One and two tokens read rows from 4 and 2 segments of the vocabulary at once (the rows left
+  // over one by one): V = 1, 3, 6 and 77 cover the segments and the rows left over.
+  for (const Index d : {Index{1}, Index{63}, Index{64}, Index{130}, Index{768}})
+    for (const Index V : {Index{1}, Index{3}, Index{6}, Index{77}})
+      for (const Index N : {Index{1}, Index{2}, Index{11}}) {
+        CAPTURE(d, V, N);
+        const RowMatrix<float> W = random_matrix<float>(V, d, 1, 0.1), h = random_matrix<float>(N, d, 2);
+        const RowMatrix<float> bias = random_matrix<float>(V, 1, 3);
+        const QuantizedOutputProjection head(W, bias);
+        const RowMatrix<float> logits = head.forward(h);
+        const QuantizedEmbedding& table = head.table();
+        for (Index n = 0; n < N; ++n)
+          for (Index v = 0; v < V; ++v) {
+            // Double reference on the dequantized values.
+            double exact = 0, abs_sum = 0, bound = 0;
+            for (Index k = 0; k < d; ++k) {
+              const double w = static_cast<double>(table.scales()(v, 0)) * table.values()(v, k);
+              exact += static_cast<double>(h(n, k)) * w;
+              abs_sum += std::abs(static_cast<double>(h(n, k)) * w);
+              bound += std::abs(static_cast<double>(h(n, k)));
+            }
+            exact += bias(v, 0);
+            CHECK(std::abs(logits(n, v) - exact) <= 1e-6 * (abs_sum + std::abs(bias(v, 0))) + 1e-7);
+            // Against the float head: the quantization error bound.
+            double unquantized = bias(v, 0);
+            for (Index k = 0; k < d; ++k) unquantized += static_cast<double>(h(n, k)) * W(v, k);
+            CHECK(std::abs(logits(n, v) - unquantized) <=
+                  bound * table.scales()(v, 0) / 2 * (1 + 1e-5) + 1e-6 * (abs_sum + std::abs(bias(v, 0))) + 1e-7);
+            // Bit for bit, the written-out sequence.
+            const float expected = reference_sequence(h.row(n).data(), table.values().row(v).data(), d,
+                                                      table.scales()(v, 0), &bias(v, 0));
+            CHECK(std::memcmp(&expected, &logits(n, v), sizeof(float)) == 0);
+          }
       }
-  }
 }
 
 TEST_CASE("quantized head: a token's logits are the same bits in any batch; tied heads share the table",
