@@ -20,6 +20,9 @@
 //   DecodeBf16/...                            the bf16 head's decode (LowPrecisionOutputProjection
 //                                             forward, W widened as it streams), W rounded to bf16;
 //                                             bytes counted as W's float bytes, like DecodeInt8
+//   DecodeBf16Interleaved/...                 the same table in InterleavedBf16Head's layout
+//                                             (interleaved_head.hpp), checked bit-identical to
+//                                             DecodeBf16; bytes counted as W's float bytes
 //   DecodeInt8/...                            the int8 head (quantized_head_forward) on W quantized
 //                                             per row; its bytes_per_second also counts W's float
 //                                             bytes, so its rate over Decode's is the speed-up
@@ -334,6 +337,7 @@ struct DecodeProblem {
   RowMatrix<float> W, b, h, logits, copy;
   std::unique_ptr<embedhead::QuantizedEmbedding> int8;                             // built on first use
   std::unique_ptr<embedhead::LowPrecisionOutputProjection<Eigen::bfloat16>> bf16;  // built on first use
+  std::unique_ptr<embedhead::InterleavedBf16Head> interleaved;                     // built on first use
   DecodeProblem(Index V, Index d) : W(V, d), b(V, 1), h(embedhead::detail::kDecodeMaxTokens, d), logits(h.rows(), V) {
     // Cheap deterministic values: the 256000 x 2048 table has 524 M entries.
     for (Index v = 0; v < V; ++v)
@@ -418,6 +422,29 @@ void BM_DecodeBf16(benchmark::State& state) {
     }
   for (auto _ : state) {
     p.bf16->forward(h, logits);
+    benchmark::DoNotOptimize(p.logits.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes_of_W(state, p.W);
+}
+
+void BM_DecodeBf16Interleaved(benchmark::State& state) {
+  const Index n = state.range(0);
+  DecodeProblem& p = decode_problem(state.range(1), state.range(2));
+  if (!p.bf16) p.bf16 = std::make_unique<embedhead::LowPrecisionOutputProjection<Eigen::bfloat16>>(p.W, p.b);
+  if (!p.interleaved) p.interleaved = std::make_unique<embedhead::InterleavedBf16Head>(p.bf16->weight().value(), p.b);
+  use_threads(static_cast<int>(state.range(3)), false);
+  const auto h = p.h.topRows(n);
+  auto logits = p.logits.topRows(n);
+  // The same bits as the row-major bf16 head (the float decode's sequence on the same rounded W).
+  p.bf16->forward(h, logits);
+  const RowMatrix<float> row_major = logits;
+  p.interleaved->forward(h, logits);
+  if (std::memcmp(row_major.data(), RowMatrix<float>(logits).data(),
+                  sizeof(float) * static_cast<std::size_t>(n * p.W.rows())) != 0)
+    bench_support::fail(kProgram, "DecodeBf16Interleaved: a logit differs from the row-major bf16 head's");
+  for (auto _ : state) {
+    p.interleaved->forward(h, logits);
     benchmark::DoNotOptimize(p.logits.data());
     benchmark::ClobberMemory();
   }
@@ -549,6 +576,10 @@ void register_benchmarks() {
         benchmark::RegisterBenchmark("Decode", BM_Decode)->Args(args)->ArgNames(names)->UseRealTime();
         benchmark::RegisterBenchmark("EigenDecode", BM_EigenDecode)->Args(args)->ArgNames(names)->UseRealTime();
         benchmark::RegisterBenchmark("DecodeBf16", BM_DecodeBf16)->Args(args)->ArgNames(names)->UseRealTime();
+        benchmark::RegisterBenchmark("DecodeBf16Interleaved", BM_DecodeBf16Interleaved)
+            ->Args(args)
+            ->ArgNames(names)
+            ->UseRealTime();
         benchmark::RegisterBenchmark("DecodeInt8", BM_DecodeInt8)->Args(args)->ArgNames(names)->UseRealTime();
       }
     }

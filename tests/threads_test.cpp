@@ -338,6 +338,25 @@ TEMPLATE_TEST_CASE("threads: the bf16 / fp16 head's forward and backward are bit
   }
 }
 
+TEST_CASE("threads: the interleaved bf16 head is bit-identical for 1, 2 and 3 threads", "[threads][interleaved_head]") {
+  // Threaded from V d = kDecodeMinElements: V with rows after the last group of 16, and the 1-, 2-
+  // and 4-token paths; below the threshold, on the calling thread.
+  for (const Index V : {embedhead::detail::kDecodeMinElements / 64 + 37, Index{50}}) {
+    const Index d = 64;
+    CAPTURE(V);
+    const embedhead::InterleavedBf16Head head(test_support::random_matrix<float>(V, d, 61),
+                                              test_support::random_matrix<float>(V, 1, 62));
+    const RowMatrix<float> h = test_support::random_matrix<float>(7, d, 63);
+    for (const Index N : {Index{1}, Index{2}, Index{7}}) {
+      CAPTURE(N);
+      auto run = [&](int threads) { return with_threads(threads, [&] { return head.forward(h.topRows(N)); }); };
+      const RowMatrix<float> one = run(1);
+      CHECK(bit_identical(one, run(2)));
+      CHECK(bit_identical(one, run(3)));
+    }
+  }
+}
+
 TEST_CASE("threads: parallel_chunks covers every chunk once, with fixed bounds, threaded only when asked",
           "[threads]") {
   using embedhead::detail::parallel_chunks;

@@ -29,6 +29,7 @@
 #include "fused_head_loss.hpp"
 #include "gemm_backend.hpp"
 #include "head_scores.hpp"
+#include "interleaved_head.hpp"
 #include "low_precision.hpp"
 #include "output_projection.hpp"
 #include "parameter_count.hpp"
