@@ -98,7 +98,7 @@ TEST_CASE("interleaved bf16 head: logits are the written-out sequence and the fl
 
 TEST_CASE("interleaved bf16 head: a token's logits are the same bits in any batch",
           "[interleaved_head][batch_invariance]") {
-  const Index V = 1000, d = 200, total = 64;
+  const Index V = 1000, d = 300, total = 64;
   const InterleavedBf16Head head(random_matrix<float>(V, d, 4, 0.1), random_matrix<float>(V, 1, 6));
   const RowMatrix<float> h = random_matrix<float>(total, d, 5);
   const RowMatrix<float> whole = head.forward(h);
@@ -109,6 +109,25 @@ TEST_CASE("interleaved bf16 head: a token's logits are the same bits in any batc
       head.forward(h.middleRows(o, N), part);
       CHECK(test_support::first_difference(part, whole.middleRows(o, N)) == "");
     }
+}
+
+TEST_CASE("interleaved bf16 head: strided h and logits (blocks of larger matrices)", "[interleaved_head]") {
+  // h and logits as blocks with an outer stride other than their width; the logits' neighbours
+  // must stay untouched.
+  const Index V = 77, d = 300;
+  const InterleavedBf16Head head(random_matrix<float>(V, d, 14, 0.1), random_matrix<float>(V, 1, 15));
+  const RowMatrix<float> big_h = random_matrix<float>(9, d + 5, 16);
+  for (const Index N : {Index{1}, Index{2}, Index{5}}) {
+    CAPTURE(N);
+    const RowMatrix<float> h = big_h.block(1, 3, N, d);
+    const RowMatrix<float> expected = head.forward(h);
+    RowMatrix<float> big_logits = RowMatrix<float>::Constant(N + 2, V + 7, 9.0f);
+    head.forward(big_h.block(1, 3, N, d), big_logits.block(1, 4, N, V));
+    CHECK(test_support::first_difference(RowMatrix<float>(big_logits.block(1, 4, N, V)), expected) == "");
+    RowMatrix<float> outside = big_logits;
+    outside.block(1, 4, N, V).setConstant(9.0f);
+    CHECK((outside.array() == 9.0f).all());
+  }
 }
 
 TEST_CASE("interleaved bf16 head: from a bf16 table, the same head", "[interleaved_head]") {

@@ -341,8 +341,8 @@ TEMPLATE_TEST_CASE("threads: the bf16 / fp16 head's forward and backward are bit
 TEST_CASE("threads: the interleaved bf16 head is bit-identical for 1, 2 and 3 threads", "[threads][interleaved_head]") {
   // Threaded from V d = kDecodeMinElements: V with rows after the last group of 16, and the 1-, 2-
   // and 4-token paths; below the threshold, on the calling thread.
-  for (const Index V : {embedhead::detail::kDecodeMinElements / 64 + 37, Index{50}}) {
-    const Index d = 64;
+  for (const Index V : {embedhead::detail::kDecodeMinElements / 300 + 37, Index{50}}) {
+    const Index d = 300;  // two depth blocks
     CAPTURE(V);
     const embedhead::InterleavedBf16Head head(test_support::random_matrix<float>(V, d, 61),
                                               test_support::random_matrix<float>(V, 1, 62));

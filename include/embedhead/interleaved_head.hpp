@@ -7,20 +7,22 @@
 //
 // Each logit by the decode sequence of detail/gemm_packed.hpp (multiply-adds in increasing k from
 // zero in each block of kPackedDepth = 256, fused where the build fuses; the block sums added in
-// order; then the bias), so the logits are the float head's on float(W) bit for bit (the decode
-// kernel, packed_gemm and the fused loss's on the same rounded W), for any N, thread count and
-// build (tested).
+// order; then the bias), so within a build the logits are the float head's on float(W) bit for bit
+// (the decode kernel, packed_gemm and the fused loss's on the same rounded W), for any N and thread
+// count (tested in the portable and the -march=native builds). Like the float head's, the bits
+// depend on whether the build's multiply-add is fused.
 //
 // Why a layout of its own: the row-major bf16 head (LowPrecisionOutputProjection) decodes by
 // reading 16 rows side by side and transposing them in registers. That is 16 streams of W at a
 // row's stride, which at d = 2048 is exactly 4 KiB: all 16 fall in one L1 set, and the bf16 decode
 // ran at 1.55x the float decode on an AMD EPYC (Zen 5) against 1.92x at d = 768 (bench/RESULTS.md).
 // Here the 16 rows' values at k are one 32-byte load, widened exactly, and four groups from four
-// segments of the vocabulary are read at once (two for two tokens): four sequential streams,
-// which is what kept an Intel Xeon's memory busy (one stream of consecutive rows left the int8
-// head at a third of the float decode's bandwidth; quantized_head.hpp). Interleaving rows to feed
-// the SIMD lanes without shuffles is the layout llama.cpp's CPU backend repacks its quantized
-// weights into (its "x8" repacked blocks); this is the same idea for bf16 rows.
+// segments of the vocabulary are read at once for one or two tokens (two groups for more): four
+// sequential streams, which is what kept an Intel Xeon's memory busy (one stream of consecutive
+// rows left the int8 head at about half the float decode's bandwidth; quantized_head.hpp).
+// Interleaving rows so that SIMD lanes load them without shuffles is how llama.cpp's CPU backend
+// repacks quantized weights (ggml-cpu/repack.cpp: blocks of 4 or 8 interleaved rows,
+// block_q4_0x4 / block_q4_0x8); this is the same idea for bf16 rows.
 //
 // The table is an inference copy: building it from a LowPrecisionOutputProjection's W holds both
 // while both live (2 V d bytes each); no gradient, no tying (a lookup needs the rows row-major).
@@ -56,39 +58,44 @@ void interleaved_groups(const float* h, Index ldh, const Eigen::bfloat16* const 
   using Tile = gemm::PackedTile<float>;
   using Packet = Tile::Packet;
   constexpr int L = Tile::lanes;
+  static_assert(L <= kInterleavedRows && kInterleavedRows % L == 0, "a group is a whole number of packets");
   constexpr int kPackets = static_cast<int>(kInterleavedRows) / L;
   constexpr Index kAhead = 64 * kInterleavedRows;  // 64 values of k: 2 KiB ahead of each stream
   using namespace Eigen::internal;
-  Packet c[G][T][kPackets];
-  for (int g = 0; g < G; ++g)
-    for (int t = 0; t < T; ++t)
-      for (int p = 0; p < kPackets; ++p) c[g][t][p] = pset1<Packet>(0.0f);
+  Index last[G];  // the last value of the table from w[g]: the prefetches stay inside it
+  for (int g = 0; g < G; ++g) last[g] = static_cast<Index>(prefetch_end - w[g]) - 1;
+  constexpr int kSums = G * T * kPackets;  // sum (g, t, p) at (g * T + t) * kPackets + p
+  Packet c[kSums];
+  for (int i = 0; i < kSums; ++i) c[i] = pset1<Packet>(0.0f);
   for (Index k0 = 0; k0 < d; k0 += gemm::kPackedDepth) {
     const Index k1 = std::min(d, k0 + gemm::kPackedDepth);
-    Packet s[G][T][kPackets];
-    for (int g = 0; g < G; ++g)
-      for (int t = 0; t < T; ++t)
-        for (int p = 0; p < kPackets; ++p) s[g][t][p] = pset1<Packet>(0.0f);
-    for (Index k = k0; k < k1; ++k) {
-      if (k % 2 == 0)  // a cache line (32 bf16) per two values of k
-        for (int g = 0; g < G; ++g)
-          if (w[g] + k * kInterleavedRows + kAhead < prefetch_end) prefetch(w[g] + k * kInterleavedRows + kAhead);
+    Packet s[kSums];
+    for (int i = 0; i < kSums; ++i) s[i] = pset1<Packet>(0.0f);
+    auto step = [&](Index k) {
       Packet hk[T];
       for (int t = 0; t < T; ++t) hk[t] = pset1<Packet>(h[t * ldh + k]);
       for (int g = 0; g < G; ++g)
         for (int p = 0; p < kPackets; ++p) {
           const Packet wk = gemm::load_widened<float>(w[g] + k * kInterleavedRows + p * L);
-          for (int t = 0; t < T; ++t) s[g][t][p] = gemm::packed_madd(hk[t], wk, s[g][t][p]);
+          for (int t = 0; t < T; ++t) {
+            Packet& sum = s[(g * T + t) * kPackets + p];
+            sum = gemm::packed_madd(hk[t], wk, sum);
+          }
         }
+    };
+    Index k = k0;
+    for (; k + 2 <= k1; k += 2) {  // a cache line (32 bf16) per two values of k, prefetched ahead
+      for (int g = 0; g < G; ++g) prefetch(w[g] + std::min(k * kInterleavedRows + kAhead, last[g]));
+      step(k);
+      step(k + 1);
     }
-    for (int g = 0; g < G; ++g)
-      for (int t = 0; t < T; ++t)
-        for (int p = 0; p < kPackets; ++p) c[g][t][p] = k0 == 0 ? s[g][t][p] : padd(c[g][t][p], s[g][t][p]);
+    if (k < k1) step(k);
+    for (int i = 0; i < kSums; ++i) c[i] = k0 == 0 ? s[i] : padd(c[i], s[i]);
   }
   for (int g = 0; g < G; ++g)
     for (int t = 0; t < T; ++t)
       for (int p = 0; p < kPackets; ++p) {
-        Packet x = c[g][t][p];
+        Packet x = c[(g * T + t) * kPackets + p];
         if (bias[g]) x = padd(x, ploadu<Packet>(bias[g] + p * L));
         pstoreu(out[g] + t * ldl + p * L, x);
       }
@@ -177,7 +184,7 @@ class InterleavedBf16Head {
   // \throws value_error if V or d is 0; shape_error for a bias of another shape.
   explicit InterleavedBf16Head(const ConstMatrixRef<Eigen::bfloat16>& W,
                                const ConstMatrixRef<float>& bias = RowMatrix<float>(0, 1))
-      : V_(W.rows()), d_(W.cols()), bias_(bias.data(), bias.data() + bias.size()) {
+      : V_(W.rows()), d_(W.cols()), bias_(static_cast<std::size_t>(bias.size())) {
     detail::check_size(kWhere, "V", V_);
     detail::check_size(kWhere, "d", d_);
     if (bias.size() != 0) detail::check_shape(kWhere, "bias", bias, V_, 1);

@@ -47,9 +47,10 @@
 namespace embedhead {
 namespace detail {
 
-// Whether the int8 head's multiply-adds are fused (one rounding): where the target has FMA.
+// Whether the int8 head's multiply-adds are fused (one rounding): where the target has FMA (GCC and
+// clang define __FP_FAST_FMAF wherever fmaf is one instruction: POWER, s390x, RISC-V, ...).
 constexpr bool int8_head_fuses() {
-#if defined(__FMA__) || defined(__AVX512F__) || defined(__ARM_FEATURE_FMA)
+#if defined(__FMA__) || defined(__AVX512F__) || defined(__ARM_FEATURE_FMA) || defined(__FP_FAST_FMAF)
   return true;
 #else
   return false;
@@ -80,7 +81,8 @@ struct Int8HeadLanes {
   static Packet add(Packet a, Packet b) { return _mm512_add_ps(a, b); }
   static float reduce(Packet a) {
     // A fixed tree: halves added until one lane is left.
-    const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
     const __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
     const __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
     return _mm_cvtss_f32(_mm_add_ss(a2, _mm_shuffle_ps(a2, a2, 1)));
@@ -169,7 +171,7 @@ struct Int8Head {
 
 // One or two tokens (decoding): rows [v0, v1) cut into kRows equal segments (the last rows, fewer
 // than kRows, one by one after them), and one row of each segment read at a time: kRows streams
-// of Q instead of one. One stream of consecutive rows left the int8 head at a third of the float
+// of Q instead of one. One stream of consecutive rows left the int8 head at about half the float
 // decode's bandwidth on an Intel Xeon (bench/RESULTS.md); four gave it 1.3-1.6x the speed. Only the
 // order rows are visited in changes, not a logit's sequence.
 template <int kRows, int kTokens>

@@ -446,14 +446,15 @@ EIGEN_STRONG_INLINE typename PackedTile<Scalar>::Packet load_widened(const Stora
         return _mm512_cvtph_ps(raw);
     }
 #endif
-#if defined(__AVX2__) && defined(__F16C__)
-    if constexpr (std::is_same_v<Scalar, float> && L == 8) {  // Packet8f, __m256
+#if defined(__AVX2__)
+    if constexpr (std::is_same_v<Scalar, float> && L == 8 && std::is_same_v<Storage, Eigen::bfloat16>) {  // __m256
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      if constexpr (std::is_same_v<Storage, Eigen::bfloat16>)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-      else
-        return _mm256_cvtph_ps(raw);
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
     }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+    if constexpr (std::is_same_v<Scalar, float> && L == 8 && std::is_same_v<Storage, Eigen::half>)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #endif
     alignas(64) Scalar lanes[L];
     for (int i = 0; i < L; ++i) lanes[i] = packed_value<Scalar>(p[i]);
